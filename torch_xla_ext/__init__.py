@@ -1,0 +1,14 @@
+"""torch_xla_ext: placeholder tensors, a cached `scan` and zero-copy layer stacks
+for PyTorch/XLA."""
+import os
+
+# PJRT's CPU backend unless the user chose a device (PJRT_DEVICE=TPU on a TPU host).
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+from torch_xla_ext.placeholders import (  # noqa: E402
+    PlaceholderError, depends_on_placeholder, is_placeholder, placeholder, placeholder_id)
+
+__all__ = [
+    "PlaceholderError", "depends_on_placeholder", "is_placeholder", "placeholder",
+    "placeholder_id",
+]

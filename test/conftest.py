@@ -1,0 +1,21 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+@pytest.fixture
+def run_isolated():
+    """Runs Python source in a fresh interpreter (so a crash cannot take the
+    test session down) and returns the completed process."""
+
+    def run(source: str, timeout: float = 240, env: dict | None = None):
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
+            timeout=timeout, env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})})
+
+    return run

@@ -1,0 +1,365 @@
+"""Placeholder tensors: XLA tensors with a shape and a dtype but no device buffer.
+
+They exist to stage out HLO: trace a function on placeholders, lower the result,
+and no byte moves to the device. Each one is registered with the C++ core, which
+gives it a process-unique id (torch_xla's own placeholders are keyed on object
+addresses, which are reused once freed).
+
+A placeholder has no value, so anything that would read one must fail cleanly
+rather than crash the process, as torch_xla 2.9.0 does when it executes a graph
+that reads a placeholder. Three mechanisms see to that:
+
+* Placeholders are `PlaceholderTensor`s, and every tensor computed from one (or
+  written in place from one, or a gradient accumulated through one) becomes one
+  too. Reading the value of a `PlaceholderTensor` that really depends on
+  placeholder data raises `PlaceholderError` naming it.
+* Every sync entry point of torch_xla (`torch_xla.sync()`, `xm.mark_step()`,
+  ...) first discards the pending computations that read placeholders: their
+  tensors become value-less placeholders themselves, so the sync runs the rest
+  and later reads raise `PlaceholderError`.
+* While `scan` traces a function, syncing raises `PlaceholderError`.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+import warnings
+import weakref
+from typing import Iterable, Sequence
+
+import torch
+import torch_xla
+import torch_xla.core.xla_builder as xla_builder
+from torch.utils._pytree import tree_flatten
+
+from torch_xla_ext import _C
+
+PlaceholderError = _C.PlaceholderError
+PlaceholderError.__module__ = "torch_xla_ext"
+PlaceholderError.__doc__ = (
+    "Raised when the value of a placeholder, or of a tensor computed from one, "
+    "is needed: placeholders have a shape and a dtype but no data.")
+
+SUPPORTED_DTYPES = (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8,
+    torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+    torch.complex64, torch.complex128)
+
+_XLAC = torch_xla._XLAC
+
+# Tensor methods and functions whose result is the data itself, in host memory.
+_VALUE_READERS = frozenset([
+    torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy,
+    torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__,
+    torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+    torch.Tensor.__complex__, torch.Tensor.__index__, torch.Tensor.__array__,
+    torch.Tensor.__dlpack__, torch.Tensor.__reduce_ex__, torch.Tensor.data_ptr,
+    torch.Tensor.untyped_storage, torch.Tensor.equal, torch.equal, torch.allclose,
+    torch.Tensor.allclose, torch.Tensor.is_nonzero, torch.is_nonzero,
+])
+# Functions that move data to another device when asked to.
+_DEVICE_MOVERS = frozenset([torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.__setitem__])
+_BACKWARD_FUNCTIONS = frozenset([torch.Tensor.backward, torch.autograd.backward])
+
+
+class PlaceholderTensor(torch.Tensor):
+    """A tensor that is a placeholder or is computed from placeholders.
+
+    `_placeholder_sources` holds the `_C.PlaceholderData` objects it depends on
+    (for messages, and to keep their ids valid while it lives).
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _VALUE_READERS or (func in _DEVICE_MOVERS and _leaves_xla(func, args, kwargs)):
+            _raise_if_value_missing(args, kwargs, func)
+        if func in _BACKWARD_FUNCTIONS:
+            return _backward_marking_gradients(func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        sources = _sources_of(args, kwargs)
+        _mark_derived(result, sources)
+        if _mutates_arguments(func):
+            _mark_derived(args[0] if args else None, sources)
+            _mark_derived(kwargs.get("out"), sources)
+        return result
+
+
+def placeholder(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, *,
+                requires_grad: bool = False, device=None) -> torch.Tensor:
+    """An XLA tensor with this shape and dtype and no device buffer.
+
+    Use it to trace and lower a computation without moving data. Reading its
+    value, or the value of anything computed from it, raises `PlaceholderError`.
+    """
+    sizes = _check_sizes(shape)
+    _check_dtype(dtype)
+    ordinal = _check_device(device)
+    if not isinstance(requires_grad, bool):
+        raise TypeError(f"requires_grad must be a bool, got {requires_grad!r}")
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"requires_grad=True needs a floating point or complex dtype, "
+                         f"got {dtype}; only such tensors can have gradients")
+    data = _C.create_placeholder(sizes, dtype, ordinal)
+    tensor = xla_builder.create_placeholder_tensor(sizes, dtype)
+    tensor.__class__ = PlaceholderTensor
+    tensor._placeholder_data = data
+    tensor._placeholder_sources = (data,)
+    _live_derived[id(tensor)] = tensor
+    return tensor.requires_grad_(requires_grad)
+
+
+def is_placeholder(tensor) -> bool:
+    """True for a tensor that has no device buffer (a placeholder)."""
+    return (isinstance(tensor, torch.Tensor) and tensor.device.type == "xla"
+            and bool(_XLAC._is_placecholder(tensor)))
+
+
+def placeholder_id(tensor) -> int:
+    """The process-unique id the C++ core gave the placeholder `tensor`."""
+    data = getattr(tensor, "_placeholder_data", None)
+    if data is None or not is_placeholder(tensor):
+        what = (f"a {_describe_shape(tensor)} tensor" if isinstance(tensor, torch.Tensor)
+                else f"a {type(tensor).__name__}")
+        raise ValueError(f"placeholder_id() takes a placeholder made by "
+                         f"torch_xla_ext.placeholder(), got {what}")
+    return data.id
+
+
+def depends_on_placeholder(tensor: torch.Tensor) -> bool:
+    """True when computing `tensor` would read a placeholder."""
+    if tensor.device.type != "xla":
+        return False
+    if _XLAC._is_placecholder(tensor):
+        return True
+    _, data_tensors = _XLAC._get_tensors_xla_device_data_node([tensor])
+    return any(_XLAC._is_placecholder(d) for d in data_tensors)
+
+
+@contextlib.contextmanager
+def tracing(what: str):
+    """Marks a region where a function is traced with placeholders: syncing in
+    it raises `PlaceholderError` naming `what`."""
+    previous = getattr(_tracing_state, "what", None)
+    _tracing_state.what = what
+    try:
+        yield
+    finally:
+        _tracing_state.what = previous
+
+
+# ---------------------------------------------------------------------------
+# Argument checks
+
+def _check_sizes(shape) -> list[int]:
+    if isinstance(shape, (int, torch.SymInt)) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (Sequence, torch.Size)) or isinstance(shape, (str, bytes)):
+        raise TypeError(f"shape must be a sequence of ints, got {shape!r}")
+    sizes = []
+    for dim, size in enumerate(shape):
+        if isinstance(size, bool) or not hasattr(size, "__index__"):
+            raise TypeError(f"shape[{dim}] must be an int, got {size!r} in shape {tuple(shape)!r}")
+        size = operator.index(size)
+        if size < 0:
+            raise ValueError(f"shape[{dim}] must be non-negative, got {size} in shape {tuple(shape)!r}")
+        sizes.append(size)
+    return sizes
+
+
+def _check_dtype(dtype) -> None:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"dtype {dtype} is not supported by torch_xla placeholders; use one of {names}")
+
+
+def _check_device(device) -> int:
+    default = torch_xla.device()
+    if device is None:
+        return default.index or 0
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise TypeError(f"device must be a torch.device or a device string, got {device!r}") from error
+    if device.type != "xla":
+        raise ValueError(f"device must be an XLA device such as {default}, got {device}; "
+                         f"placeholders exist only on XLA devices")
+    if device.index not in (None, default.index):
+        raise ValueError(f"placeholders are created on the default XLA device {default}, "
+                         f"got {device}; select it with torch_xla.device({device.index}) first")
+    return default.index or 0
+
+
+# ---------------------------------------------------------------------------
+# Marking derived tensors
+
+# Keyed by id(): a WeakSet would compare tensors with ==, which is elementwise.
+_live_derived: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_tracing_state = threading.local()
+
+
+def _sources_of(args, kwargs) -> tuple:
+    sources = []
+    for leaf in tree_flatten((args, kwargs))[0]:
+        for source in getattr(leaf, "_placeholder_sources", ()):
+            if not any(source is seen for seen in sources):
+                sources.append(source)
+    return tuple(sources)
+
+
+def _mark_derived(result, sources: tuple) -> None:
+    if not sources:
+        return
+    for leaf in tree_flatten(result)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "xla":
+            # Plain tensors change class so that reading them is guarded too;
+            # other classes (nn.Parameter) are only tracked for the sync guard.
+            if type(leaf) is torch.Tensor:
+                leaf.__class__ = PlaceholderTensor
+            leaf._placeholder_sources = tuple(
+                dict.fromkeys(getattr(leaf, "_placeholder_sources", ()) + sources))
+            _live_derived[id(leaf)] = leaf
+
+
+_IN_PLACE_DUNDERS = frozenset(["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"])
+
+
+def _mutates_arguments(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS
+
+
+def _leaves_xla(func, args, kwargs) -> bool:
+    """Whether a `to`/`copy_`/`__setitem__` call would put XLA data on the host."""
+    if func is torch.Tensor.copy_ or func is torch.Tensor.__setitem__:
+        return args[0].device.type != "xla"
+    for value in list(args[1:]) + [kwargs.get("device")]:
+        if isinstance(value, (str, torch.device)):
+            return torch.device(value).type != "xla"
+        if isinstance(value, torch.Tensor):
+            return value.device.type != "xla"
+    return False
+
+
+def _backward_marking_gradients(func, args, kwargs):
+    """Runs a backward pass and marks the gradients it accumulates, which
+    depend on the placeholders the graph read."""
+    roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    sources = _sources_of(args, kwargs)
+    leaves = list(_accumulating_leaves(t.grad_fn for t in roots))
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+    for leaf in leaves:
+        _mark_derived(leaf.grad, sources)
+    return result
+
+
+def _accumulating_leaves(grad_fns: Iterable) -> Iterable[torch.Tensor]:
+    stack, seen = [fn for fn in grad_fns if fn is not None], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            yield variable
+        stack.extend(next_fn for next_fn, _ in node.next_functions if next_fn is not None)
+
+
+# ---------------------------------------------------------------------------
+# Reading values
+
+def _raise_if_value_missing(args, kwargs, func) -> None:
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, PlaceholderTensor) and depends_on_placeholder(leaf):
+            raise PlaceholderError(_missing_value_message(leaf, func))
+
+
+def _describe_shape(tensor: torch.Tensor) -> str:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype}[{','.join(str(s) for s in tensor.shape)}]"
+
+
+def _describe_sources(tensor) -> str:
+    sources = getattr(tensor, "_placeholder_sources", ())
+    if not sources:
+        return "placeholders"
+    return ", ".join(
+        f"placeholder #{d.id} ({str(d.dtype).removeprefix('torch.')}[{','.join(map(str, d.sizes))}])"
+        for d in sources)
+
+
+def _missing_value_message(tensor, func) -> str:
+    action = getattr(func, "__name__", str(func))
+    data = getattr(tensor, "_placeholder_data", None)
+    if data is not None and _XLAC._is_placecholder(tensor):
+        subject = (f"placeholder #{data.id} ({_describe_shape(tensor)})")
+        why = "a placeholder has a shape and a dtype but no data"
+    elif getattr(tensor, "_placeholder_discarded", False):
+        subject = f"a {_describe_shape(tensor)} tensor computed from {_describe_sources(tensor)}"
+        why = ("its pending computation was discarded when torch_xla synced, because it reads "
+               "placeholders, which have no data")
+    else:
+        subject = f"a {_describe_shape(tensor)} tensor computed from {_describe_sources(tensor)}"
+        why = "it reads placeholders, which have a shape and a dtype but no data"
+    return (f"cannot read the value of {subject} (via {action}): {why}. Placeholders only stand "
+            f"for inputs while a computation is traced or lowered; run it with real tensors to "
+            f"get values (for example through torch_xla_ext.scan).")
+
+
+# ---------------------------------------------------------------------------
+# Guarding torch_xla's sync entry points
+
+def _discard_pending_placeholder_work() -> None:
+    tracing_what = getattr(_tracing_state, "what", None)
+    if tracing_what is not None:
+        raise PlaceholderError(
+            f"cannot sync while {tracing_what} is traced with placeholders: a traced function "
+            f"must not read data or run the device (no torch_xla.sync(), .item(), .cpu())")
+    discarded = []
+    for tensor in list(_live_derived.values()):
+        if not _XLAC._is_placecholder(tensor) and depends_on_placeholder(tensor):
+            _replace_with_placeholder(tensor)
+            discarded.append(tensor)
+    if discarded:
+        warnings.warn(
+            f"torch_xla sync: discarded {len(discarded)} pending computation(s) that read "
+            f"placeholders, e.g. a {_describe_shape(discarded[0])} tensor computed from "
+            f"{_describe_sources(discarded[0])}; placeholders have no data, so these cannot run. "
+            f"Reading them raises PlaceholderError.", RuntimeWarning, stacklevel=4)
+
+
+def _replace_with_placeholder(tensor: torch.Tensor) -> None:
+    if tensor.grad_fn is not None:
+        tensor.detach_()  # frees the autograd graph, whose saved tensors read placeholders too
+    with torch._C.DisableTorchFunctionSubclass():
+        tensor.data = xla_builder.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
+    tensor._placeholder_discarded = True
+
+
+def _guard(sync_entry_point):
+    def guarded(*args, **kwargs):
+        _discard_pending_placeholder_work()
+        return sync_entry_point(*args, **kwargs)
+
+    guarded.__name__ = sync_entry_point.__name__
+    guarded.__wrapped__ = sync_entry_point
+    return guarded
+
+
+def _install_sync_guard() -> None:
+    # torch_xla's Python layer calls these through the _XLAC module at call time,
+    # so wrapping them there covers torch_xla.sync(), xm.mark_step(), optimizer
+    # barriers and explicit tensor syncs alike.
+    for name in ("_xla_step_marker", "_xla_sync_multi", "_xla_sync_live_tensors"):
+        entry_point = getattr(_XLAC, name)
+        if not hasattr(entry_point, "__wrapped__"):
+            setattr(_XLAC, name, _guard(entry_point))
+
+
+_install_sync_guard()
