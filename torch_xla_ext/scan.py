@@ -1,0 +1,585 @@
+"""`scan`: apply a function over the leading dim of its inputs as one XLA While loop.
+
+Contract, as `jax.lax.scan`::
+
+    scan :: (c -> a -> (c, b)) -> c -> [a] -> (c, [b])
+
+    def scan(fn, init, xs):
+        carry, ys = init, []
+        for x in xs:
+            carry, y = fn(carry, x)
+            ys.append(y)
+        return carry, stack(ys)
+
+`init`, `xs` and what `fn` returns are PyTrees of XLA tensors (`ys` may hold
+`None` leaves). `fn` is traced once with placeholders, never with data, and its
+HLO is cached; calls with the same avals reuse it without running `fn` again.
+
+How one trace becomes a loop (`_trace`, then small passes, then `_Loop`):
+
+1. `fn` runs on placeholders under `_LiftCaptures`, which swaps every XLA tensor
+   `fn` reads without receiving it (closures, module parameters, buffers) for a
+   placeholder of its own. Those captures become loop-invariant inputs, bound
+   to their current values at every call.
+2. Passes over the traced outputs: read-only carries leave the loop (their
+   output is `init` itself), and `xs` slices returned unchanged as `ys` are not
+   copied (that `ys` leaf is the `xs` leaf).
+3. With gradients, AOTAutograd splits `fn` into a forward and a backward graph,
+   `partition_fn` deciding what is saved; both run as While loops (the backward
+   in reverse), each lowered once from placeholders.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+import weakref
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch_xla
+import torch_xla.core.xla_builder as xb
+from functorch.compile import aot_function, default_partition, make_boxed_func
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import (
+    TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_map_only, tree_unflatten)
+
+from torch_xla_ext import _C
+from torch_xla_ext.placeholders import PlaceholderTensor, placeholder, tracing
+
+__all__ = ["scan", "cache_info", "cache_clear", "default_partition"]
+
+_XLAC = torch_xla._XLAC
+
+
+# ---------------------------------------------------------------------------
+# Public API
+
+def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
+         is_fn_pure: bool | None = None, *, reverse: bool = False):
+    """Loops `fn(carry, x) -> (carry, y)` over the leading dim of `xs`.
+
+    Returns `(carry, ys)` where each `ys` leaf stacks the per-step `y` leaves on a
+    new dim 0; `reverse=True` runs from the last slice to the first (`ys` stays in
+    `xs` order). Gradients flow to `init`, `xs` and every tensor `fn` reads from
+    its closure or its module; `partition_fn` (an AOTAutograd partitioner such as
+    `functorch.compile.min_cut_rematerialization_partition`) chooses what the
+    forward loop saves for the backward loop.
+
+    `fn` is assumed pure: traced once per set of input avals (shape, dtype,
+    requires_grad, structure) and captured tensor avals, then replayed from the
+    cache without running its Python body. Pass `is_fn_pure=False` for an `fn`
+    whose traced program can change for the same avals (it reads a global flag,
+    say): it is then traced at every call. Tensors `fn` creates are baked into
+    the trace; tensors it captures are read afresh at every call.
+    """
+    if not callable(fn):
+        raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
+    if is_fn_pure not in (None, True, False):
+        raise TypeError(f"scan: is_fn_pure must be None, True or False, got {is_fn_pure!r}")
+    carry_leaves, carry_tree, carry_paths = _flatten_inputs(init, "init")
+    xs_leaves, xs_tree, xs_paths = _flatten_inputs(xs, "xs")
+    length = _scan_length(xs_leaves, xs_paths)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in carry_leaves + xs_leaves)
+    key = _CacheKey(
+        fn, partition_fn, carry_tree, xs_tree, _avals(carry_leaves),
+        tuple(_Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in xs_leaves))
+    traced = _CACHE.lookup(key) if is_fn_pure is not False else None
+    if traced is None:
+        traced = _trace(key, carry_paths, xs_paths, carry_leaves, xs_leaves)
+        if is_fn_pure is not False:
+            _CACHE.store(key, traced)
+    captures = traced.current_captures()
+    needs_grad = needs_grad or (torch.is_grad_enabled() and any(c.requires_grad for c in captures))
+    if length == 0:
+        return init, traced.y_tree.unflatten(
+            [_empty_stack(a, carry_leaves + xs_leaves) for a in traced.y_avals])
+    carry_out, ys = traced.run(carry_leaves, xs_leaves, captures, length, reverse, needs_grad)
+    return carry_tree.unflatten(carry_out), traced.y_tree.unflatten(ys)
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    size: int
+    maxsize: int
+
+
+def cache_info() -> CacheInfo:
+    """Hits, misses and size of the cache of traced scan bodies."""
+    return _CACHE.info()
+
+
+def cache_clear() -> None:
+    """Empties the cache of traced scan bodies and resets its statistics."""
+    _CACHE.clear()
+
+
+# ---------------------------------------------------------------------------
+# Avals, input checks, the carry type check
+
+class _Aval(NamedTuple):
+    shape: tuple
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "_Aval":
+        return _Aval(tuple(t.shape), t.dtype, t.requires_grad)
+
+    def __str__(self):
+        return f"{str(self.dtype).removeprefix('torch.')}[{','.join(map(str, self.shape))}]"
+
+
+def _avals(leaves) -> tuple:
+    return tuple(_Aval.of(t) for t in leaves)
+
+
+class _Structure(NamedTuple):
+    """A pytree structure whose `None` leaves are kept out of the flat list."""
+    spec: TreeSpec
+    is_none: tuple
+
+    def unflatten(self, leaves) -> Any:
+        leaves = iter(leaves)
+        return tree_unflatten([None if none else next(leaves) for none in self.is_none], self.spec)
+
+
+def _flatten(tree) -> tuple[list, _Structure, list]:
+    """Leaves other than None, the structure, and each kept leaf's path."""
+    with_paths, spec = tree_flatten_with_path(tree)
+    kept = [(path, leaf) for path, leaf in with_paths if leaf is not None]
+    structure = _Structure(spec, tuple(leaf is None for _, leaf in with_paths))
+    return [leaf for _, leaf in kept], structure, [keystr(path) for path, _ in kept]
+
+
+def _flatten_inputs(tree, name: str):
+    leaves, structure, key_paths = _flatten(tree)
+    paths = []
+    for key_path, leaf in zip(key_paths, leaves):
+        where = f"{name}{key_path}"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"scan: {where} must be a tensor, got {type(leaf).__name__} {leaf!r}; "
+                            f"pass non-tensor settings through fn's closure instead")
+        if leaf.device.type != "xla":
+            raise ValueError(f"scan: {where} is on {leaf.device}, not an XLA device; "
+                             f"move it with .to(torch_xla.device())")
+        paths.append(where)
+    return leaves, structure, paths
+
+
+def _scan_length(xs_leaves, xs_paths) -> int:
+    if not xs_leaves:
+        raise ValueError("scan: xs has no tensor leaves, so the number of steps is unknown")
+    for leaf, where in zip(xs_leaves, xs_paths):
+        if leaf.dim() == 0:
+            raise ValueError(f"scan: {where} is a 0-d tensor; xs leaves need a leading dim to scan over")
+    length = xs_leaves[0].shape[0]
+    for leaf, where in zip(xs_leaves, xs_paths):
+        if leaf.shape[0] != length:
+            raise ValueError(f"scan: xs leaves must share their leading size: {xs_paths[0]} has "
+                             f"{length} but {where} has {leaf.shape[0]} (shape {tuple(leaf.shape)})")
+    return length
+
+
+def _check_carry_types(init_structure: _Structure, init_paths, init_avals, out_carry) -> list:
+    """The carry `fn` returns must have the structure, shapes and dtypes of
+    `init`. Returns its leaves."""
+    out_leaves, out_structure, _ = _flatten(out_carry)
+    if out_structure != init_structure:
+        raise TypeError(f"scan: fn must return a carry with the structure of init; init is "
+                        f"{init_structure.spec} but fn returned {out_structure.spec}")
+    for where, aval, leaf in zip(init_paths, init_avals, out_leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"scan: fn returned {type(leaf).__name__} for carry leaf "
+                            f"{where.replace('init', 'carry', 1)}, which init has as a tensor {aval}")
+        if tuple(leaf.shape) != aval.shape or leaf.dtype != aval.dtype:
+            raise TypeError(f"scan: fn changed the type of carry leaf "
+                            f"{where.replace('init', 'carry', 1)}: init has {aval} but fn "
+                            f"returned {_Aval.of(leaf)}; the carry must keep its shape and dtype")
+    return out_leaves
+
+
+def _empty_stack(aval: _Aval, like: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.empty((0, *aval.shape), dtype=aval.dtype, device=like[0].device)
+
+
+# ---------------------------------------------------------------------------
+# The cache
+
+class _CacheKey(NamedTuple):
+    fn: Any
+    partition_fn: Any
+    carry_tree: _Structure
+    xs_tree: _Structure
+    carry_avals: tuple
+    x_avals: tuple
+
+
+class _TraceCache:
+    """A thread-safe LRU map from `_CacheKey` to `_Traced`."""
+
+    def __init__(self, maxsize: int = 256):
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._maxsize = maxsize
+        self._hits = self._misses = 0
+
+    def lookup(self, key: _CacheKey):
+        with self._lock:
+            traced = self._entries.get(key)
+            if traced is not None and traced.captures_still_match():
+                self._entries.move_to_end(key)
+                self._hits += 1
+                return traced
+            self._misses += 1
+            return None
+
+    def store(self, key: _CacheKey, traced) -> None:
+        with self._lock:
+            self._entries[key] = traced
+            self._entries.move_to_end(key)
+            while len(self._entries) > self._maxsize:
+                self._entries.popitem(last=False)
+
+    def info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(self._hits, self._misses, len(self._entries), self._maxsize)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._hits = self._misses = 0
+
+
+_CACHE = _TraceCache()
+
+
+# ---------------------------------------------------------------------------
+# Tracing
+
+class _LiftCaptures(TorchFunctionMode):
+    """Swaps every XLA tensor that `fn` reads without having received or made it
+    for a stand-in, so that the trace reads no data and the capture becomes an
+    explicit input. `stand_ins` maps id(captured tensor) to its stand-in; new
+    captures get a fresh placeholder unless the map is frozen."""
+
+    def __init__(self, arguments: Sequence[torch.Tensor], stand_ins: dict | None = None):
+        super().__init__()
+        self._known = {id(t): t for t in arguments}
+        self.stand_ins = {} if stand_ins is None else stand_ins
+        self._frozen = stand_ins is not None
+        self.captured: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map_only(torch.Tensor, self._lift, (args, kwargs or {}))
+        result = func(*args, **kwargs)
+        for leaf in tree_flatten(result)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self._known[id(leaf)] = leaf
+        return result
+
+    def _lift(self, tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) in self._known or tensor.device.type != "xla":
+            return tensor
+        stand_in = self.stand_ins.get(id(tensor))
+        if stand_in is None:
+            if self._frozen:
+                raise RuntimeError(
+                    f"scan: fn read a {_Aval.of(tensor)} tensor on its second trace that it did "
+                    f"not read on its first; fn must trace the same way each time (or pass "
+                    f"is_fn_pure=False)")
+            stand_in = placeholder(tensor.shape, tensor.dtype, requires_grad=tensor.requires_grad)
+            self.stand_ins[id(tensor)] = stand_in
+            self.captured.append(tensor)
+        return stand_in
+
+
+def _stand_in(aval: _Aval, requires_grad: bool | None = None) -> torch.Tensor:
+    grad = aval.requires_grad if requires_grad is None else requires_grad
+    return placeholder(aval.shape, aval.dtype, requires_grad=grad and aval.dtype.is_floating_point)
+
+
+def _trace(key: _CacheKey, carry_paths, xs_paths, carry_leaves, xs_leaves) -> "_Traced":
+    carry_in = [_stand_in(a) for a in key.carry_avals]
+    x_in = [_stand_in(a) for a in key.x_avals]
+    lifter = _LiftCaptures(carry_in + x_in)
+    with tracing(f"scan's fn {getattr(key.fn, '__qualname__', key.fn)!r}"), lifter:
+        carry_out, y_out = _call_body(key.fn, key.carry_tree.unflatten(carry_in),
+                                      key.xs_tree.unflatten(x_in))
+    carry_out = _check_carry_types(key.carry_tree, carry_paths, key.carry_avals, carry_out)
+    y_leaves, y_tree, y_paths = _flatten(y_out)
+    for path, leaf in zip(y_paths, y_leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"scan: fn returned {type(leaf).__name__} for y{path}; "
+                            f"y leaves must be tensors or None")
+    return _Traced(key, lifter, carry_in, x_in, carry_out, y_leaves, y_tree)
+
+
+def _call_body(fn, carry, x):
+    result = fn(carry, x)
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise TypeError(f"scan: fn must return a pair (carry, y), got {type(result).__name__}")
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Loop plans: which body input comes from where, which output goes where
+
+class _Slot(NamedTuple):
+    kind: str   # "carry", "sliced" (xs-like, one slice per step), "invariant", "seed"
+    index: int
+
+
+@dataclasses.dataclass
+class _Body:
+    """One step, lowered: an HLO computation plus where its parameters come from."""
+    computation: Any
+    inputs: list          # per HLO parameter: _Slot
+    constants: list       # tensors baked in at trace time (invariant slots after the given ones)
+    output_count: int
+
+
+def _lower_body(name: str, outputs: Sequence[torch.Tensor], slots_by_tensor: dict,
+                invariant_count: int) -> _Body:
+    """Lowers `outputs` to one HLO computation. `slots_by_tensor` maps id() of the
+    placeholders standing for carry, slices and invariants to their slot; data
+    the trace made itself (constants) become further invariant slots, and the
+    RNG seed a per-step seed slot."""
+    context = _XLAC.lowering.LoweringContext(name)
+    context.build(list(outputs))
+    computation = xb.computation_from_module_proto(name, context.hlo())
+    by_parameter = context.device_parameter_id_tensor_mapping()
+    seed_parameter = _seed_parameter(context, outputs)
+    # Constants are planned by the C++ parameter table, keyed on placeholder id
+    # or device handle, so the same data read twice binds one invariant slot.
+    table = _C.ParameterTable()
+    stand_in_of = {}
+    for tensor_id, (tensor, slot) in slots_by_tensor.items():
+        parameter = context.tensor_parameter_id(tensor)
+        if parameter != -1:
+            stand_in_of[parameter] = slot
+    inputs, constants = [], []
+    for parameter in range(len(by_parameter)):
+        if parameter in stand_in_of:
+            inputs.append(stand_in_of[parameter])
+            continue
+        tensor = by_parameter[parameter]
+        if parameter == seed_parameter:
+            inputs.append(_Slot("seed", 0))
+            continue
+        before = len(table.parameters)
+        index = table.use_device_data(_XLAC._get_tensors_handle([tensor])[0])
+        if len(table.parameters) > before:
+            constants.append(tensor)
+        inputs.append(_Slot("invariant", invariant_count + index))
+    return _Body(computation, inputs, constants, len(outputs))
+
+
+def _seed_parameter(context, outputs) -> int | None:
+    ids, data = _XLAC._get_tensors_xla_device_data_node(list(outputs))
+    seed_id = _XLAC._get_seed_info_id()
+    if seed_id not in ids:
+        return None
+    return context.tensor_parameter_id(data[ids.index(seed_id)])
+
+
+class _Loop:
+    """An XLA While loop over `length` steps of a `_Body`, built once and called
+    through `_xla_user_computation` with the current tensors.
+
+    Loop state: (step, carries, sliced inputs, stacked outputs, invariants,
+    seeds). Body outputs either replace a carry, are written into slice `i` of a
+    stacked output, or are added to a carry (gradient accumulators)."""
+
+    def __init__(self, name: str, body: _Body, outputs: Sequence[_Slot], carry_avals,
+                 sliced_avals, stacked_avals, invariant_avals, length: int, reverse: bool):
+        self.name = name
+        builder = xb.create_builder(name)
+        shapes = ([_xla_shape(a.shape, a.dtype) for a in carry_avals]
+                  + [_xla_shape((length, *a.shape), a.dtype) for a in sliced_avals]
+                  + [_xla_shape(a.shape, a.dtype) for a in invariant_avals])
+        uses_seed = any(slot.kind == "seed" for slot in body.inputs)
+        if uses_seed:
+            shapes.append(_xla_shape((length,), torch.int64))
+        params = [xb.mkparam(builder, i, shape) for i, shape in enumerate(shapes)]
+        n_carry, n_sliced = len(carry_avals), len(sliced_avals)
+        carries, sliced = params[:n_carry], params[n_carry:n_carry + n_sliced]
+        invariants = params[n_carry + n_sliced:]
+        stacked = [xb.Op.scalar(builder, 0, dtype=_xla_type(a.dtype)).broadcast((length, *a.shape))
+                   for a in stacked_avals]
+        step = xb.Op.scalar(builder, 0, dtype=xb.Type.S64)
+        n_stacked = len(stacked)
+
+        def unpack(state):
+            state = list(state)
+            return (state[0], state[1:1 + n_carry], state[1 + n_carry:1 + n_carry + n_sliced],
+                    state[1 + n_carry + n_sliced:1 + n_carry + n_sliced + n_stacked],
+                    state[1 + n_carry + n_sliced + n_stacked:])
+
+        def condition(step, *rest):
+            return step < xb.Op.scalar(step.builder(), length, dtype=xb.Type.S64)
+
+        def step_fn(*state):
+            step, carries, sliced, stacked, invariants = unpack(state)
+            index = (xb.Op.scalar(step.builder(), length - 1, dtype=xb.Type.S64) - step
+                     if reverse else step)
+            arguments = []
+            for slot in body.inputs:
+                if slot.kind == "carry":
+                    arguments.append(carries[slot.index])
+                elif slot.kind == "sliced":
+                    arguments.append(_slice(sliced[slot.index], index))
+                elif slot.kind == "invariant":
+                    arguments.append(invariants[slot.index])
+                else:
+                    arguments.append(_slice(invariants[-1], index))
+            result = xb.Op.call(body.computation, arguments)
+            carries, stacked = list(carries), list(stacked)
+            for position, slot in enumerate(outputs):
+                value = result.get_tuple_element(position)
+                if slot.kind == "carry":
+                    carries[slot.index] = value
+                elif slot.kind == "accumulate":
+                    carries[slot.index] = carries[slot.index] + value
+                else:
+                    stacked[slot.index] = _update_slice(stacked[slot.index], value, index)
+            one = xb.Op.scalar(step.builder(), 1, dtype=xb.Type.S64)
+            return xb.Op.tuple((step + one, *carries, *sliced, *stacked, *invariants))
+
+        loop = xb.Op.mkwhile((step, *carries, *sliced, *stacked, *invariants), condition, step_fn)
+        results = [loop.get_tuple_element(1 + i) for i in range(n_carry)]
+        results += [loop.get_tuple_element(1 + n_carry + n_sliced + i) for i in range(n_stacked)]
+        self.computation = xb.Op.tuple(results).build(name)
+        self.uses_seed = uses_seed
+        self.length = length
+        self.carry_count = n_carry
+
+    def __call__(self, carries, sliced, invariants):
+        operands = [*carries, *sliced, *invariants]
+        if self.uses_seed:
+            # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
+            seeds = torch.randint(0, 2**62, (self.length,), dtype=torch.int64)
+            operands.append(seeds.to(carries[0].device if carries else sliced[0].device))
+        results = _XLAC._xla_user_computation(f"xla::{self.name}", operands, self.computation)
+        return results[:self.carry_count], results[self.carry_count:]
+
+
+def _xla_type(dtype: torch.dtype):
+    return xb.Op.from_torch_type(dtype)
+
+
+def _xla_shape(shape, dtype):
+    return xb.mkshape(_xla_type(dtype), tuple(shape))
+
+
+def _slice(stacked: xb.Op, index: xb.Op) -> xb.Op:
+    sizes = list(stacked.shape().sizes)
+    starts = [index] + [index.zeros_like() for _ in sizes[1:]]
+    return stacked.dynamic_slice(starts, [1, *sizes[1:]]).reshape(sizes[1:])
+
+
+def _update_slice(stacked: xb.Op, value: xb.Op, index: xb.Op) -> xb.Op:
+    sizes = list(stacked.shape().sizes)
+    starts = [index] + [index.zeros_like() for _ in sizes[1:]]
+    return stacked.dynamic_update_slice(value.reshape([1, *sizes[1:]]), starts)
+
+
+# ---------------------------------------------------------------------------
+# A traced fn and the loops made from it
+
+class _Traced:
+    """What one trace of `fn` knows: its captures (held weakly), output structure,
+    and, built on first need, the inference loop and the training loops for
+    each scan length and direction."""
+
+    def __init__(self, key: _CacheKey, lifter: _LiftCaptures, carry_in, x_in, carry_out,
+                 y_out, y_tree):
+        self.key = key
+        self._capture_refs = [weakref.ref(t) for t in lifter.captured]
+        self.capture_avals = _avals(lifter.captured)
+        self.y_tree = y_tree
+        self.y_avals = _avals(y_out)
+        self._carry_in, self._x_in, self._carry_out, self._y_out = carry_in, x_in, carry_out, y_out
+        self._capture_in = [lifter.stand_ins[id(t)] for t in lifter.captured]
+        # Pass: a carry returned unchanged is read-only and stays out of the loop.
+        self.read_only = [out is c for out, c in zip(carry_out, carry_in)]
+        # Pass: an x slice returned as y is not copied; that ys leaf is the xs leaf.
+        x_index = {id(x): i for i, x in enumerate(x_in)}
+        self.y_from_x = [x_index.get(id(y)) for y in y_out]
+        self._loops: dict = {}
+        self._lock = threading.Lock()
+
+    def captures_still_match(self) -> bool:
+        captures = [ref() for ref in self._capture_refs]
+        return all(c is not None for c in captures) and _avals(captures) == self.capture_avals
+
+    def current_captures(self) -> list[torch.Tensor]:
+        return [ref() for ref in self._capture_refs]
+
+    def run(self, carry, xs, captures, length, reverse, needs_grad):
+        loop_key = (length, reverse, needs_grad)
+        with self._lock:
+            plan = self._loops.get(loop_key)
+            if plan is None:
+                builder = _TrainingPlan if needs_grad else _InferencePlan
+                plan = builder(self, length, reverse)
+                self._loops[loop_key] = plan
+        return plan(carry, xs, captures)
+
+
+class _InferencePlan:
+    """Forward only: the trace itself, lowered once."""
+
+    def __init__(self, traced: _Traced, length: int, reverse: bool):
+        self.traced = traced
+        self.looped_carry = [i for i, ro in enumerate(traced.read_only) if not ro]
+        self.stacked_y = [i for i, src in enumerate(traced.y_from_x) if src is None]
+        slots = {}
+        for position, i in enumerate(self.looped_carry):
+            slots[id(traced._carry_in[i])] = (traced._carry_in[i], _Slot("carry", position))
+        for i, x in enumerate(traced._x_in):
+            slots[id(x)] = (x, _Slot("sliced", i))
+        given = [traced._carry_in[i] for i, ro in enumerate(traced.read_only) if ro]
+        given += traced._capture_in
+        for k, t in enumerate(given):
+            slots[id(t)] = (t, _Slot("invariant", k))
+        outputs = [traced._carry_out[i] for i in self.looped_carry]
+        outputs += [traced._y_out[i] for i in self.stacked_y]
+        body = _lower_body("scan_step", outputs, slots, len(given))
+        self.constants = body.constants
+        out_slots = [_Slot("carry", p) for p in range(len(self.looped_carry))]
+        out_slots += [_Slot("stacked", p) for p in range(len(self.stacked_y))]
+        carry_avals = [traced.key.carry_avals[i] for i in self.looped_carry]
+        self.loop = _Loop("scan", body, out_slots, carry_avals, traced.key.x_avals,
+                          [traced.y_avals[i] for i in self.stacked_y],
+                          _avals(given) + _avals(body.constants), length, reverse)
+
+    def __call__(self, carry, xs, captures):
+        traced = self.traced
+        read_only = [c for c, ro in zip(carry, traced.read_only) if ro]
+        carry_out, stacked = self.loop([carry[i] for i in self.looped_carry], xs,
+                                       read_only + list(captures) + self.constants)
+        return _assemble(traced, carry, xs, carry_out, stacked, self.looped_carry, self.stacked_y)
+
+
+def _assemble(traced, carry, xs, looped_carry_out, stacked, looped_carry, stacked_y):
+    carry_out = list(carry)
+    for i, value in zip(looped_carry, looped_carry_out):
+        carry_out[i] = value
+    ys = [None] * len(traced.y_avals)
+    for i, value in zip(stacked_y, stacked):
+        ys[i] = value
+    for i, source in enumerate(traced.y_from_x):
+        if source is not None:
+            ys[i] = xs[source]
+    return carry_out, ys
+
+
+class _TrainingPlan:
+    """Forward and backward loops from AOTAutograd's partitioned graphs."""
+
+    def __init__(self, traced: _Traced, length: int, reverse: bool):
+        raise NotImplementedError("gradients through scan are not implemented yet")
