@@ -579,7 +579,230 @@ def _assemble(traced, carry, xs, looped_carry_out, stacked, looped_carry, stacke
 
 
 class _TrainingPlan:
-    """Forward and backward loops from AOTAutograd's partitioned graphs."""
+    """Forward and backward loops from AOTAutograd's partitioned graphs.
+
+    Inputs of one step: looped carries, x slices and invariants (read-only
+    carries, then captures). The forward loop also stacks the activations the
+    backward graph needs, except those it can get for free: slices of `xs` are
+    read from `xs` itself, and values computed only from invariants (a weight's
+    transpose, say) are recomputed in the backward step instead of stacked.
+    """
 
     def __init__(self, traced: _Traced, length: int, reverse: bool):
-        raise NotImplementedError("gradients through scan are not implemented yet")
+        self.traced = traced
+        key = traced.key
+        self.looped_carry = [i for i, ro in enumerate(traced.read_only) if not ro]
+        self.stacked_y = [i for i, src in enumerate(traced.y_from_x) if src is None]
+        read_only = [i for i, ro in enumerate(traced.read_only) if ro]
+        carry_avals = [key.carry_avals[i] for i in self.looped_carry]
+        invariant_avals = [key.carry_avals[i] for i in read_only] + list(traced.capture_avals)
+        any_grad = any(a.requires_grad for a in (*key.carry_avals, *key.x_avals, *invariant_avals))
+        # Gradients flow through every floating carry, whichever input asked for them.
+        carry_grad = [a.dtype.is_floating_point and any_grad for a in carry_avals]
+        self.input_avals = ([a._replace(requires_grad=g) for a, g in zip(carry_avals, carry_grad)]
+                            + list(key.x_avals) + invariant_avals)
+        self.sizes = (len(carry_avals), len(key.x_avals), len(invariant_avals))
+        fw_graph, bw_graph, differentiable = self._partition()
+        self._build_loops(fw_graph, bw_graph, differentiable, length, reverse)
+
+    def _step(self, *primals):
+        """One step as a flat function of (looped carries, x, invariants) for
+        AOTAutograd, returning (looped carry outs, stacked ys)."""
+        traced, key = self.traced, self.traced.key
+        n_carry, n_x, _ = self.sizes
+        carry = list(primals[:n_carry])
+        x, invariants = primals[n_carry:n_carry + n_x], primals[n_carry + n_x:]
+        full_carry = [None] * len(key.carry_avals)
+        for i, value in zip(self.looped_carry, carry):
+            full_carry[i] = value
+        read_only_count = len(key.carry_avals) - n_carry
+        for i, value in zip([i for i, ro in enumerate(traced.read_only) if ro], invariants):
+            full_carry[i] = value
+        stand_ins = {id(c): v for c, v in zip(traced.current_captures(),
+                                               invariants[read_only_count:])}
+        with _LiftCaptures(primals, stand_ins):
+            carry_out, y_out = _call_body(key.fn, key.carry_tree.unflatten(full_carry),
+                                          key.xs_tree.unflatten(list(x)))
+        carry_out = _flatten(carry_out)[0]
+        y_out = _flatten(y_out)[0]
+        outputs = [carry_out[i] for i in self.looped_carry] + [y_out[i] for i in self.stacked_y]
+        # AOTAutograd keeps outputs that alias inputs out of its graphs; copies
+        # keep them in (XLA removes the copy).
+        return tuple(o.clone() if o._is_view() or any(o is p for p in primals) else o
+                     for o in outputs)
+
+    def _partition(self):
+        graphs = {}
+
+        def keep(name):
+            def compiler(graph, _inputs):
+                graphs[name] = graph
+                return make_boxed_func(graph)
+            return compiler
+
+        compiled = aot_function(self._step, fw_compiler=keep("forward"),
+                                bw_compiler=keep("backward"), partition_fn=self.traced.key.partition_fn)
+        primals = [xb.create_placeholder_tensor(a.shape, a.dtype).requires_grad_(a.requires_grad)
+                   for a in self.input_avals]
+        with torch.enable_grad(), tracing("scan's fn (differentiated)"):
+            outputs = compiled(*primals)
+            differentiable = [o.requires_grad for o in outputs]
+            roots = [o for o in outputs if o.requires_grad]
+            if roots:
+                torch.autograd.backward(roots, [xb.create_placeholder_tensor(o.shape, o.dtype)
+                                                for o in roots])
+        if "backward" not in graphs:
+            raise ValueError("scan: none of fn's outputs depends on an input that requires grad")
+        return graphs["forward"], graphs["backward"], differentiable
+
+    def _build_loops(self, fw_graph, bw_graph, differentiable, length, reverse):
+        n_carry, n_x, n_inv = self.sizes
+        n_out = n_carry + len(self.stacked_y)
+        stand_ins = [_stand_in(a, requires_grad=False) for a in self.input_avals]
+        carry_in, x_in = stand_ins[:n_carry], stand_ins[n_carry:n_carry + n_x]
+        invariants_in = stand_ins[n_carry + n_x:]
+        slots = {}
+        for i, t in enumerate(carry_in):
+            slots[id(t)] = (t, _Slot("carry", i))
+        for i, t in enumerate(x_in):
+            slots[id(t)] = (t, _Slot("sliced", i))
+        for i, t in enumerate(invariants_in):
+            slots[id(t)] = (t, _Slot("invariant", i))
+        with torch.no_grad(), tracing("scan's forward step"):
+            fw_outputs = fw_graph(*stand_ins)
+        outputs, saved = list(fw_outputs[:n_out]), list(fw_outputs[n_out:])
+
+        # Classify what the backward step reads: a stacked activation, an x
+        # slice, or something computed from invariants alone.
+        step_ids = {_XLAC._xla_get_tensor_id(t) for t in carry_in + x_in}
+        x_ids = {id(t): i for i, t in enumerate(x_in)}
+        self.activation_of_saved = []
+        activations = []
+        for value in saved:
+            if id(value) in x_ids:
+                self.activation_of_saved.append(("x", x_ids[id(value)]))
+            elif step_ids.isdisjoint(_XLAC._get_tensors_xla_device_data_node([value])[0]):
+                self.activation_of_saved.append(("invariant", value))
+            else:
+                self.activation_of_saved.append(("stacked", len(activations)))
+                activations.append(value)
+
+        forward_body = _lower_body("scan_forward_step", outputs + activations, slots, n_inv)
+        self.forward_constants = forward_body.constants
+        out_slots = ([_Slot("carry", i) for i in range(n_carry)]
+                     + [_Slot("stacked", i) for i in range(len(self.stacked_y) + len(activations))])
+        self.activation_count = len(activations)
+        self.forward_loop = _Loop(
+            "scan_forward", forward_body, out_slots, self.input_avals[:n_carry],
+            self.input_avals[n_carry:n_carry + n_x],
+            _avals(outputs[n_carry:]) + _avals(activations),
+            self.input_avals[n_carry + n_x:] + list(_avals(forward_body.constants)), length, reverse)
+
+        # Backward step: carries are the carry gradients, then accumulators for
+        # invariant gradients; sliced inputs are activations, y gradients, xs.
+        self.carry_tangents = [i for i in range(n_carry) if differentiable[i]]
+        self.y_tangents = [i for i in range(len(self.stacked_y)) if differentiable[n_carry + i]]
+        self.grad_x = [i for i in range(n_x) if self.input_avals[n_carry + i].requires_grad]
+        self.grad_invariants = [i for i in range(n_inv)
+                                if self.input_avals[n_carry + n_x + i].requires_grad]
+        bw_slots = {}
+        activation_in = [_stand_in(a, False) for a in _avals(activations)]
+        for i, t in enumerate(activation_in):
+            bw_slots[id(t)] = (t, _Slot("sliced", i))
+        y_tangent_in = []
+        for position, i in enumerate(self.y_tangents):
+            t = _stand_in(_avals(outputs)[n_carry + i], False)
+            bw_slots[id(t)] = (t, _Slot("sliced", len(activations) + position))
+            y_tangent_in.append(t)
+        x_offset = len(activations) + len(self.y_tangents)
+        for i, t in enumerate(x_in):
+            bw_slots[id(t)] = (t, _Slot("sliced", x_offset + i))
+        for i, t in enumerate(invariants_in):
+            bw_slots[id(t)] = (t, _Slot("invariant", i))
+        carry_tangent_in = []
+        for position, i in enumerate(self.carry_tangents):
+            t = _stand_in(self.input_avals[i], False)
+            bw_slots[id(t)] = (t, _Slot("carry", position))
+            carry_tangent_in.append(t)
+        saved_in = []
+        for kind, what in self.activation_of_saved:
+            saved_in.append(x_in[what] if kind == "x" else what if kind == "invariant"
+                            else activation_in[what])
+        tangents = carry_tangent_in + y_tangent_in
+        with torch.no_grad(), tracing("scan's backward step"):
+            grads = list(bw_graph(*saved_in, *tangents))
+        grads = [g if g is not None else torch.zeros(a.shape, dtype=a.dtype, device=x_in[0].device)
+                 for g, a in zip(grads, self.input_avals)]
+        grad_outputs = ([grads[i] for i in self.carry_tangents]
+                        + [grads[n_carry + n_x + i] for i in self.grad_invariants]
+                        + [grads[n_carry + i] for i in self.grad_x])
+        backward_body = _lower_body("scan_backward_step", grad_outputs, bw_slots, n_inv)
+        self.backward_constants = backward_body.constants
+        n_tangent_carry = len(self.carry_tangents)
+        bw_out_slots = ([_Slot("carry", i) for i in range(n_tangent_carry)]
+                        + [_Slot("accumulate", n_tangent_carry + i)
+                           for i in range(len(self.grad_invariants))]
+                        + [_Slot("stacked", i) for i in range(len(self.grad_x))])
+        invariant_avals = self.input_avals[n_carry + n_x:]
+        self.backward_loop = _Loop(
+            "scan_backward", backward_body, bw_out_slots,
+            [self.input_avals[i] for i in self.carry_tangents]
+            + [invariant_avals[i] for i in self.grad_invariants],
+            list(_avals(activations)) + [_avals(outputs)[n_carry + i] for i in self.y_tangents]
+            + list(self.input_avals[n_carry:n_carry + n_x]),
+            [self.input_avals[n_carry + i] for i in self.grad_x],
+            list(invariant_avals) + list(_avals(backward_body.constants)), length, not reverse)
+
+    def __call__(self, carry, xs, captures):
+        traced = self.traced
+        read_only = [c for c, ro in zip(carry, traced.read_only) if ro]
+        inputs = [carry[i] for i in self.looped_carry] + list(xs) + read_only + list(captures)
+        results = _ScanFunction.apply(self, *inputs)
+        n_carry = self.sizes[0]
+        return _assemble(traced, carry, xs, results[:n_carry], results[n_carry:],
+                         self.looped_carry, self.stacked_y)
+
+    def forward(self, inputs):
+        n_carry, n_x, _ = self.sizes
+        carry, xs = inputs[:n_carry], inputs[n_carry:n_carry + n_x]
+        invariants = list(inputs[n_carry + n_x:]) + self.forward_constants
+        carry_out, stacked = self.forward_loop(carry, xs, invariants)
+        split = len(stacked) - self.activation_count
+        return list(carry_out) + list(stacked[:split]), stacked[split:]
+
+    def backward(self, inputs, activations, output_grads):
+        n_carry, n_x, n_inv = self.sizes
+        xs, invariants = inputs[n_carry:n_carry + n_x], inputs[n_carry + n_x:]
+        carry_grads, y_grads = output_grads[:n_carry], output_grads[n_carry:]
+        zeros = [torch.zeros(invariants[i].shape, dtype=invariants[i].dtype,
+                             device=invariants[i].device) for i in self.grad_invariants]
+        carries = [carry_grads[i] for i in self.carry_tangents] + zeros
+        sliced = list(activations) + [y_grads[i] for i in self.y_tangents] + list(xs)
+        carry_out, stacked = self.backward_loop(
+            carries, sliced, list(invariants) + self.backward_constants)
+        grads = [None] * len(inputs)
+        for position, i in enumerate(self.carry_tangents):
+            grads[i] = carry_out[position]
+        for position, i in enumerate(self.grad_invariants):
+            grads[n_carry + n_x + i] = carry_out[len(self.carry_tangents) + position]
+        for position, i in enumerate(self.grad_x):
+            grads[n_carry + i] = stacked[position]
+        return grads
+
+
+class _ScanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _TrainingPlan, *inputs):
+        outputs, activations = plan.forward(inputs)
+        ctx.plan = plan
+        ctx.save_for_backward(*inputs, *activations)
+        ctx.input_count = len(inputs)
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.dtype.is_floating_point])
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *output_grads):
+        saved = ctx.saved_tensors
+        grads = ctx.plan.backward(saved[:ctx.input_count], saved[ctx.input_count:], output_grads)
+        return (None, *grads)
