@@ -1,0 +1,345 @@
+"""torch_xla_ext.metrics and scripts/compare_metrics.py on real torch_xla reports."""
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import assume, given, strategies as st
+
+from torch_xla_ext.metrics import (
+    BYTES, COUNT, FIGURE_ROWS, SECONDS, MetricsReportError, Row, figures, format_table,
+    format_value, parse_bytes, parse_duration, parse_report)
+
+REPO = Path(__file__).resolve().parent.parent
+COMPARE_METRICS = REPO / "scripts" / "compare_metrics.py"
+
+# Report A after one step; report B after three steps, one more host-to-device
+# transfer (8 floats) and one read back of the 4-float result. Also saves
+# collect() and torch_xla's own metric values at B to check the parser against.
+WORKLOAD = """
+    import json, sys
+    import torch, torch_xla
+    import torch_xla.debug.metrics as xla_metrics
+    import torch_xla.core.xla_model as xm
+    from torch_xla_ext.metrics import collect
+
+    out = sys.argv[1]
+    device = torch_xla.device()
+    xla_metrics.clear_all()
+
+    def step(x):
+        x = x * x
+        torch_xla.sync()
+        return x
+
+    x = step(torch.arange(4.0).to(device))
+    xm.wait_device_ops()
+    open(out + "/a.txt", "w").write(xla_metrics.metrics_report())
+
+    x = step(step(x))
+    extra = torch.ones(8).to(device)
+    result = x.cpu()
+    xm.wait_device_ops()
+    open(out + "/b.txt", "w").write(xla_metrics.metrics_report())
+    live = {
+        "metrics": {name: xla_metrics.metric_data(name)[:2]
+                    for name in xla_metrics.metric_names()},
+        "counters": {name: xla_metrics.counter_value(name)
+                     for name in xla_metrics.counter_names()},
+    }
+    # Last: its wait for the device adds a DeviceLockWait sample.
+    live["collect"] = collect()
+    open(out + "/live.json", "w").write(json.dumps(live))
+"""
+
+
+def environment():
+    return {**os.environ, "PJRT_DEVICE": "CPU"}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Paths of report A, report B and the live values saved at B."""
+    out = tmp_path_factory.mktemp("reports")
+    completed = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(WORKLOAD), str(out)],
+        capture_output=True, text=True, timeout=240, env=environment())
+    assert completed.returncode == 0, completed.stderr
+    return out / "a.txt", out / "b.txt", json.loads((out / "live.json").read_text())
+
+
+def compare_metrics(*args):
+    return subprocess.run(
+        [sys.executable, str(COMPARE_METRICS), *map(str, args)],
+        capture_output=True, text=True, timeout=120, env=environment(), cwd=REPO)
+
+
+def table_row(table: str, label: str) -> str:
+    (line,) = [line for line in table.splitlines() if line.startswith(label + "  ")]
+    return line
+
+
+# ------------------------------------------------------------------ real reports
+
+
+def test_figures_of_report_after_one_step(reports):
+    report_a, _, _ = reports
+    assert {key: value for key, value in figures(parse_report(report_a.read_text())).items()
+            if not key.endswith("_seconds")} == {
+        "h2d_transfers": 1, "h2d_bytes": 16, "d2h_transfers": 0, "d2h_bytes": 0,
+        "tensor_to_data": 1, "compilations": 1, "executions": 1,
+    }
+
+
+def test_figures_of_report_after_three_steps_and_an_extra_transfer(reports):
+    _, report_b, _ = reports
+    report = parse_report(report_b.read_text())
+    found = figures(report)
+    assert {key: value for key, value in found.items() if not key.endswith("_seconds")} == {
+        "h2d_transfers": 2, "h2d_bytes": 16 + 32, "d2h_transfers": 1, "d2h_bytes": 16,
+        "tensor_to_data": 2, "compilations": 1, "executions": 3,
+    }
+    assert 0 < found["compile_seconds"] < 60 and 0 < found["execute_seconds"] < 60
+    # The same step graph is compiled once and then found in the cache.
+    assert report.counters["UncachedCompile"] == 1 and report.counters["CachedCompile"] == 2
+
+
+def test_collect_gives_the_figures_of_the_saved_report(reports):
+    _, report_b, live = reports
+    assert live["collect"] == pytest.approx(figures(parse_report(report_b.read_text())))
+
+
+def test_parsed_values_match_torch_xla_own_values(reports):
+    _, report_b, live = reports
+    report = parse_report(report_b.read_text())
+    assert report.counters == live["counters"]
+    assert set(report.metrics) == set(live["metrics"])
+    for name, (total_samples, accumulator) in live["metrics"].items():
+        metric = report.metrics[name]
+        assert metric.total_samples == total_samples, name
+        if metric.unit == SECONDS:  # torch_xla keeps nanoseconds; the report has all digits
+            assert metric.accumulator == pytest.approx(accumulator / 1e9, abs=1e-9), name
+        elif metric.unit == BYTES:  # two decimals of the largest unit that fits
+            assert metric.accumulator == pytest.approx(accumulator, rel=0.005), name
+        else:
+            assert metric.accumulator == pytest.approx(accumulator, abs=0.005), name
+        assert metric.percentiles and all(value >= 0 for value in metric.percentiles.values())
+
+
+def test_diff_marks_what_changed(reports):
+    report_a, report_b, _ = reports
+    completed = compare_metrics("diff", report_a, report_b)
+    assert completed.returncode == 0, completed.stderr
+    table = completed.stdout
+    assert table.splitlines()[0].split() == ["figure", "a.txt", "b.txt"]
+    assert table_row(table, "host-to-device transfers").split()[-3:] == ["1", "2", "*"]
+    assert table_row(table, "host-to-device bytes").split()[-5:] == ["16", "B", "48", "B", "*"]
+    assert table_row(table, "executions").split()[-3:] == ["1", "3", "*"]
+    assert table_row(table, "compilations").split()[-2:] == ["1", "1"]
+    # Counters and metrics absent from A (still zero there) appear as 0.
+    assert table_row(table, "CachedCompile").split()[-3:] == ["0", "2", "*"]
+    assert table_row(table, "TransferFromDeviceTime (samples)").split()[-3:] == ["0", "1", "*"]
+    assert table_row(table, "MarkStep").split()[-3:] == ["1", "3", "*"]
+    assert table.splitlines()[-1] == "* differs from a.txt by more than 10%"
+
+
+def test_diff_of_truncated_report_names_the_line(reports, tmp_path):
+    report_a, report_b, _ = reports
+    lines = report_b.read_text().splitlines()
+    compile_time = lines.index("Metric: CompileTime")
+    truncated = tmp_path / "truncated.txt"
+    # Cut after the Accumulator, before Percentiles.
+    truncated.write_text("\n".join(lines[:compile_time + 3]) + "\n")
+
+    with pytest.raises(MetricsReportError) as raised:
+        parse_report(truncated.read_text())
+    assert raised.value.line_number == compile_time + 3
+    assert raised.value.line == lines[compile_time + 2]
+    assert "CompileTime" in str(raised.value) and "truncated" in str(raised.value)
+
+    completed = compare_metrics("diff", report_a, truncated)
+    assert completed.returncode == 2
+    assert completed.stdout == ""
+    assert completed.stderr.startswith(
+        f"compare_metrics.py: error: {truncated} line {compile_time + 3}: ")
+
+
+# ------------------------------------------------------------------ malformed input
+
+SMALL_REPORT = """\
+Metric: CompileTime
+  TotalSamples: 2
+  Accumulator: 02s500ms000.000us
+  ValueRate: 500ms000.000us / second
+  Rate: 1.23457e+06 / second
+  Percentiles: 1%=500ms000.000us; 99.9%=01s000ms000.000us
+Metric: TensorsGraphSize
+  TotalSamples: 1
+  Accumulator: 4.00
+  Percentiles: 50%=4.00
+Metric: InboundData
+  TotalSamples: 1
+  Accumulator: 1.50KB
+  Percentiles: 50%=1.50KB
+Counter: MarkStep
+  Value: 3
+"""
+
+
+def test_small_report_fields():
+    report = parse_report(SMALL_REPORT)
+    compile_time = report.metrics["CompileTime"]
+    assert (compile_time.unit, compile_time.total_samples) == (SECONDS, 2)
+    # torch_xla writes 1.5 s as 02s500ms...: the whole seconds were rounded up.
+    assert compile_time.accumulator == pytest.approx(1.5)
+    assert compile_time.value_rate == pytest.approx(0.5)
+    assert compile_time.samples_per_second == pytest.approx(1.23457e6)
+    assert compile_time.percentiles == pytest.approx({1.0: 0.5, 99.9: 1.0})
+    assert report.metrics["TensorsGraphSize"].unit == COUNT
+    assert report.metrics["InboundData"].accumulator == 1536
+    assert report.counters == {"MarkStep": 3}
+    assert parse_report("") == parse_report("\n\n")
+
+
+@pytest.mark.parametrize("old, new, line_number, problem", [
+    ("  Accumulator: 4.00", "  Accumulator: 4", 9, "has no unit"),
+    ("  Percentiles: 50%=1.50KB", "  Percentiles: 50%=1.50", 14, "holds sizes"),
+    ("  Value: 3", "  Value: three", 16, "not a whole number"),
+    ("Counter: MarkStep", "hello world", 15, "expected a 'Metric: NAME' or 'Counter: NAME'"),
+    ("  Percentiles: 50%=4.00\n", "", 10, "cut short"),
+    ("  Rate: 1.23457e+06 / second", "  Rate: fast / second", 5, "not a number of samples"),
+    ("Counter: MarkStep", "Metric: CompileTime", 15, "appears again (first on line 1)"),
+])
+def test_malformed_report_names_line_and_problem(old, new, line_number, problem):
+    assert old in SMALL_REPORT
+    text = SMALL_REPORT.replace(old, new)
+    with pytest.raises(MetricsReportError) as raised:
+        parse_report(text)
+    assert raised.value.line_number == line_number
+    assert raised.value.line == text.splitlines()[line_number - 1]
+    assert problem in str(raised.value)
+    assert str(raised.value).startswith(f"line {line_number}: ")
+
+
+# ------------------------------------------------------------------ units
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("000.050us", 50e-9),
+    ("015.834us", 15.834e-6),
+    ("034ms479.927us", 0.034479927),
+    # Whole parts that torch_xla rounded up (the rest is half a unit or more).
+    ("288ms763.942us", 0.287763942),
+    ("04s652ms752.768us", 3.651752768),
+    ("01m02s003ms004.005us", 62.003004005),
+    ("01d00h00m00s000ms000.000us", 86400.0),
+    ("1.5ms", 1.5e-3),
+    ("12ns", 12e-9),
+    ("2m03s", 123.0),
+])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("text, size", [
+    ("16.00B", 16), ("4.00B", 4), ("1.50KB", 1536), ("2.00MB", 2 * 1024**2),
+    ("1.25GB", 1.25 * 1024**3), ("3.00TB", 3 * 1024**4), ("1.00PB", 1024**5),
+])
+def test_parse_bytes(text, size):
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("parse, text", [
+    (parse_duration, "123"), (parse_duration, "12parsecs"), (parse_duration, "01s01s"),
+    (parse_duration, "5ms2s"), (parse_duration, ""), (parse_bytes, "16"),
+    (parse_bytes, "16.00 B"), (parse_bytes, "1.5KiB"),
+])
+def test_unparseable_values_say_what_was_expected(parse, text):
+    with pytest.raises(ValueError, match="duration|size"):
+        parse(text)
+
+
+def torch_xla_duration(nanoseconds: int) -> str:
+    """A duration laid out as torch_xla prints it: from the largest non-zero
+    part down to microseconds, each whole part rounded to the nearest integer
+    while the smaller parts keep what is left after truncating it."""
+    text = ""
+    remaining = float(nanoseconds)
+    for suffix, scale, width in [("d", 86400e9, 2), ("h", 3600e9, 2), ("m", 60e9, 2),
+                                 ("s", 1e9, 2), ("ms", 1e6, 3)]:
+        amount = remaining / scale
+        if amount >= 1 or text:
+            text += f"{amount:0{width}.0f}{suffix}"
+            remaining -= math.floor(amount) * scale
+    return text + f"{remaining / 1e3:07.3f}us"
+
+
+@given(st.integers(min_value=0, max_value=30 * 86400 * 10**9))
+def test_torch_xla_durations_round_trip(nanoseconds):
+    # A remainder of exactly half a unit is ambiguous in torch_xla's layout.
+    assume(all(nanoseconds % scale != scale // 2
+               for scale in (86400 * 10**9, 3600 * 10**9, 60 * 10**9, 10**9, 10**6)))
+    assert parse_duration(torch_xla_duration(nanoseconds)) * 1e9 == pytest.approx(
+        nanoseconds, abs=1e-3, rel=1e-15)
+
+
+@given(st.floats(min_value=0, max_value=1024.0**5 * 1000))
+def test_torch_xla_sizes_round_trip_to_printed_precision(size):
+    exponent = 0
+    while exponent < 5 and size / 1024**exponent >= 1024:
+        exponent += 1
+    text = f"{size / 1024**exponent:.2f}" + ["B", "KB", "MB", "GB", "TB", "PB"][exponent]
+    assert parse_bytes(text) == pytest.approx(size, abs=0.005 * 1024**exponent)
+
+
+# ------------------------------------------------------------------ table
+
+
+@pytest.mark.parametrize("value, unit, text", [
+    (None, BYTES, "-"), (16, BYTES, "16 B"), (1536, BYTES, "1.50 KiB"),
+    (3 * 1024**3, BYTES, "3.00 GiB"), (0.0, SECONDS, "0 s"), (12e-9, SECONDS, "12 ns"),
+    (67.9e-6, SECONDS, "67.9 us"), (0.0123, SECONDS, "12.30 ms"), (2.5, SECONDS, "2.500 s"),
+    (1234567, COUNT, "1,234,567"), (4.0, COUNT, "4"), (2.25, COUNT, "2.25"),
+])
+def test_format_value(value, unit, text):
+    assert format_value(value, unit) == text
+
+
+def test_format_table_marks_changes_over_ten_percent():
+    rows = [Row("steps", "steps", COUNT), Row("rss", "peak RSS", BYTES),
+            Row("params", "HLO parameters", COUNT)]
+    table = format_table({
+        "loop": {"steps": 100, "rss": 1024**2, "params": None},
+        "scan": {"steps": 110, "rss": 2 * 1024**2, "params": 7},
+        "torch-xla-scan": {"steps": 111, "rss": 0},
+    }, rows=rows)
+    lines = table.splitlines()
+    assert lines[0].split() == ["figure", "loop", "scan", "torch-xla-scan"]
+    assert lines[1].split() == ["steps", "100", "110", "111", "*"]  # 10% exactly is not marked
+    assert lines[2].split() == ["peak", "RSS", "1.00", "MiB", "2.00", "MiB", "*", "0", "B", "*"]
+    assert lines[3].split() == ["HLO", "parameters", "-", "7", "-"]  # nothing to compare
+    assert lines[4] == "* differs from loop by more than 10%"
+    assert len({len(line.rstrip(" *")) for line in lines[:4]}) == 1  # right-aligned columns
+
+
+def test_format_table_defaults_to_the_figure_rows():
+    figures_of = dict.fromkeys([row.key for row in FIGURE_ROWS], 1)
+    table = format_table({"loop": figures_of, "scan": figures_of})
+    assert [line.split("  ")[0] for line in table.splitlines()[1:]] == [
+        row.label for row in FIGURE_ROWS]
+    assert "*" not in table
+
+
+def test_format_table_without_baseline_marks_nothing():
+    table = format_table({"a": {"x": 1}, "b": {"x": 5}}, baseline=None,
+                         rows=[Row("x", "x", COUNT)])
+    assert "*" not in table
+
+
+def test_format_table_rejects_unknown_baseline():
+    with pytest.raises(ValueError, match="baseline column 'loop' is not among"):
+        format_table({"scan": {}})
