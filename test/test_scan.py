@@ -1,0 +1,247 @@
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch.utils._pytree import tree_flatten, tree_map
+
+import torch_xla_ext as tx
+
+DEV = torch_xla.device()
+
+
+def loop_scan(fn, init, xs, reverse=False):
+    """The reference: scan's contract as a Python for loop."""
+    leaves = tree_flatten(xs)[0]
+    order = range(leaves[0].shape[0])
+    carry, ys = init, [None] * len(order)
+    for i in (reversed(order) if reverse else order):
+        carry, ys[i] = fn(carry, tree_map(lambda v: v[i], xs))
+    stacked = tree_map(lambda *vs: None if vs[0] is None else torch.stack(vs), *ys) if ys else ys
+    return carry, stacked
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+    actual_leaves, actual_spec = tree_flatten(actual)
+    expected_leaves, expected_spec = tree_flatten(expected)
+    assert actual_spec == expected_spec
+    for a, e in zip(actual_leaves, expected_leaves):
+        if a is None or e is None:
+            assert a is None and e is None
+            continue
+        assert a.dtype == e.dtype and a.shape == e.shape
+        torch.testing.assert_close(a.cpu(), e.cpu(), rtol=rtol, atol=atol)
+
+
+def grads_of(tensors):
+    out = [t.grad.detach().cpu().clone() if t.grad is not None else None for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return out
+
+
+def check_parity(fn, init, xs, params=(), reverse=False, rtol=1e-5):
+    leaves = [t for t in tree_flatten((init, xs))[0] + list(params) if t.requires_grad]
+    got = tx.scan(fn, init, xs, reverse=reverse)
+    expected = loop_scan(fn, init, xs, reverse=reverse)
+    assert_trees_close(got, expected, rtol=rtol)
+    if leaves:
+        def total(result):
+            return sum(t.float().sum() for t in tree_flatten(result)[0]
+                       if t is not None and t.dtype.is_floating_point)
+        total(got).backward()
+        scan_grads = grads_of(leaves)
+        total(expected).backward()
+        loop_grads = grads_of(leaves)
+        for a, e in zip(scan_grads, loop_grads):
+            torch.testing.assert_close(a, e, rtol=rtol, atol=1e-5)
+
+
+def randn(*shape, grad=False, dtype=torch.float32):
+    return torch.randn(*shape, device=DEV, dtype=dtype).requires_grad_(grad)
+
+
+def test_cumulative_sum():
+    check_parity(lambda c, x: (c + x, c), randn(3, grad=True), randn(5, 3, grad=True))
+
+
+def test_dict_and_tuple_carry():
+    def fn(carry, x):
+        a, (b, n) = carry["a"], carry["bn"]
+        return {"a": a * x["u"], "bn": (b + a.sum(), n + 1)}, (a, {"v": b * 2})
+    init = {"a": randn(2, grad=True), "bn": (randn(3, grad=True), torch.zeros((), dtype=torch.int32, device=DEV))}
+    check_parity(fn, init, {"u": randn(4, 2, grad=True)})
+
+
+def test_rnn_cell_with_captured_weights():
+    torch.manual_seed(0)
+    cell = torch.nn.RNNCell(4, 6).to(DEV)
+    check_parity(lambda h, x: (cell(x, h), h.tanh()), randn(1, 6, grad=True), randn(5, 1, 4, grad=True),
+                 params=list(cell.parameters()))
+
+
+def test_block_with_captured_weights_reverse():
+    torch.manual_seed(1)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)).to(DEV)
+    check_parity(lambda c, x: (block(c) + x, None), randn(2, 4, grad=True), randn(3, 2, 4),
+                 params=list(block.parameters()), reverse=True)
+
+
+def test_ys_with_none_and_passthrough():
+    xs = randn(3, 2, grad=True)
+    carry, ys = tx.scan(lambda c, x: (c * x, (None, x, c)), randn(2), xs)
+    assert ys[0] is None and ys[1] is xs  # an x returned as y is not copied
+    init = randn(2)
+    assert_trees_close(tx.scan(lambda c, x: (c * x, (None, x, c)), init, xs),
+                       loop_scan(lambda c, x: (c * x, (None, x, c)), init, xs))
+
+
+def test_read_only_carry_keeps_init():
+    init = (randn(2, grad=True), randn(2, grad=True))
+    (fixed, moving), _ = tx.scan(lambda c, x: ((c[0], c[1] + c[0] * x), None), init, randn(3, 2))
+    assert fixed is init[0]
+    check_parity(lambda c, x: ((c[0], c[1] + c[0] * x), None), init, randn(3, 2, grad=True))
+
+
+def test_bfloat16_and_int32():
+    check_parity(lambda c, x: (c + x, c * 2), randn(3, dtype=torch.bfloat16),
+                 randn(4, 3, dtype=torch.bfloat16), rtol=1e-2)
+    ints = torch.arange(12, dtype=torch.int32, device=DEV).reshape(4, 3)
+    check_parity(lambda c, x: (c * 2 + x, c), torch.ones(3, dtype=torch.int32, device=DEV), ints)
+
+
+def test_zero_length_returns_init_and_empty_ys():
+    init = randn(3)
+    carry, ys = tx.scan(lambda c, x: (c + x, {"y": c * 2}), init, randn(0, 3))
+    assert carry is init and ys["y"].shape == (0, 3)
+
+
+def test_dropout_differs_per_step_and_repeats_under_manual_seed():
+    def fn(c, x):
+        return c, torch.nn.functional.dropout(x, 0.5)
+    xs = torch.ones(4, 64, device=DEV)
+    torch.manual_seed(7)
+    first = tx.scan(fn, randn(1), xs)[1].cpu()
+    torch.manual_seed(7)
+    again = tx.scan(fn, randn(1), xs)[1].cpu()
+    assert torch.equal(first, again)
+    masks = [tuple(row.tolist()) for row in first]
+    assert len(set(masks)) == 4
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(length=st.integers(1, 6), widths=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       as_dict=st.booleans(), dtype=st.sampled_from([torch.float32, torch.int32]))
+def test_matches_for_loop_on_random_pytrees(length, widths, as_dict, dtype):
+    gen = torch.Generator().manual_seed(length * 31 + sum(widths))
+    make = lambda *s: (torch.randn(*s, generator=gen) * 4).to(dtype).to(DEV)
+    init = [make(w) for w in widths]
+    xs = [make(length, w) for w in widths]
+    if as_dict:
+        init, xs = {f"k{i}": v for i, v in enumerate(init)}, {f"k{i}": v for i, v in enumerate(xs)}
+
+    def fn(carry, x):
+        new = tree_map(lambda c, v: c * 2 - v, carry, x)
+        return new, tree_map(lambda c: c + 1, carry)
+
+    assert_trees_close(tx.scan(fn, init, xs), loop_scan(fn, init, xs))
+
+
+def test_traces_once_per_avals():
+    calls = []
+
+    def fn(c, x):
+        calls.append(1)
+        return c + x, c
+
+    tx.cache_clear()
+    for _ in range(5):
+        tx.scan(fn, randn(3), randn(4, 3))
+    assert len(calls) == 1
+    tx.scan(fn, randn(5), randn(4, 5))
+    assert len(calls) == 2
+    info = tx.cache_info()
+    assert (info.hits, info.misses, info.size) == (4, 2, 2)
+    tx.scan(fn, randn(3), randn(4, 3), is_fn_pure=False)
+    assert len(calls) == 3
+
+
+def test_fresh_captures_after_in_place_update():
+    lin = torch.nn.Linear(3, 3).to(DEV)
+    fn = lambda c, x: (lin(c), None)
+    init, xs = randn(3), randn(2, 3)
+    before = tx.scan(fn, init, xs)[0].cpu()
+    with torch.no_grad():
+        lin.weight.mul_(2)
+        lin.bias.add_(1)
+    after = tx.scan(fn, init, xs)[0].cpu()
+    torch.testing.assert_close(after, loop_scan(fn, init, xs)[0].cpu())
+    assert not torch.allclose(before, after)
+
+
+def transfers():
+    data = met.metric_data("TransferToDeviceTime")
+    return data[0] if data else 0
+
+
+def test_no_transfers_beyond_the_for_loop():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).to(DEV)
+    init, xs = randn(8, grad=True), randn(4, 8, grad=True)
+    torch_xla.sync()
+    fn = lambda c, x: (torch.tanh(lin(c) + x), c.sum())
+
+    def measure(run):
+        met.clear_all()
+        for _ in range(2):  # first call and cached call
+            carry, ys = run(fn, init, xs)
+            (carry.sum() + ys.sum()).backward()
+            torch_xla.sync()
+        return transfers()
+
+    loop = measure(loop_scan)
+    scanned = measure(tx.scan)
+    assert scanned <= loop, f"scan made {scanned} transfers, the for loop {loop}"
+
+
+def test_training_steps_compile_once():
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).to(DEV)
+    optimizer = torch.optim.SGD(block.parameters(), lr=0.1)
+    init, xs = randn(2, 8), randn(3, 2, 8)
+    fn = lambda c, x: (block(c) + x, None)
+    torch_xla.sync()
+    compiles = []
+    for _ in range(6):
+        met.clear_all() if not compiles else None
+        carry, _ = tx.scan(fn, init, xs)
+        carry.pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        compiles.append(met.metric_data("CompileTime")[0])
+    assert compiles[1:] == [compiles[0]] * 5, compiles
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: tx.scan(lambda c, x: (c, x), randn(2), {"a": randn(3, 2), "b": randn(4, 2)}),
+     ValueError, r"xs\['a'\] has 3 but xs\['b'\] has 4"),
+    (lambda: tx.scan(lambda c, x: (c, x), [randn(2), 3.0], randn(3, 2)),
+     TypeError, r"init\[1\] must be a tensor, got float"),
+    (lambda: tx.scan(lambda c, x: (c, x), randn(2), torch.ones(3, 2)),
+     ValueError, r"xs is on cpu, not an XLA device"),
+    (lambda: tx.scan("fn", randn(2), randn(3, 2)), TypeError, "fn must be callable"),
+    (lambda: tx.scan(lambda c, x: ({"h": c["h"].sum()}, x), {"h": randn(2)}, randn(3, 2)),
+     TypeError, r"carry leaf carry\['h'\]: init has float32\[2\] but fn returned float32\[\]"),
+    (lambda: tx.scan(lambda c, x: (c.int(), x), randn(2), randn(3, 2)),
+     TypeError, r"init has float32\[2\] but fn returned int32\[2\]"),
+    (lambda: tx.scan(lambda c, x: (c * x.sum().item(), x), randn(2), randn(3, 2)),
+     tx.PlaceholderError, r"cannot read the value"),
+    (lambda: tx.scan(lambda c, x: (c + x.cpu().to(DEV), x), randn(2), randn(3, 2)),
+     tx.PlaceholderError, r"cannot read the value"),
+])
+def test_bad_input_names_the_culprit_and_the_process_goes_on(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+    carry, ys = tx.scan(lambda c, x: (c + x, c), torch.zeros(2, device=DEV), torch.ones(3, 2, device=DEV))
+    assert carry.cpu().tolist() == [3.0, 3.0]
