@@ -23,9 +23,17 @@ inline int& Checks() {
   return checks;
 }
 
+// Prints the first kMaxPrinted failures; a check failing in a loop would
+// otherwise bury the rest of the output.
+constexpr int kMaxPrinted = 20;
+
 inline void Fail(const char* file, int line, const std::string& what) {
-  ++Failures();
-  std::fprintf(stderr, "%s:%d: FAILED: %s\n", file, line, what.c_str());
+  const int failures = ++Failures();
+  if (failures <= kMaxPrinted) {
+    std::fprintf(stderr, "%s:%d: FAILED: %s\n", file, line, what.c_str());
+  } else if (failures == kMaxPrinted + 1) {
+    std::fprintf(stderr, "(further failures are counted, not printed)\n");
+  }
 }
 
 template <typename A, typename B>
