@@ -245,3 +245,32 @@ def test_bad_input_names_the_culprit_and_the_process_goes_on(call, error, match)
         call()
     carry, ys = tx.scan(lambda c, x: (c + x, c), torch.zeros(2, device=DEV), torch.ones(3, 2, device=DEV))
     assert carry.cpu().tolist() == [3.0, 3.0]
+
+
+IN_PLACE_YS = """
+import torch, torch_xla
+import torch_xla_ext as tx
+dev = torch_xla.device()
+lin = torch.nn.Linear(16, 16).to(dev)
+init = torch.zeros(4, 16, device=dev, requires_grad=True)
+xs = torch.ones(7, 4, 16, device=dev, requires_grad=True)
+carry, ys = tx.scan(lambda c, x: (torch.tanh(lin(c) + x), (c * 2).reshape(64)), init, xs)
+(carry.sum() + ys.sum()).backward()
+torch_xla.sync()
+"""
+
+
+def test_while_bodies_copy_no_stacked_buffer(run_isolated, tmp_path):
+    import re
+    result = run_isolated(IN_PLACE_YS, env={
+        "XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    optimized = [p for p in tmp_path.iterdir() if p.name.endswith("after_optimizations.txt")]
+    hlo = "\n".join(p.read_text() for p in optimized)
+    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
+    assert len(bodies) == 2  # the forward and the backward loop
+    for body in bodies:
+        start = hlo.index(f"%{body} ")
+        text = hlo[start:hlo.index("\n}\n", start)]
+        stacked_copies = re.findall(r"= \w+\[7,[\d,]*\]\S* copy\(", text)
+        assert not stacked_copies, f"{body} copies a stacked buffer each step: {stacked_copies}"

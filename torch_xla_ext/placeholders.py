@@ -335,7 +335,7 @@ def _discard_pending_placeholder_work() -> None:
 
 
 def _replace_with_placeholder(tensor: torch.Tensor) -> None:
-    if tensor.grad_fn is not None:
+    if tensor.grad_fn is not None and not tensor._is_view():
         tensor.detach_()  # frees the autograd graph, whose saved tensors read placeholders too
     with torch._C.DisableTorchFunctionSubclass():
         tensor.data = xla_builder.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)

@@ -96,7 +96,7 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
     if length == 0:
         return init, traced.y_tree.unflatten(
             [_empty_stack(a, carry_leaves + xs_leaves) for a in traced.y_avals])
-    carry_out, ys = traced.run(carry_leaves, xs_leaves, captures, length, reverse, needs_grad)
+    carry_out, ys = traced.run(carry_leaves, xs_leaves, captures, reverse, needs_grad)
     return carry_tree.unflatten(carry_out), traced.y_tree.unflatten(ys)
 
 
@@ -387,29 +387,52 @@ def _seed_parameter(context, outputs) -> int | None:
 
 
 class _Loop:
-    """An XLA While loop over `length` steps of a `_Body`, built once and called
-    through `_xla_user_computation` with the current tensors.
+    """An XLA While loop over the steps of a `_Body`, built once per scan length
+    and direction and called through `_xla_user_computation` with the current
+    tensors.
 
     Loop state: (step, carries, sliced inputs, stacked outputs, invariants,
     seeds). Body outputs either replace a carry, are written into slice `i` of a
     stacked output, or are added to a carry (gradient accumulators)."""
 
     def __init__(self, name: str, body: _Body, outputs: Sequence[_Slot], carry_avals,
-                 sliced_avals, stacked_avals, invariant_avals, length: int, reverse: bool):
-        self.name = name
-        builder = xb.create_builder(name)
-        shapes = ([_xla_shape(a.shape, a.dtype) for a in carry_avals]
-                  + [_xla_shape((length, *a.shape), a.dtype) for a in sliced_avals]
-                  + [_xla_shape(a.shape, a.dtype) for a in invariant_avals])
-        uses_seed = any(slot.kind == "seed" for slot in body.inputs)
-        if uses_seed:
+                 sliced_avals, stacked_avals, invariant_avals):
+        self.name, self.body, self.outputs = name, body, list(outputs)
+        self.carry_avals, self.sliced_avals = list(carry_avals), list(sliced_avals)
+        self.stacked_avals, self.invariant_avals = list(stacked_avals), list(invariant_avals)
+        self.uses_seed = any(slot.kind == "seed" for slot in body.inputs)
+        self._computations: dict = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, carries, sliced, invariants, reverse: bool):
+        length = sliced[0].shape[0]
+        with self._lock:
+            computation = self._computations.get((length, reverse))
+            if computation is None:
+                computation = self._build(length, reverse)
+                self._computations[(length, reverse)] = computation
+        operands = [*carries, *sliced, *invariants]
+        if self.uses_seed:
+            # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
+            seeds = torch.randint(0, 2**62, (length,), dtype=torch.int64)
+            operands.append(seeds.to(sliced[0].device))
+        results = _XLAC._xla_user_computation(f"xla::{self.name}", operands, computation)
+        return results[:len(self.carry_avals)], results[len(self.carry_avals):]
+
+    def _build(self, length: int, reverse: bool):
+        body, outputs = self.body, self.outputs
+        builder = xb.create_builder(self.name)
+        shapes = ([_xla_shape(a.shape, a.dtype) for a in self.carry_avals]
+                  + [_xla_shape((length, *a.shape), a.dtype) for a in self.sliced_avals]
+                  + [_xla_shape(a.shape, a.dtype) for a in self.invariant_avals])
+        if self.uses_seed:
             shapes.append(_xla_shape((length,), torch.int64))
         params = [xb.mkparam(builder, i, shape) for i, shape in enumerate(shapes)]
-        n_carry, n_sliced = len(carry_avals), len(sliced_avals)
+        n_carry, n_sliced = len(self.carry_avals), len(self.sliced_avals)
         carries, sliced = params[:n_carry], params[n_carry:n_carry + n_sliced]
         invariants = params[n_carry + n_sliced:]
         stacked = [xb.Op.scalar(builder, 0, dtype=_xla_type(a.dtype)).broadcast((length, *a.shape))
-                   for a in stacked_avals]
+                   for a in self.stacked_avals]
         step = xb.Op.scalar(builder, 0, dtype=xb.Type.S64)
         n_stacked = len(stacked)
 
@@ -452,19 +475,7 @@ class _Loop:
         loop = xb.Op.mkwhile((step, *carries, *sliced, *stacked, *invariants), condition, step_fn)
         results = [loop.get_tuple_element(1 + i) for i in range(n_carry)]
         results += [loop.get_tuple_element(1 + n_carry + n_sliced + i) for i in range(n_stacked)]
-        self.computation = xb.Op.tuple(results).build(name)
-        self.uses_seed = uses_seed
-        self.length = length
-        self.carry_count = n_carry
-
-    def __call__(self, carries, sliced, invariants):
-        operands = [*carries, *sliced, *invariants]
-        if self.uses_seed:
-            # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
-            seeds = torch.randint(0, 2**62, (self.length,), dtype=torch.int64)
-            operands.append(seeds.to(carries[0].device if carries else sliced[0].device))
-        results = _XLAC._xla_user_computation(f"xla::{self.name}", operands, self.computation)
-        return results[:self.carry_count], results[self.carry_count:]
+        return xb.Op.tuple(results).build(self.name)
 
 
 def _xla_type(dtype: torch.dtype):
@@ -502,14 +513,16 @@ class _Traced:
         self.capture_avals = _avals(lifter.captured)
         self.y_tree = y_tree
         self.y_avals = _avals(y_out)
-        self._carry_in, self._x_in, self._carry_out, self._y_out = carry_in, x_in, carry_out, y_out
-        self._capture_in = [lifter.stand_ins[id(t)] for t in lifter.captured]
         # Pass: a carry returned unchanged is read-only and stays out of the loop.
         self.read_only = [out is c for out, c in zip(carry_out, carry_in)]
         # Pass: an x slice returned as y is not copied; that ys leaf is the xs leaf.
         x_index = {id(x): i for i, x in enumerate(x_in)}
         self.y_from_x = [x_index.get(id(y)) for y in y_out]
-        self._loops: dict = {}
+        capture_in = [lifter.stand_ins[id(t)] for t in lifter.captured]
+        # Lowered now, so that the cache keeps no lazy tensors (pending work
+        # that reads placeholders) once tracing is over.
+        self._inference = _InferencePlan(self, carry_in, x_in, capture_in, carry_out, y_out)
+        self._training = None
         self._lock = threading.Lock()
 
     def captures_still_match(self) -> bool:
@@ -519,35 +532,31 @@ class _Traced:
     def current_captures(self) -> list[torch.Tensor]:
         return [ref() for ref in self._capture_refs]
 
-    def run(self, carry, xs, captures, length, reverse, needs_grad):
-        loop_key = (length, reverse, needs_grad)
+    def run(self, carry, xs, captures, reverse, needs_grad):
+        if not needs_grad:
+            return self._inference(carry, xs, captures, reverse)
         with self._lock:
-            plan = self._loops.get(loop_key)
-            if plan is None:
-                builder = _TrainingPlan if needs_grad else _InferencePlan
-                plan = builder(self, length, reverse)
-                self._loops[loop_key] = plan
-        return plan(carry, xs, captures)
+            if self._training is None:
+                self._training = _TrainingPlan(self)
+        return self._training(carry, xs, captures, reverse)
 
 
 class _InferencePlan:
     """Forward only: the trace itself, lowered once."""
 
-    def __init__(self, traced: _Traced, length: int, reverse: bool):
+    def __init__(self, traced: _Traced, carry_in, x_in, capture_in, carry_out, y_out):
         self.traced = traced
         self.looped_carry = [i for i, ro in enumerate(traced.read_only) if not ro]
         self.stacked_y = [i for i, src in enumerate(traced.y_from_x) if src is None]
         slots = {}
         for position, i in enumerate(self.looped_carry):
-            slots[id(traced._carry_in[i])] = (traced._carry_in[i], _Slot("carry", position))
-        for i, x in enumerate(traced._x_in):
+            slots[id(carry_in[i])] = (carry_in[i], _Slot("carry", position))
+        for i, x in enumerate(x_in):
             slots[id(x)] = (x, _Slot("sliced", i))
-        given = [traced._carry_in[i] for i, ro in enumerate(traced.read_only) if ro]
-        given += traced._capture_in
+        given = [carry_in[i] for i, ro in enumerate(traced.read_only) if ro] + list(capture_in)
         for k, t in enumerate(given):
             slots[id(t)] = (t, _Slot("invariant", k))
-        outputs = [traced._carry_out[i] for i in self.looped_carry]
-        outputs += [traced._y_out[i] for i in self.stacked_y]
+        outputs = [carry_out[i] for i in self.looped_carry] + [y_out[i] for i in self.stacked_y]
         body = _lower_body("scan_step", outputs, slots, len(given))
         self.constants = body.constants
         out_slots = [_Slot("carry", p) for p in range(len(self.looped_carry))]
@@ -555,13 +564,13 @@ class _InferencePlan:
         carry_avals = [traced.key.carry_avals[i] for i in self.looped_carry]
         self.loop = _Loop("scan", body, out_slots, carry_avals, traced.key.x_avals,
                           [traced.y_avals[i] for i in self.stacked_y],
-                          _avals(given) + _avals(body.constants), length, reverse)
+                          _avals(given) + _avals(body.constants))
 
-    def __call__(self, carry, xs, captures):
+    def __call__(self, carry, xs, captures, reverse):
         traced = self.traced
         read_only = [c for c, ro in zip(carry, traced.read_only) if ro]
         carry_out, stacked = self.loop([carry[i] for i in self.looped_carry], xs,
-                                       read_only + list(captures) + self.constants)
+                                       read_only + list(captures) + self.constants, reverse)
         return _assemble(traced, carry, xs, carry_out, stacked, self.looped_carry, self.stacked_y)
 
 
@@ -588,7 +597,7 @@ class _TrainingPlan:
     transpose, say) are recomputed in the backward step instead of stacked.
     """
 
-    def __init__(self, traced: _Traced, length: int, reverse: bool):
+    def __init__(self, traced: _Traced):
         self.traced = traced
         key = traced.key
         self.looped_carry = [i for i, ro in enumerate(traced.read_only) if not ro]
@@ -603,7 +612,7 @@ class _TrainingPlan:
                             + list(key.x_avals) + invariant_avals)
         self.sizes = (len(carry_avals), len(key.x_avals), len(invariant_avals))
         fw_graph, bw_graph, differentiable = self._partition()
-        self._build_loops(fw_graph, bw_graph, differentiable, length, reverse)
+        self._build_loops(fw_graph, bw_graph, differentiable)
 
     def _step(self, *primals):
         """One step as a flat function of (looped carries, x, invariants) for
@@ -655,7 +664,7 @@ class _TrainingPlan:
             raise ValueError("scan: none of fn's outputs depends on an input that requires grad")
         return graphs["forward"], graphs["backward"], differentiable
 
-    def _build_loops(self, fw_graph, bw_graph, differentiable, length, reverse):
+    def _build_loops(self, fw_graph, bw_graph, differentiable):
         n_carry, n_x, n_inv = self.sizes
         n_out = n_carry + len(self.stacked_y)
         stand_ins = [_stand_in(a, requires_grad=False) for a in self.input_avals]
@@ -676,15 +685,15 @@ class _TrainingPlan:
         # slice, or something computed from invariants alone.
         step_ids = {_XLAC._xla_get_tensor_id(t) for t in carry_in + x_in}
         x_ids = {id(t): i for i, t in enumerate(x_in)}
-        self.activation_of_saved = []
+        activation_of_saved = []
         activations = []
         for value in saved:
             if id(value) in x_ids:
-                self.activation_of_saved.append(("x", x_ids[id(value)]))
+                activation_of_saved.append(("x", x_ids[id(value)]))
             elif step_ids.isdisjoint(_XLAC._get_tensors_xla_device_data_node([value])[0]):
-                self.activation_of_saved.append(("invariant", value))
+                activation_of_saved.append(("invariant", value))
             else:
-                self.activation_of_saved.append(("stacked", len(activations)))
+                activation_of_saved.append(("stacked", len(activations)))
                 activations.append(value)
 
         forward_body = _lower_body("scan_forward_step", outputs + activations, slots, n_inv)
@@ -696,7 +705,7 @@ class _TrainingPlan:
             "scan_forward", forward_body, out_slots, self.input_avals[:n_carry],
             self.input_avals[n_carry:n_carry + n_x],
             _avals(outputs[n_carry:]) + _avals(activations),
-            self.input_avals[n_carry + n_x:] + list(_avals(forward_body.constants)), length, reverse)
+            self.input_avals[n_carry + n_x:] + list(_avals(forward_body.constants)))
 
         # Backward step: carries are the carry gradients, then accumulators for
         # invariant gradients; sliced inputs are activations, y gradients, xs.
@@ -725,7 +734,7 @@ class _TrainingPlan:
             bw_slots[id(t)] = (t, _Slot("carry", position))
             carry_tangent_in.append(t)
         saved_in = []
-        for kind, what in self.activation_of_saved:
+        for kind, what in activation_of_saved:
             saved_in.append(x_in[what] if kind == "x" else what if kind == "invariant"
                             else activation_in[what])
         tangents = carry_tangent_in + y_tangent_in
@@ -751,26 +760,26 @@ class _TrainingPlan:
             list(_avals(activations)) + [_avals(outputs)[n_carry + i] for i in self.y_tangents]
             + list(self.input_avals[n_carry:n_carry + n_x]),
             [self.input_avals[n_carry + i] for i in self.grad_x],
-            list(invariant_avals) + list(_avals(backward_body.constants)), length, not reverse)
+            list(invariant_avals) + list(_avals(backward_body.constants)))
 
-    def __call__(self, carry, xs, captures):
+    def __call__(self, carry, xs, captures, reverse):
         traced = self.traced
         read_only = [c for c, ro in zip(carry, traced.read_only) if ro]
         inputs = [carry[i] for i in self.looped_carry] + list(xs) + read_only + list(captures)
-        results = _ScanFunction.apply(self, *inputs)
+        results = _ScanFunction.apply(self, reverse, *inputs)
         n_carry = self.sizes[0]
         return _assemble(traced, carry, xs, results[:n_carry], results[n_carry:],
                          self.looped_carry, self.stacked_y)
 
-    def forward(self, inputs):
+    def forward(self, inputs, reverse):
         n_carry, n_x, _ = self.sizes
         carry, xs = inputs[:n_carry], inputs[n_carry:n_carry + n_x]
         invariants = list(inputs[n_carry + n_x:]) + self.forward_constants
-        carry_out, stacked = self.forward_loop(carry, xs, invariants)
+        carry_out, stacked = self.forward_loop(carry, xs, invariants, reverse)
         split = len(stacked) - self.activation_count
         return list(carry_out) + list(stacked[:split]), stacked[split:]
 
-    def backward(self, inputs, activations, output_grads):
+    def backward(self, inputs, activations, output_grads, reverse):
         n_carry, n_x, n_inv = self.sizes
         xs, invariants = inputs[n_carry:n_carry + n_x], inputs[n_carry + n_x:]
         carry_grads, y_grads = output_grads[:n_carry], output_grads[n_carry:]
@@ -779,7 +788,7 @@ class _TrainingPlan:
         carries = [carry_grads[i] for i in self.carry_tangents] + zeros
         sliced = list(activations) + [y_grads[i] for i in self.y_tangents] + list(xs)
         carry_out, stacked = self.backward_loop(
-            carries, sliced, list(invariants) + self.backward_constants)
+            carries, sliced, list(invariants) + self.backward_constants, not reverse)
         grads = [None] * len(inputs)
         for position, i in enumerate(self.carry_tangents):
             grads[i] = carry_out[position]
@@ -792,9 +801,9 @@ class _TrainingPlan:
 
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _TrainingPlan, *inputs):
-        outputs, activations = plan.forward(inputs)
-        ctx.plan = plan
+    def forward(ctx, plan: _TrainingPlan, reverse: bool, *inputs):
+        outputs, activations = plan.forward(inputs, reverse)
+        ctx.plan, ctx.reverse = plan, reverse
         ctx.save_for_backward(*inputs, *activations)
         ctx.input_count = len(inputs)
         ctx.mark_non_differentiable(*[o for o in outputs if not o.dtype.is_floating_point])
@@ -804,5 +813,6 @@ class _ScanFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *output_grads):
         saved = ctx.saved_tensors
-        grads = ctx.plan.backward(saved[:ctx.input_count], saved[ctx.input_count:], output_grads)
-        return (None, *grads)
+        grads = ctx.plan.backward(saved[:ctx.input_count], saved[ctx.input_count:], output_grads,
+                                  ctx.reverse)
+        return (None, None, *grads)
