@@ -213,7 +213,7 @@ def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
       path = next(path for path, value in tree_flatten_with_path((args, kwargs))[0]
                   if value is leaf)
       raise TypeError(
-          f"Layer argument {_argument_path(path)} is a {type(leaf).__name__}; layers "
+          f"Layer argument {_argument_path(path)} has type {type(leaf).__name__}; layers "
           f"in a stack run inside one traced loop, so each extra argument must be a "
           f"tensor or a plain constant (None, bool, int, float, str).")
     # With its type, since True == 1 == 1.0 would otherwise share one trace.
