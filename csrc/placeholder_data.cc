@@ -42,18 +42,26 @@ Registry& GetRegistry() {
 
 }  // namespace
 
-PlaceholderData::PlaceholderData(std::vector<int64_t> sizes,
-                                 c10::ScalarType dtype, int64_t device_ordinal)
-    : torch::lazy::BackendData(MakeDevice(device_ordinal),
-                               torch::lazy::Shape(dtype, sizes)),
-      id_(++last_issued_id) {
+namespace {
+
+// Checked before the id is taken, so a rejected placeholder uses up no id.
+const std::vector<int64_t>& CheckedSizes(const std::vector<int64_t>& sizes) {
   for (int64_t size : sizes) {
     if (size < 0) {
       throw std::invalid_argument("placeholder sizes must be non-negative, got " +
                                   std::to_string(size));
     }
   }
+  return sizes;
 }
+
+}  // namespace
+
+PlaceholderData::PlaceholderData(std::vector<int64_t> sizes,
+                                 c10::ScalarType dtype, int64_t device_ordinal)
+    : torch::lazy::BackendData(MakeDevice(device_ordinal),
+                               torch::lazy::Shape(dtype, CheckedSizes(sizes))),
+      id_(++last_issued_id) {}
 
 void PlaceholderData::Assign(const torch::lazy::BackendData& /*data*/) {
   throw PlaceholderValueError(

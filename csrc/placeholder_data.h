@@ -33,7 +33,7 @@ class PlaceholderData : public torch::lazy::BackendData {
   bool HasValue() const override { return false; }
   [[noreturn]] void Assign(const torch::lazy::BackendData& data) override;
 
-  // "f32[2,3] placeholder #7", used in every error message.
+  // "Float[2,3] placeholder #7", used in every error message.
   std::string Describe() const;
 
   // How many ids have been handed out so far (the next id is this plus one).
