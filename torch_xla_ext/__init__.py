@@ -8,8 +8,9 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 from torch_xla_ext.placeholders import (  # noqa: E402
     PlaceholderError, depends_on_placeholder, is_placeholder, placeholder, placeholder_id)
 from torch_xla_ext.scan import cache_clear, cache_info, scan  # noqa: E402
+from torch_xla_ext.layer_stack import LayerStack, scan_layers  # noqa: E402
 
 __all__ = [
-    "PlaceholderError", "cache_clear", "cache_info", "depends_on_placeholder", "is_placeholder",
-    "placeholder", "placeholder_id", "scan",
+    "LayerStack", "PlaceholderError", "cache_clear", "cache_info", "depends_on_placeholder",
+    "is_placeholder", "placeholder", "placeholder_id", "scan", "scan_layers",
 ]
