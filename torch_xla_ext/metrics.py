@@ -10,6 +10,7 @@ Values are normalized: durations to seconds, sizes to bytes.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Sequence
@@ -413,9 +414,19 @@ def live_report() -> MetricsReport:
 
     # Executions are recorded when they complete, which is asynchronous.
     xm.wait_device_ops()
-    # Parsing the report, rather than querying metric by metric, gives live and
-    # saved reports one code path; it costs sizes their last printed digits.
-    return parse_report(xla_metrics.metrics_report())
+    # Parsing the report gives live and saved reports one code path, and the
+    # metrics their units. The text rounds sizes to two decimals of their unit
+    # (1.05MB), too coarse to subtract two reports, so the totals are then
+    # replaced by torch_xla's own, which are exact.
+    report = parse_report(xla_metrics.metrics_report())
+    exact = {}
+    for name, metric in report.metrics.items():
+        total_samples, accumulator, _ = xla_metrics.metric_data(name)
+        if metric.unit == SECONDS:
+            accumulator /= 1e9  # torch_xla keeps nanoseconds
+        exact[name] = dataclasses.replace(metric, total_samples=total_samples,
+                                          accumulator=accumulator)
+    return dataclasses.replace(report, metrics=exact)
 
 
 def collect() -> dict[str, int | float]:
