@@ -1,6 +1,16 @@
 #!/usr/bin/env python
 """Compare torch_xla metrics side by side.
 
+  compare_metrics.py [run] [--layers N | --sweep-layers N,N,...] [--hidden H]
+                     [--steps S] [--modes MODE,...] [--workload MODULE:FUNCTION]
+                     [--json FILE] [--plot FILE.png]
+
+runs a training workload (by default a stack of decoder blocks) once per mode,
+each mode in a fresh process because torch_xla's metrics are global to a
+process, and prints one table: a column per mode, a row per figure, marking
+the values that differ from the `loop` column by more than 10%. `run` is the
+default command.
+
   compare_metrics.py diff A.txt B.txt
 
 reads two saved `torch_xla.debug.metrics.metrics_report()` texts and prints the
@@ -10,16 +20,26 @@ per file, marking the values that differ from A by more than 10%.
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
+import resource
+import statistics
+import subprocess
 import sys
+import time
 
 from torch_xla_ext.metrics import (
-    FIGURE_ROWS, MetricsReport, MetricsReportError, figures, format_table, parse_report,
-    raw_figures, raw_rows)
+    BYTES, COUNT, FIGURE_ROWS, SECONDS, MetricsReport, MetricsReportError, Row, collect,
+    figures, format_table, parse_report, raw_figures, raw_rows)
 
 
 class InputError(Exception):
     """A problem with the user's input, reported as `prog: error: ...` with exit code 2."""
+
+
+class RunError(Exception):
+    """A mode's worker process failed; reported with exit code 1."""
 
 
 def column_names(paths: list[str]) -> list[str]:
@@ -60,30 +80,447 @@ def run_diff(args: argparse.Namespace) -> None:
     print(format_table(columns, baseline=names[0], rows=[*FIGURE_ROWS, None, *rows]))
 
 
+# ---------------------------------------------------------------- run
+
+# What each mode runs, for the help text.
+MODES = {
+    "loop": "a Python for loop over the layers",
+    "scan": "torch_xla_ext's LayerStack: one scan, traced once on placeholders",
+    "scan-device-data": "that scan traced at every step on stand-ins copied from host",
+    "torch-xla-scan": "torch_xla.experimental.scan_layers",
+}
+# The mode a workload builds its model for: scan-device-data is `scan` with
+# other stand-ins, which the worker swaps in itself.
+WORKLOAD_MODES = {"loop": "loop", "scan": "scan", "scan-device-data": "scan",
+                  "torch-xla-scan": "torch-xla-scan"}
+BASELINE_MODE = "loop"
+
+# Small enough for all four modes to finish in well under two minutes on 2 CPU cores.
+DEFAULT_LAYERS = 4
+DEFAULT_HIDDEN = 64
+DEFAULT_STEPS = 3
+DECODER_HEADS = 4
+DECODER_BATCH = 2
+DECODER_SEQUENCE = 16
+DECODER_LEARNING_RATE = 0.01
+
+RUN_ROWS: tuple[Row | None, ...] = (
+    *FIGURE_ROWS,
+    None,
+    Row("build_seconds", "graph building per step", SECONDS),
+    Row("scan_traces", "torch_xla_ext scan traces", COUNT),
+    Row("hlo_parameters", "HLO parameters of the step", COUNT),
+    Row("peak_rss", "peak RSS", BYTES),
+)
+# Figures summed over the steps; the others are described in `summarize`.
+SUMMED_KEYS = tuple(row.key for row in FIGURE_ROWS) + ("scan_traces",)
+# The sweep's two subplots.
+PLOTTED_ROWS = (Row("compile_seconds", "XLA compile time (all steps)", SECONDS),
+                Row("build_seconds", "graph building per step (steady state)", SECONDS))
+
+WORKER_COMMAND = "_worker"
+# Marks the worker's result line on its stdout, which the workload may print to.
+RESULT_PREFIX = "compare_metrics.py result: "
+WORKER_ERROR_LINES = 25
+
+WORKLOAD_HELP = """\
+workload contract:
+  --workload MODULE:FUNCTION measures your own model instead of the decoder
+  blocks. MODULE is imported (the current directory is on the import path),
+  then, in each mode's process, FUNCTION(mode, layers, hidden) is called once,
+  with mode 'loop', 'scan' or 'torch-xla-scan' (scan-device-data calls it with
+  'scan'), to build the model and data on the XLA device. It returns a
+  function step() that builds one training step without syncing and returns
+  the step's outputs: the loss (a scalar) first, then the tensors the step
+  updates, as a list or tuple of XLA tensors. step() is timed, then the script
+  runs torch_xla.sync().
+
+figures:
+  Transfers, compilations and executions are summed over the steps (what the
+  set-up moves is left out); graph building is the mean time step() takes
+  over the steps after the first; HLO parameters are those of the last step's
+  graph (the outputs step() returns); peak RSS is the mode's process's.
+  --json FILE writes every figure per mode, with a list of per-step figures.
+"""
+
+
+def decoder_training(mode: str, layers: int, hidden: int):
+    """The default workload: SGD training steps of `layers` decoder blocks of width `hidden`."""
+    import torch
+    import torch_xla
+    from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
+
+    device = torch_xla.device()
+    model = make_decoder_stack(layers, hidden, DECODER_HEADS, mode, device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=DECODER_LEARNING_RATE)
+    batch = make_batch(DECODER_BATCH, DECODER_SEQUENCE, hidden, device=device)
+
+    def step():
+        loss = training_step(model, batch, optimizer)
+        return [loss, *model.parameters()]
+
+    return step
+
+
+def workload_name(spec: str | None) -> str:
+    return spec or "decoder blocks"
+
+
+def load_workload(spec: str | None):
+    """The workload function `--workload MODULE:FUNCTION` names, or the default one."""
+    if spec is None:
+        return decoder_training
+    module_name, colon, function_name = spec.partition(":")
+    if not (colon and module_name and function_name):
+        raise InputError(f"--workload {spec!r}: expected MODULE:FUNCTION, such as my_model:make_step")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise InputError(f"--workload {spec!r}: cannot import {module_name!r}: {error}") from None
+    function = getattr(module, function_name, None)
+    if function is None:
+        raise InputError(f"--workload {spec!r}: module {module_name!r} ({module.__file__}) "
+                         f"has no {function_name!r}")
+    if not callable(function):
+        raise InputError(f"--workload {spec!r}: {function_name!r} is a "
+                         f"{type(function).__name__}, not a function")
+    return function
+
+
+def mode_list(text: str) -> list[str]:
+    modes = [mode.strip() for mode in text.split(",")]
+    for mode in modes:
+        if mode not in MODES:
+            raise argparse.ArgumentTypeError(
+                f"unknown mode {mode!r} in {text!r}; choose from {', '.join(MODES)}")
+        if modes.count(mode) > 1:
+            raise argparse.ArgumentTypeError(f"mode {mode!r} is given twice in {text!r}")
+    return modes
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+def step_count(text: str) -> int:
+    steps = positive_int(text)
+    if steps < 2:
+        # The first step compiles; per-step figures come from the steps after it.
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is too few: the first step compiles, so at least 2 are needed")
+    return steps
+
+
+def layer_list(text: str) -> list[int]:
+    depths = []
+    for part in text.split(","):
+        try:
+            depth = positive_int(part.strip())
+        except argparse.ArgumentTypeError as error:
+            raise argparse.ArgumentTypeError(f"in {text!r}: {error}") from None
+        if depth in depths:
+            raise argparse.ArgumentTypeError(f"{depth} layers is given twice in {text!r}")
+        depths.append(depth)
+    return depths
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def trace_with_device_data() -> None:
+    """Makes torch_xla_ext.scan trace with device data instead of placeholders.
+
+    Each stand-in is an uninitialized host tensor moved to the device: one
+    host-to-device transfer per carry, slice and captured tensor at every
+    trace, which is what placeholders avoid. `torch.empty(..., device=xla)`
+    would not do: torch_xla makes it a lazy broadcast of the constant 0, which
+    moves nothing and would be baked into the trace as zeros.
+    """
+    import torch
+    import torch_xla
+
+    # The module itself: the package attribute `torch_xla_ext.scan` is the function.
+    scan_module = importlib.import_module("torch_xla_ext.scan")
+    device = torch_xla.device()
+
+    def device_data_stand_in(shape, dtype, *, requires_grad=False):
+        return torch.empty(shape, dtype=dtype).to(device).requires_grad_(requires_grad)
+
+    scan_module.placeholder = device_data_stand_in
+
+
+def step_outputs(outputs, spec: str | None) -> list:
+    import torch
+
+    outputs = [outputs] if isinstance(outputs, torch.Tensor) else outputs
+    if (not isinstance(outputs, (list, tuple)) or not outputs
+            or not all(isinstance(output, torch.Tensor) for output in outputs)):
+        raise InputError(f"workload {workload_name(spec)!r}: step() returned "
+                         f"{type(outputs).__name__}; it must return a tensor or a non-empty "
+                         "list or tuple of tensors, the loss first")
+    return list(outputs)
+
+
+def entry_parameter_count(hlo_text: str) -> int:
+    """Parameters of the ENTRY computation of an HLO module's text."""
+    lines = iter(hlo_text.splitlines())
+    for line in lines:
+        if line.startswith("ENTRY "):
+            break
+    count = 0
+    for line in lines:
+        if line.startswith("}"):
+            break
+        count += " parameter(" in line
+    return count
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB
+
+
+def summarize(steps: list[dict]) -> dict:
+    """A mode's figures from its per-step ones (see WORKLOAD_HELP)."""
+    return {
+        **{key: sum(step[key] for step in steps) for key in SUMMED_KEYS},
+        "build_seconds": statistics.mean(step["build_seconds"] for step in steps[1:]),
+        "hlo_parameters": steps[-1]["hlo_parameters"],
+    }
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Runs one mode and prints its figures as a JSON line after RESULT_PREFIX."""
+    import torch_xla
+    import torch_xla_ext
+
+    build_workload = load_workload(args.workload)
+    device_data = args.mode == "scan-device-data"
+    if device_data:
+        trace_with_device_data()
+    step = build_workload(WORKLOAD_MODES[args.mode], args.layers, args.hidden)
+    torch_xla.sync()
+    previous = collect()
+    steps = []
+    for _ in range(args.steps):
+        if device_data:
+            # Stand-ins are made, and moved, when scan traces; a cached trace
+            # would move them once. torch_xla's scan_layers traces again at
+            # every call (unless told its layers are pure), so this does too.
+            torch_xla_ext.cache_clear()
+        traces_before = torch_xla_ext.cache_info().misses
+        started = time.perf_counter()
+        outputs = step_outputs(step(), args.workload)
+        build_seconds = time.perf_counter() - started
+        scan_traces = torch_xla_ext.cache_info().misses - traces_before
+        hlo_parameters = entry_parameter_count(torch_xla._XLAC._get_xla_tensors_hlo(outputs))
+        torch_xla.sync()
+        current = collect()
+        steps.append({**{key: current[key] - previous[key] for key in current},
+                      "build_seconds": build_seconds, "scan_traces": scan_traces,
+                      "hlo_parameters": hlo_parameters})
+        previous = current
+    if device_data and not any(step["scan_traces"] for step in steps):
+        raise InputError(f"workload {workload_name(args.workload)!r} never called "
+                         "torch_xla_ext.scan in mode 'scan', so scan-device-data has nothing "
+                         "to trace with device data")
+    # Read after the last figures were taken: it is a device-to-host transfer.
+    final_loss = outputs[0].item()
+    result = {**summarize(steps), "peak_rss": peak_rss_bytes(), "final_loss": final_loss,
+              "steps": steps}
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------- parent side
+
+
+def run_in_worker(mode: str, layers: int, args: argparse.Namespace) -> dict:
+    """One mode's figures, measured in a fresh process."""
+    command = [sys.executable, os.path.abspath(__file__), WORKER_COMMAND, "--mode", mode,
+               "--layers", str(layers), "--hidden", str(args.hidden), "--steps", str(args.steps)]
+    if args.workload is not None:
+        command += ["--workload", args.workload]
+    completed = subprocess.run(command, capture_output=True, text=True)
+    results = [line[len(RESULT_PREFIX):] for line in completed.stdout.splitlines()
+               if line.startswith(RESULT_PREFIX)]
+    if completed.returncode != 0 or not results:
+        tail = "\n".join(completed.stderr.rstrip().splitlines()[-WORKER_ERROR_LINES:])
+        raise RunError(f"mode {mode!r} with {layers} layers failed (exit code "
+                       f"{completed.returncode}); the end of its output:\n{tail}")
+    return json.loads(results[-1])
+
+
+def check_output_path(path: str | None, option: str) -> None:
+    """Fails before the runs, not after them, on a file that cannot be written."""
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise InputError(f"{option} {path}: directory {directory} does not exist")
+
+
+def check_plot_format(path: str) -> None:
+    from matplotlib.figure import Figure
+
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    supported = Figure().canvas.get_supported_filetypes()
+    if extension not in supported:
+        raise InputError(f"--plot {path}: matplotlib cannot write {extension or 'extension-less'} "
+                         f"files; use one of .{', .'.join(sorted(supported))}")
+
+
+def plot_sweep(path: str, depths: list[int], runs: list[dict], modes: list[str]) -> dict:
+    """Draws PLOTTED_ROWS against depth, a line per mode; returns what was drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(PLOTTED_ROWS), figsize=(11, 4.5))
+    for axis, row in zip(axes, PLOTTED_ROWS):
+        for mode in modes:
+            axis.plot(depths, [run[mode][row.key] for run in runs], marker="o", label=mode)
+        axis.set(title=row.label, xlabel="layers", ylabel="seconds", xticks=depths)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    # Read back from the figure, so that the JSON holds what the plot shows.
+    return {axis.get_title(): {line.get_label(): {"layers": [int(x) for x in line.get_xdata()],
+                                                  "seconds": [float(y) for y in line.get_ydata()]}
+                               for line in axis.get_lines()}
+            for axis in axes}
+
+
+def run_run(args: argparse.Namespace) -> None:
+    if args.plot is not None and args.sweep_layers is None:
+        raise InputError("--plot draws a sweep over depths: give --sweep-layers too, "
+                         "such as --sweep-layers 4,8,16,32")
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
+    if args.plot is not None:
+        check_plot_format(args.plot)
+    load_workload(args.workload)  # a bad --workload fails here, before any process starts
+    depths = args.sweep_layers or [args.layers]
+    baseline = BASELINE_MODE if BASELINE_MODE in args.modes else args.modes[0]
+    runs = []
+    for depth_index, layers in enumerate(depths):
+        results = {}
+        for mode_index, mode in enumerate(args.modes):
+            position = depth_index * len(args.modes) + mode_index + 1
+            what = f"{mode}, {layers} layers" if args.sweep_layers else mode
+            print(f"[{position}/{len(depths) * len(args.modes)}] {what}: running "
+                  f"{args.steps} steps ...", file=sys.stderr, flush=True)
+            results[mode] = run_in_worker(mode, layers, args)
+        runs.append(results)
+        if depth_index:
+            print()
+        print(f"{workload_name(args.workload)}: {layers} layers, hidden {args.hidden}, "
+              f"{args.steps} steps")
+        print(format_table(results, baseline=baseline, rows=RUN_ROWS))
+
+    settings = {"workload": workload_name(args.workload), "hidden": args.hidden,
+                "steps": args.steps, "modes": args.modes}
+    if args.sweep_layers is None:
+        output = {"settings": {**settings, "layers": args.layers}, "modes": runs[0]}
+    else:
+        output = {"settings": {**settings, "sweep_layers": depths},
+                  "sweep": [{"layers": layers, "modes": results}
+                            for layers, results in zip(depths, runs)]}
+        if args.plot is not None:
+            output["plot"] = plot_sweep(args.plot, depths, runs, args.modes)
+    if args.json is not None:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump(output, file, indent=1)
+            file.write("\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compare_metrics.py",
-        description="Compare torch_xla metrics reports side by side.")
+        description="Compare torch_xla metrics side by side: of a workload run in "
+                    "several modes (run, the default command), or of two saved "
+                    "metrics reports (diff).")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # Options the run command passes on to its workers.
+    workload_options = argparse.ArgumentParser(add_help=False)
+    workload_options.add_argument(
+        "--hidden", type=positive_int, default=DEFAULT_HIDDEN,
+        help=f"width of the layers (default {DEFAULT_HIDDEN}; a multiple of "
+             f"{DECODER_HEADS} for the decoder blocks' {DECODER_HEADS} heads)")
+    workload_options.add_argument(
+        "--steps", type=step_count, default=DEFAULT_STEPS,
+        help=f"training steps per mode, 2 or more (default {DEFAULT_STEPS})")
+    workload_options.add_argument(
+        "--workload", metavar="MODULE:FUNCTION",
+        help="your own model instead of the decoder blocks (see the contract below)")
+
+    mode_lines = "\n".join(f"  {mode:<17} {description}" for mode, description in MODES.items())
+    run = commands.add_parser(
+        "run", parents=[workload_options], formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="run a workload once per mode and compare their metrics (the default)",
+        description="Run a training workload once per mode, each in a fresh process,\n"
+                    "and print its torch_xla figures side by side, marking those that\n"
+                    f"differ from {BASELINE_MODE} by more than 10%.\n\nmodes:\n{mode_lines}",
+        epilog=WORKLOAD_HELP)
+    depth = run.add_mutually_exclusive_group()
+    depth.add_argument("--layers", type=positive_int, default=DEFAULT_LAYERS,
+                       help=f"number of layers (default {DEFAULT_LAYERS})")
+    depth.add_argument("--sweep-layers", type=layer_list, metavar="N,N,...",
+                       help="run every mode at each of these depths, a table per depth")
+    run.add_argument("--modes", type=mode_list, default=list(MODES), metavar="MODE,...",
+                     help=f"modes to run, comma-separated (default {','.join(MODES)})")
+    run.add_argument("--json", metavar="FILE",
+                     help="also write the figures, per mode and per step, to FILE")
+    run.add_argument("--plot", metavar="FILE.png",
+                     help="with --sweep-layers, plot compile time and graph-building time "
+                          "against depth, a line per mode (the plotted series go into --json)")
+    run.set_defaults(handler=run_run)
 
     diff = commands.add_parser(
         "diff", help="compare two saved metrics_report() texts",
         description="Print the figures of two saved metrics_report() texts side by side, "
-                    "marking values of B that differ from A by more than 10%%.")
+                    "marking values of B that differ from A by more than 10%.")
     diff.add_argument("baseline_report", metavar="A", help="the report to compare against")
     diff.add_argument("other_report", metavar="B", help="the report to compare")
     diff.set_defaults(handler=run_diff)
+
+    # One mode in this process, for run; not listed in the help.
+    worker = commands.add_parser(WORKER_COMMAND, parents=[workload_options])
+    worker.add_argument("--mode", choices=MODES, required=True)
+    worker.add_argument("--layers", type=positive_int, required=True)
+    worker.set_defaults(handler=run_worker)
     return parser
+
+
+def with_default_command(argv: list[str]) -> list[str]:
+    """Puts `run` in front of arguments that start with no command."""
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        return ["run", *argv]
+    return argv
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_default_command(sys.argv[1:] if argv is None else argv))
     try:
         args.handler(args)
     except InputError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
+    except RunError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
