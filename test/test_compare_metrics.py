@@ -1,0 +1,190 @@
+"""scripts/compare_metrics.py run: every mode in its own process, figures per step."""
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+COMPARE_METRICS = REPO / "scripts" / "compare_metrics.py"
+ALL_MODES = ["loop", "scan", "scan-device-data", "torch-xla-scan"]
+STEPS = 3
+
+
+def compare_metrics(*args, cwd=REPO, timeout=240):
+    return subprocess.run(
+        [sys.executable, str(COMPARE_METRICS), *map(str, args)], capture_output=True,
+        text=True, timeout=timeout, cwd=cwd, env={**os.environ, "PJRT_DEVICE": "CPU"})
+
+
+def table_cells(table: str, label: str) -> list[str]:
+    """The values of a table row (without its label), columns being 2+ spaces apart."""
+    (line,) = [line for line in table.splitlines() if line.startswith(label + "  ")]
+    return re.split(r"\s{2,}", line.strip())[1:]
+
+
+@pytest.fixture(scope="module")
+def all_modes(tmp_path_factory):
+    """The completed default command (no `run`) on a tiny decoder stack, and its JSON."""
+    json_path = tmp_path_factory.mktemp("run") / "figures.json"
+    completed = compare_metrics("--layers", 2, "--hidden", 32, "--steps", STEPS,
+                                "--json", json_path)
+    assert completed.returncode == 0, completed.stderr
+    return completed, json.loads(json_path.read_text())
+
+
+def test_run_is_the_default_command_with_a_column_per_mode(all_modes):
+    completed, figures = all_modes
+    table = completed.stdout
+    assert table.splitlines()[1].split() == ["figure", *ALL_MODES]
+    assert list(figures["modes"]) == ALL_MODES
+    assert figures["settings"] == {"workload": "decoder blocks", "hidden": 32, "steps": STEPS,
+                                   "modes": ALL_MODES, "layers": 2}
+    progress = [line for line in completed.stderr.splitlines() if line.startswith("[")]
+    assert progress == [f"[{position}/4] {mode}: running {STEPS} steps ..."
+                        for position, mode in enumerate(ALL_MODES, start=1)]
+    # Only the device-data stand-ins move bytes to the device at every step.
+    marked = [cell.endswith(" *") for cell in table_cells(table, "host-to-device bytes")]
+    assert marked == [False, False, True, False]
+    assert table.splitlines()[-1] == "* differs from loop by more than 10%"
+
+
+def test_placeholders_move_no_bytes_after_the_first_step_but_device_data_does(all_modes):
+    _, figures = all_modes
+    scan, device_data = figures["modes"]["scan"], figures["modes"]["scan-device-data"]
+    assert len(scan["steps"]) == len(device_data["steps"]) == STEPS
+    assert [step["h2d_bytes"] for step in scan["steps"][1:]] == [0] * (STEPS - 1)
+    assert [step["h2d_transfers"] for step in scan["steps"][1:]] == [0] * (STEPS - 1)
+    assert all(step["h2d_bytes"] > 0 for step in device_data["steps"][1:])
+    # The bytes come from tracing: one trace per step, each moving its stand-ins.
+    assert [step["scan_traces"] for step in device_data["steps"]] == [1] * STEPS
+    assert device_data["h2d_bytes"] == sum(step["h2d_bytes"] for step in device_data["steps"])
+
+
+def test_scan_traces_and_compiles_in_the_first_step_only(all_modes):
+    _, figures = all_modes
+    scan = figures["modes"]["scan"]
+    first, *later = scan["steps"]
+    assert scan["compilations"] == first["compilations"] >= 1
+    assert [step["compilations"] for step in later] == [0] * (STEPS - 1)
+    assert [step["scan_traces"] for step in scan["steps"]] == [1] + [0] * (STEPS - 1)
+    assert figures["modes"]["loop"]["scan_traces"] == 0
+
+
+def test_every_mode_trains_the_same_model(all_modes):
+    _, figures = all_modes
+    losses = {mode: result["final_loss"] for mode, result in figures["modes"].items()}
+    for mode in ALL_MODES[1:]:
+        assert losses[mode] == pytest.approx(losses["loop"], rel=1e-4), losses
+
+
+def test_per_mode_figures(all_modes):
+    _, figures = all_modes
+    for mode, result in figures["modes"].items():
+        assert result["build_seconds"] == pytest.approx(
+            sum(step["build_seconds"] for step in result["steps"][1:]) / (STEPS - 1)), mode
+        assert result["hlo_parameters"] == result["steps"][-1]["hlo_parameters"] > 0, mode
+        assert result["peak_rss"] > 100 * 2**20, mode
+        assert result["executions"] >= STEPS, mode
+
+
+def test_collect_differences_are_exact_bytes(run_isolated):
+    # The per-step figures are differences of collect(); the report text would
+    # round a 1 MiB total to 10 KiB, losing a 4-byte transfer.
+    completed = run_isolated("""
+        import torch, torch_xla
+        from torch_xla_ext.metrics import collect
+        device = torch_xla.device()
+        torch.zeros(2**18).to(device)
+        before = collect()
+        torch.zeros(1).to(device)
+        print(collect()["h2d_bytes"] - before["h2d_bytes"])
+    """)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["4"]
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_sweep_plots_a_line_per_mode(tmp_path):
+    plot, json_path = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    completed = compare_metrics("--sweep-layers", "1,2", "--modes", "loop,scan", "--hidden", 32,
+                                "--steps", 2, "--plot", plot, "--json", json_path)
+    assert completed.returncode == 0, completed.stderr
+    assert "[4/4] scan, 2 layers: running 2 steps ..." in completed.stderr
+    assert [line for line in completed.stdout.splitlines() if line.startswith("decoder")] == [
+        "decoder blocks: 1 layers, hidden 32, 2 steps",
+        "decoder blocks: 2 layers, hidden 32, 2 steps"]
+    assert png_size(plot.read_bytes()) == (1100, 450)
+    figures = json.loads(json_path.read_text())
+    assert [run["layers"] for run in figures["sweep"]] == [1, 2]
+    subplots = figures["plot"]
+    assert len(subplots) == 2
+    for title, lines in subplots.items():
+        assert sorted(lines) == ["loop", "scan"], title
+        for mode, line in lines.items():
+            assert line["layers"] == [1, 2], (title, mode)
+            assert all(math.isfinite(value) and value > 0 for value in line["seconds"]), (title, mode)
+    compile_lines = subplots["XLA compile time (all steps)"]
+    assert compile_lines["scan"]["seconds"] == [
+        run["modes"]["scan"]["compile_seconds"] for run in figures["sweep"]]
+
+
+USER_WORKLOAD = """
+    import torch, torch_xla
+
+    def build(mode, layers, hidden):
+        device = torch_xla.device()
+        weight = torch.nn.Parameter(torch.ones(hidden, hidden, device=device))
+        optimizer = torch.optim.SGD([weight], lr=0.1)
+        inputs = torch.ones(4, hidden, device=device)
+
+        def step():
+            optimizer.zero_grad()
+            loss = (inputs @ weight).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            return loss, weight
+
+        return step
+"""
+
+
+def test_user_workload_from_the_current_directory(tmp_path):
+    (tmp_path / "my_workload.py").write_text(textwrap.dedent(USER_WORKLOAD))
+    json_path = tmp_path / "figures.json"
+    completed = compare_metrics("run", "--workload", "my_workload:build", "--modes", "loop",
+                                "--hidden", 8, "--steps", 2, "--json", json_path, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    loop = json.loads(json_path.read_text())["modes"]["loop"]
+    # loss = mean((4 * 8 ones)^2) = 64 at the start, and SGD lowers it.
+    assert 0 < loop["final_loss"] < 64
+    assert loop["compilations"] >= 1 and loop["scan_traces"] == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--modes", "loop,scna"],
+     "argument --modes: unknown mode 'scna' in 'loop,scna'; choose from loop, scan, "
+     "scan-device-data, torch-xla-scan"),
+    (["--modes", "scan,scan"], "argument --modes: mode 'scan' is given twice in 'scan,scan'"),
+    (["--workload", "no_such_module:build"],
+     "--workload 'no_such_module:build': cannot import 'no_such_module': "
+     "No module named 'no_such_module'"),
+    (["--workload", "build"], "--workload 'build': expected MODULE:FUNCTION"),
+    (["--plot", "out.png"], "--plot draws a sweep over depths: give --sweep-layers too"),
+])
+def test_bad_options_name_the_culprit(args, message):
+    completed = compare_metrics(*args, timeout=60)
+    assert completed.returncode == 2
+    assert message in completed.stderr
+    assert "running" not in completed.stderr
