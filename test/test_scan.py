@@ -87,6 +87,22 @@ def test_block_with_captured_weights_reverse():
                  params=list(block.parameters()), reverse=True)
 
 
+def test_min_cut_partition_gives_the_same_gradients():
+    from functorch.compile import min_cut_rematerialization_partition
+    torch.manual_seed(2)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).to(DEV)
+    init, xs = randn(2, 4, grad=True), randn(3, 2, 4, grad=True)
+    fn = lambda c, x: (block(c).sin() + x, c.cos())
+    params = [init, xs, *block.parameters()]
+    carry, ys = tx.scan(fn, init, xs, partition_fn=min_cut_rematerialization_partition)
+    (carry.sum() + ys.sum()).backward()
+    min_cut = grads_of(params)
+    carry, ys = loop_scan(fn, init, xs)
+    (carry.sum() + ys.sum()).backward()
+    for a, e in zip(min_cut, grads_of(params)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
 def test_ys_with_none_and_passthrough():
     xs = randn(3, 2, grad=True)
     carry, ys = tx.scan(lambda c, x: (c * x, (None, x, c)), randn(2), xs)
@@ -239,6 +255,8 @@ def test_training_steps_compile_once():
      tx.PlaceholderError, r"cannot read the value"),
     (lambda: tx.scan(lambda c, x: (c + x.cpu().to(DEV), x), randn(2), randn(3, 2)),
      tx.PlaceholderError, r"cannot read the value"),
+    (lambda: tx.scan(lambda c, x: (c + x, torch_xla.sync()), randn(2), randn(3, 2)),
+     tx.PlaceholderError, r"cannot sync while scan's fn"),
 ])
 def test_bad_input_names_the_culprit_and_the_process_goes_on(call, error, match):
     with pytest.raises(error, match=match):
@@ -274,3 +292,54 @@ def test_while_bodies_copy_no_stacked_buffer(run_isolated, tmp_path):
         text = hlo[start:hlo.index("\n}\n", start)]
         stacked_copies = re.findall(r"= \w+\[7,[\d,]*\]\S* copy\(", text)
         assert not stacked_copies, f"{body} copies a stacked buffer each step: {stacked_copies}"
+
+
+SPMD_SCENARIO = """
+import numpy as np, torch, torch_xla
+import torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+import torch_xla_ext as tx
+xr.use_spmd()
+mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4, 1), ("data", "model"))
+dev = torch_xla.device()
+torch.manual_seed(0)
+lin = torch.nn.Linear(8, 8).to(dev)
+
+def fn(carry, x):
+    xs.mark_sharding(carry, mesh, ("data", None))   # an input
+    h = lin(carry) + x
+    xs.mark_sharding(h, mesh, ("data", None))       # an intermediate
+    h = torch.tanh(h)
+    return h, h.sum(0)
+
+init = torch.randn(8, 8, device=dev, requires_grad=True)
+xs_ = torch.randn(3, 8, 8, device=dev)
+
+def run(scanner):
+    carry, ys = scanner(fn, init, xs_)
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([carry])
+    (carry.sum() + ys.sum()).backward()
+    grads = [init.grad.cpu(), lin.weight.grad.cpu()]
+    init.grad = lin.weight.grad = None
+    return carry.cpu(), ys.cpu(), grads, hlo
+
+def loop(fn, init, xs_):
+    carry, ys = init, []
+    for x in xs_:
+        carry, y = fn(carry, x)
+        ys.append(y)
+    return carry, torch.stack(ys)
+
+c, ys, grads, hlo = run(tx.scan)
+rc, rys, rgrads, _ = run(loop)
+assert "sharding={devices=[4,1]" in hlo, "no sharding annotation in the scan's HLO"
+for a, b in zip([c, ys, *grads], [rc, rys, *rgrads]):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+print("matched")
+"""
+
+
+def test_mark_sharding_inside_fn_under_spmd(run_isolated):
+    result = run_isolated(SPMD_SCENARIO, env={"CPU_NUM_DEVICES": "4"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "matched" in result.stdout

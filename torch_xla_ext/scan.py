@@ -31,8 +31,8 @@ How one trace becomes a loop (`_trace`, then small passes, then `_Loop`):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-import functools
 import threading
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
@@ -41,6 +41,9 @@ import torch
 import torch_xla
 import torch_xla.core.xla_builder as xb
 from functorch.compile import aot_function, default_partition, make_boxed_func
+import torch_xla.runtime
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import (
     TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_map_only, tree_unflatten)
@@ -260,6 +263,15 @@ _CACHE = _TraceCache()
 # ---------------------------------------------------------------------------
 # Tracing
 
+_CAPTURABLE = (torch.nn.Parameter, PlaceholderTensor)
+
+
+def _wraps_fake(tensor: torch.Tensor) -> bool:
+    # XLA tensors are functional wrappers too; AOTAutograd's wrap fake tensors.
+    return (torch._is_functional_tensor(tensor)
+            and isinstance(torch._from_functional_tensor(tensor), FakeTensor))
+
+
 class _LiftCaptures(TorchFunctionMode):
     """Swaps every XLA tensor that `fn` reads without having received or made it
     for a stand-in, so that the trace reads no data and the capture becomes an
@@ -282,8 +294,10 @@ class _LiftCaptures(TorchFunctionMode):
         return result
 
     def _lift(self, tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) in self._known or tensor.device.type != "xla":
-            return tensor
+        if (id(tensor) in self._known or tensor.device.type != "xla"
+                or not isinstance(tensor, _CAPTURABLE) and type(tensor) is not torch.Tensor
+                or _wraps_fake(tensor)):
+            return tensor  # made by fn, not on XLA, or one of AOTAutograd's or SPMD's wrappers
         stand_in = self.stand_ins.get(id(tensor))
         if stand_in is None:
             if self._frozen:
@@ -305,17 +319,18 @@ def _stand_in(aval: _Aval, requires_grad: bool | None = None) -> torch.Tensor:
 def _trace(key: _CacheKey, carry_paths, xs_paths, carry_leaves, xs_leaves) -> "_Traced":
     carry_in = [_stand_in(a) for a in key.carry_avals]
     x_in = [_stand_in(a) for a in key.x_avals]
-    lifter = _LiftCaptures(carry_in + x_in)
+    carry_arg, x_arg = _as_fn_arguments(carry_in), _as_fn_arguments(x_in)
+    lifter = _LiftCaptures(carry_in + x_in + carry_arg + x_arg)
     with tracing(f"scan's fn {getattr(key.fn, '__qualname__', key.fn)!r}"), lifter:
-        carry_out, y_out = _call_body(key.fn, key.carry_tree.unflatten(carry_in),
-                                      key.xs_tree.unflatten(x_in))
+        carry_out, y_out = _call_body(key.fn, key.carry_tree.unflatten(carry_arg),
+                                      key.xs_tree.unflatten(x_arg))
     carry_out = _check_carry_types(key.carry_tree, carry_paths, key.carry_avals, carry_out)
     y_leaves, y_tree, y_paths = _flatten(y_out)
     for path, leaf in zip(y_paths, y_leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"scan: fn returned {type(leaf).__name__} for y{path}; "
                             f"y leaves must be tensors or None")
-    return _Traced(key, lifter, carry_in, x_in, carry_out, y_leaves, y_tree)
+    return _Traced(key, lifter, (carry_in, carry_arg), (x_in, x_arg), carry_out, y_leaves, y_tree)
 
 
 def _call_body(fn, carry, x):
@@ -323,6 +338,61 @@ def _call_body(fn, carry, x):
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         raise TypeError(f"scan: fn must return a pair (carry, y), got {type(result).__name__}")
     return result
+
+
+# ---------------------------------------------------------------------------
+# SPMD: mark_sharding inside fn
+
+def _as_fn_arguments(stand_ins: Sequence[torch.Tensor]) -> list:
+    """What fn receives for its stand-ins. Under SPMD, `stand_in + 0`: torch_xla's
+    mark_sharding on device data shards (uploads) the data, which a placeholder
+    lacks; on any other value it only annotates. XLA removes the addition."""
+    if not torch_xla.runtime.is_spmd():
+        return list(stand_ins)
+    return [t if t.dtype == torch.bool else t + 0 for t in stand_ins]
+
+
+_mark_sharding_in_place = _XLAC._xla_mark_sharding
+# Shardings that AOTAutograd-traced graphs refer to by index (an OpSharding is
+# not a value a graph can hold).
+_traced_shardings: list = []
+
+
+@torch.library.custom_op("torch_xla_ext::sharding_constraint", mutates_args=())
+def _sharding_constraint(tensor: torch.Tensor, sharding: int) -> torch.Tensor:
+    annotated = tensor.clone()
+    _mark_sharding_in_place(annotated, _traced_shardings[sharding])
+    return annotated
+
+
+@_sharding_constraint.register_fake
+def _(tensor, sharding):
+    return torch.empty_like(tensor)
+
+
+_sharding_constraint.register_autograd(lambda ctx, grad: (grad, None))
+
+
+@contextlib.contextmanager
+def _functional_mark_sharding():
+    """While AOTAutograd traces fn with fake tensors, mark_sharding (an in-place
+    annotation that fake tensors cannot take) becomes a functional
+    `sharding_constraint` op in the graph, applied when the graph is lowered."""
+    if not torch_xla.runtime.is_spmd():
+        yield
+        return
+
+    def mark(tensor, sharding):
+        if not isinstance(tensor, (FakeTensor, FunctionalTensor)):
+            return _mark_sharding_in_place(tensor, sharding)
+        _traced_shardings.append(sharding)
+        tensor.copy_(torch.ops.torch_xla_ext.sharding_constraint(tensor, len(_traced_shardings) - 1))
+
+    _XLAC._xla_mark_sharding = mark
+    try:
+        yield
+    finally:
+        _XLAC._xla_mark_sharding = _mark_sharding_in_place
 
 
 # ---------------------------------------------------------------------------
@@ -506,17 +576,18 @@ class _Traced:
     and, built on first need, the inference loop and the training loops for
     each scan length and direction."""
 
-    def __init__(self, key: _CacheKey, lifter: _LiftCaptures, carry_in, x_in, carry_out,
-                 y_out, y_tree):
+    def __init__(self, key: _CacheKey, lifter: _LiftCaptures, carry_in_and_arg, x_in_and_arg,
+                 carry_out, y_out, y_tree):
+        (carry_in, carry_arg), (x_in, x_arg) = carry_in_and_arg, x_in_and_arg
         self.key = key
         self._capture_refs = [weakref.ref(t) for t in lifter.captured]
         self.capture_avals = _avals(lifter.captured)
         self.y_tree = y_tree
         self.y_avals = _avals(y_out)
         # Pass: a carry returned unchanged is read-only and stays out of the loop.
-        self.read_only = [out is c for out, c in zip(carry_out, carry_in)]
+        self.read_only = [out is c for out, c in zip(carry_out, carry_arg)]
         # Pass: an x slice returned as y is not copied; that ys leaf is the xs leaf.
-        x_index = {id(x): i for i, x in enumerate(x_in)}
+        x_index = {id(x): i for i, x in enumerate(x_arg)}
         self.y_from_x = [x_index.get(id(y)) for y in y_out]
         capture_in = [lifter.stand_ins[id(t)] for t in lifter.captured]
         # Lowered now, so that the cache keeps no lazy tensors (pending work
@@ -629,9 +700,10 @@ class _TrainingPlan:
             full_carry[i] = value
         stand_ins = {id(c): v for c, v in zip(traced.current_captures(),
                                                invariants[read_only_count:])}
-        with _LiftCaptures(primals, stand_ins):
+        full_carry, x = _as_fn_arguments(full_carry), _as_fn_arguments(x)
+        with _LiftCaptures(list(primals) + full_carry + x, stand_ins):
             carry_out, y_out = _call_body(key.fn, key.carry_tree.unflatten(full_carry),
-                                          key.xs_tree.unflatten(list(x)))
+                                          key.xs_tree.unflatten(x))
         carry_out = _flatten(carry_out)[0]
         y_out = _flatten(y_out)[0]
         outputs = [carry_out[i] for i in self.looped_carry] + [y_out[i] for i in self.stacked_y]
@@ -653,7 +725,7 @@ class _TrainingPlan:
                                 bw_compiler=keep("backward"), partition_fn=self.traced.key.partition_fn)
         primals = [xb.create_placeholder_tensor(a.shape, a.dtype).requires_grad_(a.requires_grad)
                    for a in self.input_avals]
-        with torch.enable_grad(), tracing("scan's fn (differentiated)"):
+        with torch.enable_grad(), tracing("scan's fn (differentiated)"), _functional_mark_sharding():
             outputs = compiled(*primals)
             differentiable = [o.requires_grad for o in outputs]
             roots = [o for o in outputs if o.requires_grad]
