@@ -180,6 +180,7 @@ def test_sync_warns_about_discarded_work():
     leftover = tx.placeholder((1,)) + 1  # so that the flush below always warns
     with pytest.warns(RuntimeWarning):  # flushes what earlier tests' tracebacks keep alive
         torch_xla.sync()
+    del leftover
     p = tx.placeholder((2,))
     pending = p + 1
     with pytest.warns(RuntimeWarning, match="discarded 1 pending computation"):

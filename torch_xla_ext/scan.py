@@ -84,18 +84,17 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
     carry_leaves, carry_tree, carry_paths = _flatten_inputs(init, "init")
     xs_leaves, xs_tree, xs_paths = _flatten_inputs(xs, "xs")
     length = _scan_length(xs_leaves, xs_paths)
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in carry_leaves + xs_leaves)
     key = _CacheKey(
         fn, partition_fn, carry_tree, xs_tree, _avals(carry_leaves),
         tuple(_Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in xs_leaves))
     traced = _CACHE.lookup(key) if is_fn_pure is not False else None
     if traced is None:
-        traced = _trace(key, carry_paths, xs_paths, carry_leaves, xs_leaves)
+        traced = _trace(key, carry_paths)
         if is_fn_pure is not False:
             _CACHE.store(key, traced)
     captures = traced.current_captures()
-    needs_grad = needs_grad or (torch.is_grad_enabled() and any(c.requires_grad for c in captures))
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (*carry_leaves, *xs_leaves, *captures))
     if length == 0:
         return init, traced.y_tree.unflatten(
             [_empty_stack(a, carry_leaves + xs_leaves) for a in traced.y_avals])
@@ -316,7 +315,7 @@ def _stand_in(aval: _Aval, requires_grad: bool | None = None) -> torch.Tensor:
     return placeholder(aval.shape, aval.dtype, requires_grad=grad and aval.dtype.is_floating_point)
 
 
-def _trace(key: _CacheKey, carry_paths, xs_paths, carry_leaves, xs_leaves) -> "_Traced":
+def _trace(key: _CacheKey, carry_paths) -> "_Traced":
     carry_in = [_stand_in(a) for a in key.carry_avals]
     x_in = [_stand_in(a) for a in key.x_avals]
     carry_arg, x_arg = _as_fn_arguments(carry_in), _as_fn_arguments(x_in)
