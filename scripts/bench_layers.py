@@ -6,7 +6,8 @@ Each (mode, L) runs in a fresh subprocess on PJRT CPU: build the model
 backward, SGD), and report
 
 * python ms:  Python time of a steady step, from its start until just before
-              `torch_xla.sync()` (building the lazy graph),
+              `torch_xla.sync()` (building the lazy graph; the previous step's
+              gradients are released before the timer starts),
 * compile s:  XLA compile time over all steps (metric `CompileTime`, total),
 * compiles:   number of XLA compilations over all steps,
 * exec ms:    wall time of `torch_xla.sync()` + `wait_device_ops()` of a steady step,
@@ -75,6 +76,10 @@ def run_worker(args) -> dict:
   for step in range(args.steps):
     if step == args.steps - 1:
       peak_reset = _reset_peak_rss()
+    # The previous step's gradients are released before the timer starts:
+    # freeing a buffer of 32 MiB or more is an munmap, which takes up to 0.1 s
+    # on some VMs; that is allocator time, not graph building.
+    optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
     training_step(model, batch, optimizer)
     built = time.perf_counter()
