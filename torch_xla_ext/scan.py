@@ -417,8 +417,9 @@ def _lower_body(name: str, outputs: Sequence[torch.Tensor], slots_by_tensor: dic
     placeholders standing for carry, slices and invariants to their slot; data
     the trace made itself (constants) become further invariant slots, and the
     RNG seed a per-step seed slot."""
+    outputs = [_with_declared_dtype(t) for t in outputs]
     context = _XLAC.lowering.LoweringContext(name)
-    context.build(list(outputs))
+    context.build(outputs)
     computation = xb.computation_from_module_proto(name, context.hlo())
     by_parameter = context.device_parameter_id_tensor_mapping()
     seed_parameter = _seed_parameter(context, outputs)
@@ -448,11 +449,33 @@ def _lower_body(name: str, outputs: Sequence[torch.Tensor], slots_by_tensor: dic
 
 
 def _seed_parameter(context, outputs) -> int | None:
+    """The parameter holding the RNG seed the traced random ops start from."""
     ids, data = _XLAC._get_tensors_xla_device_data_node(list(outputs))
-    seed_id = _XLAC._get_seed_info_id()
+    if not any(_may_be_seed(d) for d in data):
+        return None
+    seed_id = _current_seed_id(outputs[0].device)
     if seed_id not in ids:
         return None
     return context.tensor_parameter_id(data[ids.index(seed_id)])
+
+
+def _may_be_seed(data: torch.Tensor) -> bool:
+    return data.dtype == torch.int64 and data.dim() == 0
+
+
+def _current_seed_id(device) -> int:
+    # Until the next sync, every random op derives its seed from one s64[] device
+    # data; a probe random op shows which (torch_xla's seed-info id is not always it).
+    ids, data = _XLAC._get_tensors_xla_device_data_node([torch.rand((), device=device)])
+    return next(i for i, d in zip(ids, data) if _may_be_seed(d))
+
+
+def _with_declared_dtype(tensor: torch.Tensor) -> torch.Tensor:
+    """torch_xla keeps some bool tensors (dropout masks) as f32 in XLA; a
+    round trip through uint8 makes the lowered type bool, as loops expect."""
+    if tensor.dtype == torch.bool and _XLAC._xla_op_tensor_shape(tensor, "")["type"] != "pred":
+        return tensor.to(torch.uint8).to(torch.bool)
+    return tensor
 
 
 class _Loop:
@@ -752,17 +775,25 @@ class _TrainingPlan:
             fw_outputs = fw_graph(*stand_ins)
         outputs, saved = list(fw_outputs[:n_out]), list(fw_outputs[n_out:])
 
-        # Classify what the backward step reads: a stacked activation, an x
-        # slice, or something computed from invariants alone.
-        step_ids = {_XLAC._xla_get_tensor_id(t) for t in carry_in + x_in}
-        x_ids = {id(t): i for i, t in enumerate(x_in)}
+        # Pass: classify what the backward step reads. An x slice is read from
+        # xs; a value computed from invariants alone, or from an x slice by
+        # layout ops only (a layer weight's transpose), is recomputed in the
+        # backward step; anything else is an activation, stacked.
+        carry_ids = {_XLAC._xla_get_tensor_id(t) for t in carry_in}
+        x_ids = {_XLAC._xla_get_tensor_id(t) for t in x_in}
+        x_index = {id(t): i for i, t in enumerate(x_in)}
+        saved_nodes = _output_nodes(fw_graph)[n_out:]
+        primal_nodes = [n for n in fw_graph.graph.nodes if n.op == "placeholder"]
+        free_inputs = set(primal_nodes[n_carry:])  # x slices and invariants
         activation_of_saved = []
         activations = []
-        for value in saved:
-            if id(value) in x_ids:
-                activation_of_saved.append(("x", x_ids[id(value)]))
-            elif step_ids.isdisjoint(_XLAC._get_tensors_xla_device_data_node([value])[0]):
-                activation_of_saved.append(("invariant", value))
+        for value, node in zip(saved, saved_nodes):
+            reads = set(_XLAC._get_tensors_xla_device_data_node([value])[0])
+            if id(value) in x_index:
+                activation_of_saved.append(("x", x_index[id(value)]))
+            elif carry_ids.isdisjoint(reads) and (
+                    x_ids.isdisjoint(reads) or _is_layout_of(node, free_inputs)):
+                activation_of_saved.append(("recomputed", value))
             else:
                 activation_of_saved.append(("stacked", len(activations)))
                 activations.append(value)
@@ -806,7 +837,7 @@ class _TrainingPlan:
             carry_tangent_in.append(t)
         saved_in = []
         for kind, what in activation_of_saved:
-            saved_in.append(x_in[what] if kind == "x" else what if kind == "invariant"
+            saved_in.append(x_in[what] if kind == "x" else what if kind == "recomputed"
                             else activation_in[what])
         tangents = carry_tangent_in + y_tangent_in
         with torch.no_grad(), tracing("scan's backward step"):
@@ -868,6 +899,27 @@ class _TrainingPlan:
         for position, i in enumerate(self.grad_x):
             grads[n_carry + i] = stacked[position]
         return grads
+
+
+# Ops that move no data but only reinterpret its layout: recomputing them in the
+# backward step costs nothing, stacking their results costs a copy per step.
+_LAYOUT_OPS = frozenset(["t", "transpose", "permute", "view", "_unsafe_view", "reshape",
+                         "expand", "slice", "select", "unsqueeze", "squeeze", "alias",
+                         "detach", "clone"])
+
+
+def _output_nodes(graph_module) -> list:
+    output = next(n for n in reversed(graph_module.graph.nodes) if n.op == "output")
+    return list(output.args[0])
+
+
+def _is_layout_of(node, inputs: set) -> bool:
+    """Whether the FX `node` is computed from `inputs` by layout ops alone."""
+    if node in inputs:
+        return True
+    if node.op != "call_function" or getattr(node.target, "_opname", None) not in _LAYOUT_OPS:
+        return False
+    return all(_is_layout_of(arg, inputs) for arg in node.all_input_nodes)
 
 
 class _ScanFunction(torch.autograd.Function):
