@@ -36,205 +36,205 @@ WARMUP_STEPS = 2
 
 
 def _reset_peak_rss() -> bool:
-  """Resets the process's peak RSS (Linux); False where that is not possible."""
-  try:
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-      clear_refs.write("5")
-    return True
-  except OSError:
-    return False
+    """Resets the process's peak RSS (Linux); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _peak_rss_bytes() -> int:
-  with open("/proc/self/status") as status:
-    for line in status:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("no VmHWM in /proc/self/status")
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def run_worker(args) -> dict:
-  """One (mode, L) measurement in this process; returns the figures."""
-  import torch
-  import torch_xla
-  import torch_xla.core.xla_model as xm
-  import torch_xla.debug.metrics as met
+    """One (mode, L) measurement in this process; returns the figures."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
 
-  from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
+    from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
 
-  device = torch_xla.device()
-  model = make_decoder_stack(args.layers, args.hidden, args.heads, args.mode,
-                             intermediate=args.intermediate, device=device)
-  batch = make_batch(args.batch, args.seq, args.hidden, device=device)
-  optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-  torch_xla.sync()
-  xm.wait_device_ops()
-  met.clear_all()
-
-  python_seconds, execute_seconds = [], []
-  peak_reset = False
-  for step in range(args.steps):
-    if step == args.steps - 1:
-      peak_reset = _reset_peak_rss()
-    # The previous step's gradients are released before the timer starts:
-    # freeing a buffer of 32 MiB or more is an munmap, which takes up to 0.1 s
-    # on some VMs; that is allocator time, not graph building.
-    optimizer.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    training_step(model, batch, optimizer)
-    built = time.perf_counter()
+    device = torch_xla.device()
+    model = make_decoder_stack(args.layers, args.hidden, args.heads, args.mode,
+                               intermediate=args.intermediate, device=device)
+    batch = make_batch(args.batch, args.seq, args.hidden, device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     torch_xla.sync()
     xm.wait_device_ops()
-    python_seconds.append(built - start)
-    execute_seconds.append(time.perf_counter() - built)
+    met.clear_all()
 
-  compiles, compile_ns, _ = met.metric_data("CompileTime") or (0, 0, None)
-  steady = slice(WARMUP_STEPS, None)
-  return {
-      "mode": args.mode,
-      "layers": args.layers,
-      "python_ms": 1e3 * statistics.median(python_seconds[steady]),
-      "compile_s": compile_ns / 1e9,
-      "compiles": compiles,
-      "execute_ms": 1e3 * statistics.median(execute_seconds[steady]),
-      "peak_rss_mib": _peak_rss_bytes() / 2**20,
-      "peak_is_steady": peak_reset,
-      "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
-  }
+    python_seconds, execute_seconds = [], []
+    peak_reset = False
+    for step in range(args.steps):
+        if step == args.steps - 1:
+            peak_reset = _reset_peak_rss()
+        # The previous step's gradients are released before the timer starts:
+        # freeing a buffer of 32 MiB or more is an munmap, which takes up to 0.1 s
+        # on some VMs; that is allocator time, not graph building.
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        training_step(model, batch, optimizer)
+        built = time.perf_counter()
+        torch_xla.sync()
+        xm.wait_device_ops()
+        python_seconds.append(built - start)
+        execute_seconds.append(time.perf_counter() - built)
+
+    compiles, compile_ns, _ = met.metric_data("CompileTime") or (0, 0, None)
+    steady = slice(WARMUP_STEPS, None)
+    return {
+        "mode": args.mode,
+        "layers": args.layers,
+        "python_ms": 1e3 * statistics.median(python_seconds[steady]),
+        "compile_s": compile_ns / 1e9,
+        "compiles": compiles,
+        "execute_ms": 1e3 * statistics.median(execute_seconds[steady]),
+        "peak_rss_mib": _peak_rss_bytes() / 2**20,
+        "peak_is_steady": peak_reset,
+        "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+    }
 
 
 def measure(mode: str, layers: int, args) -> dict | None:
-  """Runs one (mode, L) in a fresh interpreter; None (with its error shown) if it failed."""
-  command = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode,
-             "--layers", str(layers), "--steps", str(args.steps), "--hidden", str(args.hidden),
-             "--heads", str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch)]
-  if args.intermediate:
-    command += ["--intermediate", str(args.intermediate)]
-  environment = {**os.environ, "PJRT_DEVICE": "CPU"}
-  try:
-    done = subprocess.run(command, capture_output=True, text=True, env=environment,
-                          timeout=args.timeout)
-  except subprocess.TimeoutExpired:
-    print(f"  {mode} L={layers}: no result within {args.timeout} s", flush=True)
-    return None
-  result_lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-  if done.returncode != 0 or not result_lines:
-    print(f"  {mode} L={layers} failed (exit {done.returncode}):\n"
-          + "\n".join(done.stderr.strip().splitlines()[-15:]), flush=True)
-    return None
-  return json.loads(result_lines[-1])
+    """Runs one (mode, L) in a fresh interpreter; None (with its error shown) if it failed."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode,
+               "--layers", str(layers), "--steps", str(args.steps), "--hidden", str(args.hidden),
+               "--heads", str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch)]
+    if args.intermediate:
+        command += ["--intermediate", str(args.intermediate)]
+    environment = {**os.environ, "PJRT_DEVICE": "CPU"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=environment,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  {mode} L={layers}: no result within {args.timeout} s", flush=True)
+        return None
+    result_lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not result_lines:
+        print(f"  {mode} L={layers} failed (exit {done.returncode}):\n"
+              + "\n".join(done.stderr.strip().splitlines()[-15:]), flush=True)
+        return None
+    return json.loads(result_lines[-1])
 
 
 def print_table(results: list[dict]) -> None:
-  header = (f"{'mode':<16}{'L':>4}{'python ms':>11}{'compile s':>11}{'compiles':>10}"
-            f"{'exec ms':>10}{'peak RSS MiB':>14}{'params MiB':>12}")
-  print(header)
-  print("-" * len(header))
-  for r in results:
-    steady = "" if r["peak_is_steady"] else " (lifetime peak)"
-    print(f"{r['mode']:<16}{r['layers']:>4}{r['python_ms']:>11.2f}{r['compile_s']:>11.2f}"
-          f"{r['compiles']:>10}{r['execute_ms']:>10.1f}{r['peak_rss_mib']:>14.0f}"
-          f"{r['param_mib']:>12.1f}{steady}")
+    header = (f"{'mode':<16}{'L':>4}{'python ms':>11}{'compile s':>11}{'compiles':>10}"
+              f"{'exec ms':>10}{'peak RSS MiB':>14}{'params MiB':>12}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        steady = "" if r["peak_is_steady"] else " (lifetime peak)"
+        print(f"{r['mode']:<16}{r['layers']:>4}{r['python_ms']:>11.2f}{r['compile_s']:>11.2f}"
+              f"{r['compiles']:>10}{r['execute_ms']:>10.1f}{r['peak_rss_mib']:>14.0f}"
+              f"{r['param_mib']:>12.1f}{steady}")
 
 
 def print_ratios(results: list[dict], layer_counts: list[int]) -> None:
-  by_key = {(r["mode"], r["layers"]): r for r in results}
-  middle = 32 if 32 in layer_counts else max(layer_counts)
-  smallest, largest = min(layer_counts), max(layer_counts)
+    by_key = {(r["mode"], r["layers"]): r for r in results}
+    middle = 32 if 32 in layer_counts else max(layer_counts)
+    smallest, largest = min(layer_counts), max(layer_counts)
 
-  def ratio(label, numerator, denominator, figure, goal):
-    a, b = by_key.get(numerator), by_key.get(denominator)
-    if a is None or b is None or not b[figure]:
-      print(f"  {label:<46} n/a (missing run)")
-      return
-    value = a[figure] / b[figure]
-    verdict = "ok" if value <= goal else "MISSED"
-    print(f"  {label:<46} {value:6.3f}   goal <= {goal:<5} {verdict}")
+    def ratio(label, numerator, denominator, figure, goal):
+        a, b = by_key.get(numerator), by_key.get(denominator)
+        if a is None or b is None or not b[figure]:
+            print(f"  {label:<46} n/a (missing run)")
+            return
+        value = a[figure] / b[figure]
+        verdict = "ok" if value <= goal else "MISSED"
+        print(f"  {label:<46} {value:6.3f}   goal <= {goal:<5} {verdict}")
 
-  print("\nRatios:")
-  ratio(f"python time scan/loop at L={middle}", ("scan", middle), ("loop", middle),
-        "python_ms", 0.2)
-  ratio(f"python time scan/torch-xla-scan at L={middle}", ("scan", middle),
-        ("torch-xla-scan", middle), "python_ms", 0.1)
-  ratio(f"python time scan L={largest}/L={smallest}", ("scan", largest), ("scan", smallest),
-        "python_ms", 1.3)
-  ratio(f"compile time scan/loop at L={middle}", ("scan", middle), ("loop", middle),
-        "compile_s", 0.5)
-  ratio(f"compile time scan L={largest}/L={smallest}", ("scan", largest), ("scan", smallest),
-        "compile_s", 1.3)
-  ratio(f"execution scan/loop at L={middle}", ("scan", middle), ("loop", middle),
-        "execute_ms", 1.15)
+    print("\nRatios:")
+    ratio(f"python time scan/loop at L={middle}", ("scan", middle), ("loop", middle),
+          "python_ms", 0.2)
+    ratio(f"python time scan/torch-xla-scan at L={middle}", ("scan", middle),
+          ("torch-xla-scan", middle), "python_ms", 0.1)
+    ratio(f"python time scan L={largest}/L={smallest}", ("scan", largest), ("scan", smallest),
+          "python_ms", 1.3)
+    ratio(f"compile time scan/loop at L={middle}", ("scan", middle), ("loop", middle),
+          "compile_s", 0.5)
+    ratio(f"compile time scan L={largest}/L={smallest}", ("scan", largest), ("scan", smallest),
+          "compile_s", 1.3)
+    ratio(f"execution scan/loop at L={middle}", ("scan", middle), ("loop", middle),
+          "execute_ms", 1.15)
 
 
 def print_memory(results: list[dict]) -> None:
-  """Peak RSS growth over the for loop, as a share of the parameter bytes."""
-  loop = next((r for r in results if r["mode"] == "loop"), None)
-  if loop is None:
-    return
-  print("\nPeak RSS of a steady step over the for loop's, in parameter bytes:")
-  for r in results:
-    if r["mode"] == "loop":
-      continue
-    growth = (r["peak_rss_mib"] - loop["peak_rss_mib"]) / r["param_mib"]
-    goal = "  goal <= 0.10 " + ("ok" if growth <= 0.10 else "MISSED") if r["mode"] == "scan" else ""
-    print(f"  {r['mode']:<16} L={r['layers']:<4} {growth:+.2f}x{goal}")
+    """Peak RSS growth over the for loop, as a share of the parameter bytes."""
+    loop = next((r for r in results if r["mode"] == "loop"), None)
+    if loop is None:
+        return
+    print("\nPeak RSS of a steady step over the for loop's, in parameter bytes:")
+    for r in results:
+        if r["mode"] == "loop":
+            continue
+        growth = (r["peak_rss_mib"] - loop["peak_rss_mib"]) / r["param_mib"]
+        goal = "  goal <= 0.10 " + ("ok" if growth <= 0.10 else "MISSED") if r["mode"] == "scan" else ""
+        print(f"  {r['mode']:<16} L={r['layers']:<4} {growth:+.2f}x{goal}")
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--layers", default=None,
-                      help="comma-separated layer counts (default 8,32,64; one int in --worker)")
-  parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
-  parser.add_argument("--quick", action="store_true", help="layer counts 2,4 only")
-  parser.add_argument("--memory", action="store_true",
-                      help="16 layers, hidden 1024, MLP 4096 (1 GiB of weights), seq 16, "
-                           "batch 1: compares peak RSS")
-  parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--hidden", type=int, default=256)
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--seq", type=int, default=128)
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--intermediate", type=int, default=None,
-                      help="MLP width (default 4 x hidden)")
-  parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-  args = parser.parse_args()
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default=None,
+                        help="comma-separated layer counts (default 8,32,64; one int in --worker)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    parser.add_argument("--quick", action="store_true", help="layer counts 2,4 only")
+    parser.add_argument("--memory", action="store_true",
+                        help="16 layers, hidden 1024, MLP 4096 (1 GiB of weights), seq 16, "
+                             "batch 1: compares peak RSS")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help="MLP width (default 4 x hidden)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
 
-  if args.worker:
-    args.layers = int(args.layers)
-    print(json.dumps(run_worker(args)), flush=True)
-    return
+    if args.worker:
+        args.layers = int(args.layers)
+        print(json.dumps(run_worker(args)), flush=True)
+        return
 
-  if args.steps <= WARMUP_STEPS:
-    parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
-  if args.memory:
-    args.hidden, args.heads, args.intermediate, args.seq, args.batch = 1024, 8, 4096, 16, 1
-    args.layers = args.layers or "16"
-  layer_counts = [int(n) for n in (args.layers or ("2,4" if args.quick else "8,32,64")).split(",")]
-  modes = args.modes.split(",")
-  unknown = sorted(set(modes) - set(MODES))
-  if unknown:
-    parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
+    if args.memory:
+        args.hidden, args.heads, args.intermediate, args.seq, args.batch = 1024, 8, 4096, 16, 1
+        args.layers = args.layers or "16"
+    layer_counts = [int(n) for n in (args.layers or ("2,4" if args.quick else "8,32,64")).split(",")]
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
 
-  print(f"PJRT CPU, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, batch "
-        f"{args.batch}, {args.steps} steps (first {WARMUP_STEPS} not steady)", flush=True)
-  results = []
-  for layers in layer_counts:
-    for mode in modes:
-      started = time.perf_counter()
-      result = measure(mode, layers, args)
-      print(f"  ran {mode} L={layers} in {time.perf_counter() - started:.0f} s", flush=True)
-      if result:
-        results.append(result)
-  print()
-  print_table(results)
-  if args.memory:
-    print_memory(results)
-  else:
-    print_ratios(results, layer_counts)
+    print(f"PJRT CPU, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, batch "
+          f"{args.batch}, {args.steps} steps (first {WARMUP_STEPS} not steady)", flush=True)
+    results = []
+    for layers in layer_counts:
+        for mode in modes:
+            started = time.perf_counter()
+            result = measure(mode, layers, args)
+            print(f"  ran {mode} L={layers} in {time.perf_counter() - started:.0f} s", flush=True)
+            if result:
+                results.append(result)
+    print()
+    print_table(results)
+    if args.memory:
+        print_memory(results)
+    else:
+        print_ratios(results, layer_counts)
 
 
 if __name__ == "__main__":
-  main()
+    main()

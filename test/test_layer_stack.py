@@ -19,23 +19,23 @@ HIDDEN, HEADS, SEQ, BATCH, LAYERS = 16, 2, 4, 2, 4
 
 
 def close(actual, expected):
-  torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-4,
-                             atol=1e-5)
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-4,
+                               atol=1e-5)
 
 
 def decoder_models(device):
-  """The same 4-layer decoder stack as a ModuleList for loop and as a LayerStack."""
-  return (make_decoder_stack(LAYERS, HIDDEN, HEADS, "loop", device=device),
-          make_decoder_stack(LAYERS, HIDDEN, HEADS, "scan", device=device))
+    """The same 4-layer decoder stack as a ModuleList for loop and as a LayerStack."""
+    return (make_decoder_stack(LAYERS, HIDDEN, HEADS, "loop", device=device),
+            make_decoder_stack(LAYERS, HIDDEN, HEADS, "scan", device=device))
 
 
 def blocks(count=2, **kwargs):
-  return [DecoderBlock(HIDDEN, HEADS, **kwargs) for _ in range(count)]
+    return [DecoderBlock(HIDDEN, HEADS, **kwargs) for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
 def device():
-  return torch_xla.device()
+    return torch_xla.device()
 
 
 # ---------------------------------------------------------------------------
@@ -47,68 +47,68 @@ def device():
     lambda params: torch.optim.SGD(params, lr=1e-1, momentum=0.9),
 ], ids=["adamw", "sgd-momentum"])
 def test_training_matches_for_loop(device, make_optimizer):
-  loop_model, scan_model = decoder_models(device)
-  optimizers = [make_optimizer(m.parameters()) for m in (loop_model, scan_model)]
-  inputs, targets = make_batch(BATCH, SEQ, HIDDEN, device=device)
-  for _ in range(3):
-    losses = []
-    for model, optimizer in zip((loop_model, scan_model), optimizers):
-      optimizer.zero_grad(set_to_none=True)
-      loss = F.mse_loss(model(inputs), targets)
-      loss.backward()
-      losses.append(loss)
-    torch_xla.sync()
-    close(losses[1], losses[0])
-    for name, stacked in scan_model.layers.stacked.named_parameters():
-      for index, layer in enumerate(loop_model.layers):
-        close(stacked.grad[index], layer.get_parameter(name).grad)
-    # An infinite max_norm leaves the gradients as they are and returns the norm.
-    norms = [nn.utils.clip_grad_norm_(m.parameters(), float("inf")) for m in
-             (loop_model, scan_model)]
-    close(norms[1], norms[0])
-    for optimizer in optimizers:
-      optimizer.step()
-    torch_xla.sync()
-  loop_state, scan_state = loop_model.state_dict(), scan_model.state_dict()
-  assert list(scan_state) == list(loop_state)
-  for key, value in loop_state.items():
-    close(scan_state[key], value)
-  # Per-layer views see the optimizer's in-place updates.
-  close(scan_model.layers[2].self_attn.q_proj.weight, loop_model.layers[2].self_attn.q_proj.weight)
+    loop_model, scan_model = decoder_models(device)
+    optimizers = [make_optimizer(m.parameters()) for m in (loop_model, scan_model)]
+    inputs, targets = make_batch(BATCH, SEQ, HIDDEN, device=device)
+    for _ in range(3):
+        losses = []
+        for model, optimizer in zip((loop_model, scan_model), optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(inputs), targets)
+            loss.backward()
+            losses.append(loss)
+        torch_xla.sync()
+        close(losses[1], losses[0])
+        for name, stacked in scan_model.layers.stacked.named_parameters():
+            for index, layer in enumerate(loop_model.layers):
+                close(stacked.grad[index], layer.get_parameter(name).grad)
+        # An infinite max_norm leaves the gradients as they are and returns the norm.
+        norms = [nn.utils.clip_grad_norm_(m.parameters(), float("inf")) for m in
+                 (loop_model, scan_model)]
+        close(norms[1], norms[0])
+        for optimizer in optimizers:
+            optimizer.step()
+        torch_xla.sync()
+    loop_state, scan_state = loop_model.state_dict(), scan_model.state_dict()
+    assert list(scan_state) == list(loop_state)
+    for key, value in loop_state.items():
+        close(scan_state[key], value)
+    # Per-layer views see the optimizer's in-place updates.
+    close(scan_model.layers[2].self_attn.q_proj.weight, loop_model.layers[2].self_attn.q_proj.weight)
 
 
 def stacked_param_shapes(stack: LayerStack) -> set[tuple[int, ...]]:
-  return {tuple(p.shape) for p in stack.parameters()}
+    return {tuple(p.shape) for p in stack.parameters()}
 
 
 def concatenated_shapes(hlo: str) -> set[tuple[int, ...]]:
-  """The result shapes of every concatenate in an HLO module's text."""
-  found = re.findall(r"= \w+\[([\d,]*)\]\S* concatenate\(", hlo)
-  return {tuple(int(d) for d in dims.split(",") if d) for dims in found}
+    """The result shapes of every concatenate in an HLO module's text."""
+    found = re.findall(r"= \w+\[([\d,]*)\]\S* concatenate\(", hlo)
+    return {tuple(int(d) for d in dims.split(",") if d) for dims in found}
 
 
 def test_steady_training_step_holds_no_copy_of_the_weights(device):
-  loop_model, scan_model = decoder_models(device)
-  batch = make_batch(BATCH, SEQ, HIDDEN, device=device)
-  optimizer = torch.optim.SGD(scan_model.parameters(), lr=1e-2, momentum=0.9)
-  weight_shapes = stacked_param_shapes(scan_model.layers)
-  # Step 0 creates the momentum buffers; from step 1 on every step is the same.
-  for step in range(3):
-    if step == 2:
-      compiles_before = met.metric_data("CompileTime")[0]
-    loss = training_step(scan_model, batch, optimizer)
-    if step == 1:
-      tensors = [loss, *scan_model.parameters(), *(p.grad for p in scan_model.parameters())]
-      hlo = torch_xla._XLAC._get_xla_tensors_hlo(tensors)
-      assert "while" in hlo
-      assert not concatenated_shapes(hlo) & weight_shapes
-    torch_xla.sync()
-  assert met.metric_data("CompileTime")[0] == compiles_before, "a steady step recompiled"
+    loop_model, scan_model = decoder_models(device)
+    batch = make_batch(BATCH, SEQ, HIDDEN, device=device)
+    optimizer = torch.optim.SGD(scan_model.parameters(), lr=1e-2, momentum=0.9)
+    weight_shapes = stacked_param_shapes(scan_model.layers)
+    # Step 0 creates the momentum buffers; from step 1 on every step is the same.
+    for step in range(3):
+        if step == 2:
+            compiles_before = met.metric_data("CompileTime")[0]
+        loss = training_step(scan_model, batch, optimizer)
+        if step == 1:
+            tensors = [loss, *scan_model.parameters(), *(p.grad for p in scan_model.parameters())]
+            hlo = torch_xla._XLAC._get_xla_tensors_hlo(tensors)
+            assert "while" in hlo
+            assert not concatenated_shapes(hlo) & weight_shapes
+        torch_xla.sync()
+    assert met.metric_data("CompileTime")[0] == compiles_before, "a steady step recompiled"
 
-  # The detector does see the stacking that scan_layers (the drop-in) does.
-  stacked_output = scan_layers(loop_model.layers, batch[0])
-  hlo = torch_xla._XLAC._get_xla_tensors_hlo([stacked_output])
-  assert concatenated_shapes(hlo) & weight_shapes
+    # The detector does see the stacking that scan_layers (the drop-in) does.
+    stacked_output = scan_layers(loop_model.layers, batch[0])
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([stacked_output])
+    assert concatenated_shapes(hlo) & weight_shapes
 
 
 # ---------------------------------------------------------------------------
@@ -116,79 +116,79 @@ def test_steady_training_step_holds_no_copy_of_the_weights(device):
 
 
 def test_checkpoints_move_between_module_list_and_layer_stack(device):
-  loop_model = make_decoder_stack(LAYERS, HIDDEN, HEADS, "loop", device=device, seed=0)
-  scan_model = make_decoder_stack(LAYERS, HIDDEN, HEADS, "scan", device=device, seed=1)
-  inputs, _ = make_batch(BATCH, SEQ, HIDDEN, device=device)
+    loop_model = make_decoder_stack(LAYERS, HIDDEN, HEADS, "loop", device=device, seed=0)
+    scan_model = make_decoder_stack(LAYERS, HIDDEN, HEADS, "scan", device=device, seed=1)
+    inputs, _ = make_batch(BATCH, SEQ, HIDDEN, device=device)
 
-  saved = io.BytesIO()
-  torch.save({k: v.cpu() for k, v in loop_model.state_dict().items()}, saved)
-  saved.seek(0)
-  result = scan_model.load_state_dict(torch.load(saved))
-  assert not result.missing_keys and not result.unexpected_keys
-  close(scan_model(inputs), loop_model(inputs))
+    saved = io.BytesIO()
+    torch.save({k: v.cpu() for k, v in loop_model.state_dict().items()}, saved)
+    saved.seek(0)
+    result = scan_model.load_state_dict(torch.load(saved))
+    assert not result.missing_keys and not result.unexpected_keys
+    close(scan_model(inputs), loop_model(inputs))
 
-  fresh_loop_model = make_decoder_stack(LAYERS, HIDDEN, HEADS, "loop", device=device, seed=2)
-  fresh_loop_model.load_state_dict(scan_model.state_dict())
-  close(fresh_loop_model(inputs), loop_model(inputs))
+    fresh_loop_model = make_decoder_stack(LAYERS, HIDDEN, HEADS, "loop", device=device, seed=2)
+    fresh_loop_model.load_state_dict(scan_model.state_dict())
+    close(fresh_loop_model(inputs), loop_model(inputs))
 
 
 class WithBuffers(nn.Module):
 
-  def __init__(self):
-    super().__init__()
-    self.linear = nn.Linear(3, 3)
-    self.register_buffer("running", torch.randn(3))
-    self.register_buffer("scratch", torch.randn(3), persistent=False)
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.register_buffer("running", torch.randn(3))
+        self.register_buffer("scratch", torch.randn(3), persistent=False)
 
-  def forward(self, x):
-    return self.linear(x) + self.running + self.scratch
+    def forward(self, x):
+        return self.linear(x) + self.running + self.scratch
 
 
 def test_state_dict_matches_module_list():
-  layers = nn.ModuleList(WithBuffers() for _ in range(3))
-  stack = LayerStack(layers)
-  expected = layers.state_dict()
-  actual = stack.state_dict()
-  assert list(actual) == list(expected)
-  assert "0.scratch" not in actual
-  for key, value in expected.items():
-    assert torch.equal(actual[key], value)
-  assert not actual["1.linear.weight"].requires_grad
-  assert stack.state_dict(keep_vars=True)["1.linear.weight"].requires_grad
+    layers = nn.ModuleList(WithBuffers() for _ in range(3))
+    stack = LayerStack(layers)
+    expected = layers.state_dict()
+    actual = stack.state_dict()
+    assert list(actual) == list(expected)
+    assert "0.scratch" not in actual
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value)
+    assert not actual["1.linear.weight"].requires_grad
+    assert stack.state_dict(keep_vars=True)["1.linear.weight"].requires_grad
 
 
 def test_strict_loading_reports_per_layer_names():
-  stack = LayerStack(WithBuffers() for _ in range(2))
-  checkpoint = nn.ModuleList(WithBuffers() for _ in range(2)).state_dict()
-  del checkpoint["1.linear.weight"]
-  checkpoint["2.linear.weight"] = torch.zeros(3, 3)
-  checkpoint["0.linear.unknown"] = torch.zeros(3)
-  with pytest.raises(RuntimeError) as error:
-    stack.load_state_dict(checkpoint)
-  assert '"1.linear.weight"' in str(error.value)
-  assert '"2.linear.weight"' in str(error.value)
+    stack = LayerStack(WithBuffers() for _ in range(2))
+    checkpoint = nn.ModuleList(WithBuffers() for _ in range(2)).state_dict()
+    del checkpoint["1.linear.weight"]
+    checkpoint["2.linear.weight"] = torch.zeros(3, 3)
+    checkpoint["0.linear.unknown"] = torch.zeros(3)
+    with pytest.raises(RuntimeError) as error:
+        stack.load_state_dict(checkpoint)
+    assert '"1.linear.weight"' in str(error.value)
+    assert '"2.linear.weight"' in str(error.value)
 
-  before = stack[1].linear.weight.clone()
-  result = stack.load_state_dict(checkpoint, strict=False)
-  assert result.missing_keys == ["1.linear.weight"]
-  assert sorted(result.unexpected_keys) == ["0.linear.unknown", "2.linear.weight"]
-  assert torch.equal(stack[0].linear.weight, checkpoint["0.linear.weight"])
-  assert torch.equal(stack[1].linear.weight, before)
-  assert torch.equal(stack[1].running, checkpoint["1.running"])
+    before = stack[1].linear.weight.clone()
+    result = stack.load_state_dict(checkpoint, strict=False)
+    assert result.missing_keys == ["1.linear.weight"]
+    assert sorted(result.unexpected_keys) == ["0.linear.unknown", "2.linear.weight"]
+    assert torch.equal(stack[0].linear.weight, checkpoint["0.linear.weight"])
+    assert torch.equal(stack[1].linear.weight, before)
+    assert torch.equal(stack[1].running, checkpoint["1.running"])
 
-  checkpoint["1.linear.weight"] = torch.zeros(2, 3)
-  with pytest.raises(RuntimeError, match=r"size mismatch for 1\.linear\.weight"):
-    stack.load_state_dict(checkpoint, strict=False)
+    checkpoint["1.linear.weight"] = torch.zeros(2, 3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 1\.linear\.weight"):
+        stack.load_state_dict(checkpoint, strict=False)
 
 
 def test_whole_module_pickles_and_deep_copies():
-  stack = LayerStack(WithBuffers() for _ in range(2))
-  saved = io.BytesIO()
-  torch.save(stack, saved)
-  saved.seek(0)
-  for copied in (torch.load(saved, weights_only=False), copy.deepcopy(stack)):
-    assert len(copied) == 2
-    assert torch.equal(copied[1].linear.weight, stack[1].linear.weight)
+    stack = LayerStack(WithBuffers() for _ in range(2))
+    saved = io.BytesIO()
+    torch.save(stack, saved)
+    saved.seek(0)
+    for copied in (torch.load(saved, weights_only=False), copy.deepcopy(stack)):
+        assert len(copied) == 2
+        assert torch.equal(copied[1].linear.weight, stack[1].linear.weight)
 
 
 # ---------------------------------------------------------------------------
@@ -196,35 +196,35 @@ def test_whole_module_pickles_and_deep_copies():
 
 
 def test_layers_are_views_of_the_stacked_tensors():
-  layers = [WithBuffers() for _ in range(3)]
-  stack = LayerStack(layers)
-  assert len(stack) == 3
-  assert [name for name, _ in stack.named_parameters()] == [
-      "stacked.linear.weight", "stacked.linear.bias"]
-  stacked_weight = stack.stacked.linear.weight
-  assert stacked_weight.shape == (3, 3, 3)
+    layers = [WithBuffers() for _ in range(3)]
+    stack = LayerStack(layers)
+    assert len(stack) == 3
+    assert [name for name, _ in stack.named_parameters()] == [
+        "stacked.linear.weight", "stacked.linear.bias"]
+    stacked_weight = stack.stacked.linear.weight
+    assert stacked_weight.shape == (3, 3, 3)
 
-  view = stack[-1]
-  assert type(view) is WithBuffers
-  assert view.linear.weight._base is stacked_weight
-  assert not isinstance(view.linear.weight, nn.Parameter)
-  with torch.no_grad():
-    stacked_weight.add_(1.0)
-  assert torch.equal(view.linear.weight, layers[2].linear.weight + 1.0)
+    view = stack[-1]
+    assert type(view) is WithBuffers
+    assert view.linear.weight._base is stacked_weight
+    assert not isinstance(view.linear.weight, nn.Parameter)
+    with torch.no_grad():
+        stacked_weight.add_(1.0)
+    assert torch.equal(view.linear.weight, layers[2].linear.weight + 1.0)
 
-  x = torch.randn(3)
-  for layer, original in zip(stack, layers):
-    assert torch.allclose(layer(x), original(x) + x.sum())  # weights + 1
-  assert len(stack[1:]) == 2
-  with pytest.raises(IndexError, match="Layer index 3 is out of range"):
-    stack[3]
+    x = torch.randn(3)
+    for layer, original in zip(stack, layers):
+        assert torch.allclose(layer(x), original(x) + x.sum())  # weights + 1
+    assert len(stack[1:]) == 2
+    with pytest.raises(IndexError, match="Layer index 3 is out of range"):
+        stack[3]
 
 
 def test_per_layer_view_gradients_reach_the_stacked_parameter():
-  stack = LayerStack(nn.Linear(2, 2) for _ in range(3))
-  stack[1](torch.ones(2)).sum().backward()
-  grad = stack.stacked.weight.grad
-  assert grad[1].abs().sum() > 0 and grad[0].abs().sum() == 0 and grad[2].abs().sum() == 0
+    stack = LayerStack(nn.Linear(2, 2) for _ in range(3))
+    stack[1](torch.ones(2)).sum().backward()
+    grad = stack.stacked.weight.grad
+    assert grad[1].abs().sum() > 0 and grad[0].abs().sum() == 0 and grad[2].abs().sum() == 0
 
 
 # ---------------------------------------------------------------------------
@@ -232,77 +232,77 @@ def test_per_layer_view_gradients_reach_the_stacked_parameter():
 
 
 class TupleLayer(nn.Module):
-  """A layer in the Hugging Face style: extra arguments, a tuple returned."""
+    """A layer in the Hugging Face style: extra arguments, a tuple returned."""
 
-  def __init__(self):
-    super().__init__()
-    self.linear = nn.Linear(HIDDEN, HIDDEN)
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
 
-  def forward(self, hidden, scale, *, position_ids=None, bias=None, add_bias=True):
-    out = hidden + torch.tanh(self.linear(hidden)) * scale
-    if position_ids is not None:
-      out = out + position_ids.to(out.dtype).unsqueeze(-1) * 0.01
-    if add_bias:
-      out = out + bias
-    return out, out.sum()
+    def forward(self, hidden, scale, *, position_ids=None, bias=None, add_bias=True):
+        out = hidden + torch.tanh(self.linear(hidden)) * scale
+        if position_ids is not None:
+            out = out + position_ids.to(out.dtype).unsqueeze(-1) * 0.01
+        if add_bias:
+            out = out + bias
+        return out, out.sum()
 
 
 @pytest.mark.parametrize("add_bias", [True, False])
 def test_extra_arguments_reach_every_layer_and_tuple_outputs_carry_their_first(
     device, add_bias):
-  torch.manual_seed(0)
-  layers = nn.ModuleList(TupleLayer() for _ in range(3)).to(device)
-  stack = LayerStack(copy.deepcopy(layers))
-  hidden = torch.randn(BATCH, SEQ, HIDDEN, device=device)
-  position_ids = torch.arange(SEQ, device=device).expand(BATCH, SEQ)
-  bias = torch.randn(HIDDEN, device=device)
-  scales = [torch.tensor(0.5, device=device, requires_grad=True) for _ in range(2)]
+    torch.manual_seed(0)
+    layers = nn.ModuleList(TupleLayer() for _ in range(3)).to(device)
+    stack = LayerStack(copy.deepcopy(layers))
+    hidden = torch.randn(BATCH, SEQ, HIDDEN, device=device)
+    position_ids = torch.arange(SEQ, device=device).expand(BATCH, SEQ)
+    bias = torch.randn(HIDDEN, device=device)
+    scales = [torch.tensor(0.5, device=device, requires_grad=True) for _ in range(2)]
 
-  expected = hidden
-  for layer in layers:
-    expected = layer(expected, scales[0], position_ids=position_ids, bias=bias,
-                     add_bias=add_bias)[0]
-  actual = stack(hidden, scales[1], position_ids=position_ids, bias=bias, add_bias=add_bias)
-  expected.sum().backward()
-  actual.sum().backward()
-  torch_xla.sync()
-  close(actual, expected)
-  close(scales[1].grad, scales[0].grad)
+    expected = hidden
+    for layer in layers:
+        expected = layer(expected, scales[0], position_ids=position_ids, bias=bias,
+                         add_bias=add_bias)[0]
+    actual = stack(hidden, scales[1], position_ids=position_ids, bias=bias, add_bias=add_bias)
+    expected.sum().backward()
+    actual.sum().backward()
+    torch_xla.sync()
+    close(actual, expected)
+    close(scales[1].grad, scales[0].grad)
 
 
 def test_unsupported_extra_argument_is_named(device):
-  stack = LayerStack(TupleLayer() for _ in range(2)).to(device)
-  hidden = torch.zeros(1, HIDDEN, device=device)
-  with pytest.raises(TypeError, match=r"kwargs\['bias'\] has type object"):
-    stack(hidden, torch.tensor(1.0, device=device), bias=object())
+    stack = LayerStack(TupleLayer() for _ in range(2)).to(device)
+    hidden = torch.zeros(1, HIDDEN, device=device)
+    with pytest.raises(TypeError, match=r"kwargs\['bias'\] has type object"):
+        stack(hidden, torch.tensor(1.0, device=device), bias=object())
 
 
 class DropoutLayer(nn.Module):
 
-  def __init__(self, p=0.5):
-    super().__init__()
-    self.linear = nn.Linear(HIDDEN, HIDDEN)
-    self.dropout = nn.Dropout(p)
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+        self.dropout = nn.Dropout(p)
 
-  def forward(self, x):
-    return x + self.dropout(self.linear(x))
+    def forward(self, x):
+        return x + self.dropout(self.linear(x))
 
 
 def test_train_and_eval_modes_trace_separately(device):
-  layers = nn.ModuleList(DropoutLayer() for _ in range(2)).to(device)
-  stack = LayerStack(copy.deepcopy(layers))
-  hidden = torch.randn(BATCH, HIDDEN, device=device)
-  layers.eval()
-  expected = hidden
-  for layer in layers:
-    expected = layer(expected)
-  with torch.no_grad():
-    training_output = stack(hidden)
-    eval_output = stack.eval()(hidden)
-  assert not stack[0].dropout.training
-  torch_xla.sync()
-  close(eval_output, expected)
-  assert (training_output.cpu() - expected.cpu()).abs().max() > 1e-3
+    layers = nn.ModuleList(DropoutLayer() for _ in range(2)).to(device)
+    stack = LayerStack(copy.deepcopy(layers))
+    hidden = torch.randn(BATCH, HIDDEN, device=device)
+    layers.eval()
+    expected = hidden
+    for layer in layers:
+        expected = layer(expected)
+    with torch.no_grad():
+        training_output = stack(hidden)
+        eval_output = stack.eval()(hidden)
+    assert not stack[0].dropout.training
+    torch_xla.sync()
+    close(eval_output, expected)
+    assert (training_output.cpu() - expected.cpu()).abs().max() > 1e-3
 
 
 # ---------------------------------------------------------------------------
@@ -310,9 +310,9 @@ def test_train_and_eval_modes_trace_separately(device):
 
 
 def with_attribute(module, path, value):
-  owner, _, name = path.rpartition(".")
-  setattr(module.get_submodule(owner), name, value)
-  return module
+    owner, _, name = path.rpartition(".")
+    setattr(module.get_submodule(owner), name, value)
+    return module
 
 
 @pytest.mark.parametrize("layers, error, pattern", [
@@ -335,32 +335,32 @@ def with_attribute(module, path, value):
 ], ids=["shape", "dtype", "missing-parameter", "module-type", "dropout-p", "training",
         "eps", "not-a-module"])
 def test_mismatched_layers_are_named(layers, error, pattern):
-  with pytest.raises(error, match=pattern):
-    LayerStack(layers)
-  with pytest.raises(error, match=pattern):
-    scan_layers(layers, torch.zeros(4))
+    with pytest.raises(error, match=pattern):
+        LayerStack(layers)
+    with pytest.raises(error, match=pattern):
+        scan_layers(layers, torch.zeros(4))
 
 
 def test_ignored_attributes_may_differ():
-  layers = [with_attribute(DecoderBlock(HIDDEN, HEADS), "self_attn.layer_idx", i)
-            for i in range(2)]
-  with pytest.raises(ValueError, match=r"ignored_attributes=\('layer_idx',\)"):
-    LayerStack(layers)
-  assert len(LayerStack(layers, ignored_attributes=["layer_idx"])) == 2
+    layers = [with_attribute(DecoderBlock(HIDDEN, HEADS), "self_attn.layer_idx", i)
+              for i in range(2)]
+    with pytest.raises(ValueError, match=r"ignored_attributes=\('layer_idx',\)"):
+        LayerStack(layers)
+    assert len(LayerStack(layers, ignored_attributes=["layer_idx"])) == 2
 
 
 def test_shared_parameters_are_refused():
-  shared = nn.Linear(4, 4)
-  with pytest.raises(ValueError, match=r"Layer 1 parameter '0.weight' is the same tensor"):
-    LayerStack([nn.Sequential(shared), nn.Sequential(shared)])
+    shared = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"Layer 1 parameter '0.weight' is the same tensor"):
+        LayerStack([nn.Sequential(shared), nn.Sequential(shared)])
 
 
 def test_empty_stack_returns_its_input():
-  hidden = torch.randn(2)
-  stack = LayerStack(nn.ModuleList())
-  assert len(stack) == 0 and list(stack) == [] and stack.state_dict() == {}
-  assert stack(hidden, "ignored", mask=None) is hidden
-  assert scan_layers([], hidden) is hidden
+    hidden = torch.randn(2)
+    stack = LayerStack(nn.ModuleList())
+    assert len(stack) == 0 and list(stack) == [] and stack.state_dict() == {}
+    assert stack(hidden, "ignored", mask=None) is hidden
+    assert scan_layers([], hidden) is hidden
 
 
 # ---------------------------------------------------------------------------
@@ -368,28 +368,28 @@ def test_empty_stack_returns_its_input():
 
 
 def test_scan_layers_matches_for_loop(device):
-  torch.manual_seed(0)
-  layers = nn.ModuleList(blocks(3)).to(device)
-  twins = copy.deepcopy(layers)
-  hidden, _ = make_batch(BATCH, SEQ, HIDDEN, device=device)
-  expected = hidden
-  for layer in layers:
-    expected = layer(expected)
-  actual = scan_layers(twins, hidden)
-  expected.sum().backward()
-  actual.sum().backward()
-  torch_xla.sync()
-  close(actual, expected)
-  for layer, twin in zip(layers, twins):
-    for (name, param), twin_param in zip(layer.named_parameters(), twin.parameters()):
-      close(twin_param.grad, param.grad)
+    torch.manual_seed(0)
+    layers = nn.ModuleList(blocks(3)).to(device)
+    twins = copy.deepcopy(layers)
+    hidden, _ = make_batch(BATCH, SEQ, HIDDEN, device=device)
+    expected = hidden
+    for layer in layers:
+        expected = layer(expected)
+    actual = scan_layers(twins, hidden)
+    expected.sum().backward()
+    actual.sum().backward()
+    torch_xla.sync()
+    close(actual, expected)
+    for layer, twin in zip(layers, twins):
+        for (name, param), twin_param in zip(layer.named_parameters(), twin.parameters()):
+            close(twin_param.grad, param.grad)
 
-  misses = tx.cache_info().misses
-  scan_layers(twins, hidden)
-  assert tx.cache_info().misses == misses, "a second call re-traced the layer"
+    misses = tx.cache_info().misses
+    scan_layers(twins, hidden)
+    assert tx.cache_info().misses == misses, "a second call re-traced the layer"
 
 
 def test_rms_norm_normalizes():
-  norm = RMSNorm(4)
-  x = torch.tensor([[3.0, -3.0, 3.0, -3.0]])
-  torch.testing.assert_close(norm(x), torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
+    norm = RMSNorm(4)
+    x = torch.tensor([[3.0, -3.0, 3.0, -3.0]])
+    torch.testing.assert_close(norm(x), torch.tensor([[1.0, -1.0, 1.0, -1.0]]))

@@ -25,133 +25,133 @@ MODES = ("loop", "scan", "torch-xla-scan")
 
 
 class RMSNorm(nn.Module):
-  """Root-mean-square layer norm with a learned per-feature scale."""
+    """Root-mean-square layer norm with a learned per-feature scale."""
 
-  def __init__(self, hidden: int, eps: float = 1e-6):
-    super().__init__()
-    self.weight = nn.Parameter(torch.ones(hidden))
-    self.eps = eps
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
 
-  def forward(self, x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 class CausalSelfAttention(nn.Module):
 
-  def __init__(self, hidden: int, heads: int):
-    super().__init__()
-    if hidden % heads:
-      raise ValueError(f"hidden size {hidden} is not a multiple of heads={heads}.")
-    self.heads = heads
-    self.head_dim = hidden // heads
-    self.q_proj = nn.Linear(hidden, hidden, bias=False)
-    self.k_proj = nn.Linear(hidden, hidden, bias=False)
-    self.v_proj = nn.Linear(hidden, hidden, bias=False)
-    self.o_proj = nn.Linear(hidden, hidden, bias=False)
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not a multiple of heads={heads}.")
+        self.heads = heads
+        self.head_dim = hidden // heads
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
 
-  def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None):
-    """`attention_mask`, if given, is added to the scores (0 keeps, -inf masks)."""
-    batch, seq, hidden = x.shape
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """`attention_mask`, if given, is added to the scores (0 keeps, -inf masks)."""
+        batch, seq, hidden = x.shape
 
-    def split_heads(t):
-      return t.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        def split_heads(t):
+            return t.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
 
-    q, k, v = split_heads(self.q_proj(x)), split_heads(self.k_proj(x)), split_heads(self.v_proj(x))
-    scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-    future = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
-    if attention_mask is not None:
-      scores = scores + attention_mask
-    attended = scores.softmax(dim=-1) @ v
-    return self.o_proj(attended.transpose(1, 2).reshape(batch, seq, hidden))
+        q, k, v = split_heads(self.q_proj(x)), split_heads(self.k_proj(x)), split_heads(self.v_proj(x))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        future = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        attended = scores.softmax(dim=-1) @ v
+        return self.o_proj(attended.transpose(1, 2).reshape(batch, seq, hidden))
 
 
 class MLP(nn.Module):
-  """SwiGLU feed-forward block."""
+    """SwiGLU feed-forward block."""
 
-  def __init__(self, hidden: int, intermediate: int):
-    super().__init__()
-    self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-    self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-    self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-  def forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderBlock(nn.Module):
-  """Pre-norm decoder layer: causal self-attention then MLP, each with a residual."""
+    """Pre-norm decoder layer: causal self-attention then MLP, each with a residual."""
 
-  def __init__(self, hidden: int, heads: int, intermediate: int | None = None):
-    super().__init__()
-    self.input_layernorm = RMSNorm(hidden)
-    self.self_attn = CausalSelfAttention(hidden, heads)
-    self.post_attention_layernorm = RMSNorm(hidden)
-    self.mlp = MLP(hidden, intermediate or 4 * hidden)
+    def __init__(self, hidden: int, heads: int, intermediate: int | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden)
+        self.self_attn = CausalSelfAttention(hidden, heads)
+        self.post_attention_layernorm = RMSNorm(hidden)
+        self.mlp = MLP(hidden, intermediate or 4 * hidden)
 
-  def forward(self, hidden_states: torch.Tensor,
-              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    hidden_states = hidden_states + self.self_attn(
-        self.input_layernorm(hidden_states), attention_mask)
-    return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(self, hidden_states: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), attention_mask)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 class DecoderStack(nn.Module):
-  """`num_layers` decoder blocks then a final norm, run as `mode` says (see MODES)."""
+    """`num_layers` decoder blocks then a final norm, run as `mode` says (see MODES)."""
 
-  def __init__(self, num_layers: int, hidden: int, heads: int, mode: str,
-               intermediate: int | None = None):
-    super().__init__()
-    if mode not in MODES:
-      raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
-    self.mode = mode
-    blocks = [DecoderBlock(hidden, heads, intermediate) for _ in range(num_layers)]
-    self.layers = LayerStack(blocks) if mode == "scan" else nn.ModuleList(blocks)
-    self.norm = RMSNorm(hidden)
+    def __init__(self, num_layers: int, hidden: int, heads: int, mode: str,
+                 intermediate: int | None = None):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
+        self.mode = mode
+        blocks = [DecoderBlock(hidden, heads, intermediate) for _ in range(num_layers)]
+        self.layers = LayerStack(blocks) if mode == "scan" else nn.ModuleList(blocks)
+        self.norm = RMSNorm(hidden)
 
-  def forward(self, hidden_states: torch.Tensor,
-              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    if self.mode == "loop":
-      for layer in self.layers:
-        hidden_states = layer(hidden_states, attention_mask)
-    elif self.mode == "scan":
-      hidden_states = self.layers(hidden_states, attention_mask)
-    else:
-      if attention_mask is not None:
-        raise ValueError("torch_xla's scan_layers passes no extra arguments to the "
-                         "layers; use mode 'loop' or 'scan' with an attention_mask.")
-      from torch_xla.experimental.scan_layers import scan_layers as torch_xla_scan_layers
-      # Pure layers let torch_xla cache its trace across steps, its fastest setting.
-      hidden_states = torch_xla_scan_layers(self.layers, hidden_states, is_layer_pure=True)
-    return self.norm(hidden_states)
+    def forward(self, hidden_states: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.mode == "loop":
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, attention_mask)
+        elif self.mode == "scan":
+            hidden_states = self.layers(hidden_states, attention_mask)
+        else:
+            if attention_mask is not None:
+                raise ValueError("torch_xla's scan_layers passes no extra arguments to the "
+                                 "layers; use mode 'loop' or 'scan' with an attention_mask.")
+            from torch_xla.experimental.scan_layers import scan_layers as torch_xla_scan_layers
+            # Pure layers let torch_xla cache its trace across steps, its fastest setting.
+            hidden_states = torch_xla_scan_layers(self.layers, hidden_states, is_layer_pure=True)
+        return self.norm(hidden_states)
 
 
 def make_decoder_stack(num_layers: int, hidden: int = 256, heads: int = 4,
                        mode: str = "loop", *, intermediate: int | None = None,
                        device=None, seed: int = 0) -> DecoderStack:
-  """A `DecoderStack` whose weights depend only on `seed` and the sizes, not on `mode`."""
-  torch.manual_seed(seed)
-  return DecoderStack(num_layers, hidden, heads, mode, intermediate).to(device)
+    """A `DecoderStack` whose weights depend only on `seed` and the sizes, not on `mode`."""
+    torch.manual_seed(seed)
+    return DecoderStack(num_layers, hidden, heads, mode, intermediate).to(device)
 
 
 def make_batch(batch: int = 8, seq: int = 128, hidden: int = 256, *, device=None,
                seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-  """Random (inputs, targets), each [batch, seq, hidden], made on the CPU from `seed`."""
-  generator = torch.Generator().manual_seed(seed)
-  inputs = torch.randn(batch, seq, hidden, generator=generator)
-  targets = torch.randn(batch, seq, hidden, generator=generator)
-  return inputs.to(device), targets.to(device)
+    """Random (inputs, targets), each [batch, seq, hidden], made on the CPU from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(batch, seq, hidden, generator=generator)
+    targets = torch.randn(batch, seq, hidden, generator=generator)
+    return inputs.to(device), targets.to(device)
 
 
 def training_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                   optimizer: torch.optim.Optimizer) -> torch.Tensor:
-  """Forward, mean-squared-error loss, backward and optimizer step; returns the loss.
+    """Forward, mean-squared-error loss, backward and optimizer step; returns the loss.
 
-  Nothing is synced: on XLA the caller decides when the step's graph runs.
-  """
-  inputs, targets = batch
-  optimizer.zero_grad(set_to_none=True)
-  loss = F.mse_loss(model(inputs), targets)
-  loss.backward()
-  optimizer.step()
-  return loss
+    Nothing is synced: on XLA the caller decides when the step's graph runs.
+    """
+    inputs, targets = batch
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss
