@@ -353,3 +353,51 @@ def test_mark_sharding_inside_fn_under_spmd(run_isolated):
     result = run_isolated(SPMD_SCENARIO, env={"CPU_NUM_DEVICES": "4"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "matched" in result.stdout
+
+
+def test_same_results_as_torch_xla_scan():
+    from torch_xla.experimental.scan import scan as torch_xla_scan
+
+    def fn(carry, x):
+        return carry * 0.5 + x.sin(), {"y": carry.cos(), "z": None}
+
+    init, xs = randn(3, grad=True), randn(4, 3, grad=True)
+    ours = tx.scan(fn, init, xs)
+    theirs = torch_xla_scan(fn, init, xs)
+    assert_trees_close(ours, theirs)
+
+
+def test_concurrent_calls_from_threads_share_one_trace():
+    from concurrent.futures import ThreadPoolExecutor
+    calls = []
+
+    def fn(c, x):
+        calls.append(1)
+        return c + x, c
+
+    init, xs = torch.zeros(2, device=DEV), torch.ones(3, 2, device=DEV)
+    tx.scan(fn, init, xs)  # the trace; the threads then hit the cache
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: tx.scan(fn, init, xs)[0].cpu().tolist(), range(8)))
+    assert results == [[3.0, 3.0]] * 8 and len(calls) == 1
+
+
+def test_cache_is_bounded_least_recently_used_first(monkeypatch):
+    import importlib
+    monkeypatch.setattr(importlib.import_module("torch_xla_ext.scan")._CACHE, "_maxsize", 2)
+    traced_widths = []
+
+    def fn(c, x):
+        traced_widths.append(c.shape[0])
+        return c + x, None
+
+    def call(width):
+        tx.scan(fn, torch.zeros(width, device=DEV), torch.ones(2, width, device=DEV))
+
+    tx.cache_clear()
+    for width in (1, 2, 1, 3):  # 3 evicts 2, the least recently used
+        call(width)
+    assert tx.cache_info().size == 2 and tx.cache_info().maxsize == 2
+    call(1)
+    call(2)
+    assert traced_widths == [1, 2, 3, 2]
