@@ -611,6 +611,9 @@ class _Traced:
         # Pass: an x slice returned as y is not copied; that ys leaf is the xs leaf.
         x_index = {id(x): i for i, x in enumerate(x_arg)}
         self.y_from_x = [x_index.get(id(y)) for y in y_out]
+        self.looped_carry = [i for i, ro in enumerate(self.read_only) if not ro]
+        self.read_only_carry = [i for i, ro in enumerate(self.read_only) if ro]
+        self.stacked_y = [i for i, source in enumerate(self.y_from_x) if source is None]
         capture_in = [lifter.stand_ins[id(t)] for t in lifter.captured]
         # Lowered now, so that the cache keeps no lazy tensors (pending work
         # that reads placeholders) once tracing is over.
@@ -633,51 +636,51 @@ class _Traced:
                 self._training = _TrainingPlan(self)
         return self._training(carry, xs, captures, reverse)
 
+    def assemble(self, carry, xs, looped_carry_out, stacked_ys):
+        """The full carry and ys from what a loop computed and what the passes
+        kept out of it."""
+        carry_out = list(carry)
+        for i, value in zip(self.looped_carry, looped_carry_out):
+            carry_out[i] = value
+        ys = [None] * len(self.y_avals)
+        for i, value in zip(self.stacked_y, stacked_ys):
+            ys[i] = value
+        for i, source in enumerate(self.y_from_x):
+            if source is not None:
+                ys[i] = xs[source]
+        return carry_out, ys
+
 
 class _InferencePlan:
     """Forward only: the trace itself, lowered once."""
 
     def __init__(self, traced: _Traced, carry_in, x_in, capture_in, carry_out, y_out):
         self.traced = traced
-        self.looped_carry = [i for i, ro in enumerate(traced.read_only) if not ro]
-        self.stacked_y = [i for i, src in enumerate(traced.y_from_x) if src is None]
         slots = {}
-        for position, i in enumerate(self.looped_carry):
+        for position, i in enumerate(traced.looped_carry):
             slots[id(carry_in[i])] = (carry_in[i], _Slot("carry", position))
         for i, x in enumerate(x_in):
             slots[id(x)] = (x, _Slot("sliced", i))
-        given = [carry_in[i] for i, ro in enumerate(traced.read_only) if ro] + list(capture_in)
+        given = [carry_in[i] for i in traced.read_only_carry] + list(capture_in)
         for k, t in enumerate(given):
             slots[id(t)] = (t, _Slot("invariant", k))
-        outputs = [carry_out[i] for i in self.looped_carry] + [y_out[i] for i in self.stacked_y]
+        outputs = ([carry_out[i] for i in traced.looped_carry]
+                   + [y_out[i] for i in traced.stacked_y])
         body = _lower_body("scan_step", outputs, slots, len(given))
         self.constants = body.constants
-        out_slots = [_Slot("carry", p) for p in range(len(self.looped_carry))]
-        out_slots += [_Slot("stacked", p) for p in range(len(self.stacked_y))]
-        carry_avals = [traced.key.carry_avals[i] for i in self.looped_carry]
-        self.loop = _Loop("scan", body, out_slots, carry_avals, traced.key.x_avals,
-                          [traced.y_avals[i] for i in self.stacked_y],
+        out_slots = ([_Slot("carry", p) for p in range(len(traced.looped_carry))]
+                     + [_Slot("stacked", p) for p in range(len(traced.stacked_y))])
+        self.loop = _Loop("scan", body, out_slots,
+                          [traced.key.carry_avals[i] for i in traced.looped_carry],
+                          traced.key.x_avals, [traced.y_avals[i] for i in traced.stacked_y],
                           _avals(given) + _avals(body.constants))
 
     def __call__(self, carry, xs, captures, reverse):
         traced = self.traced
-        read_only = [c for c, ro in zip(carry, traced.read_only) if ro]
-        carry_out, stacked = self.loop([carry[i] for i in self.looped_carry], xs,
-                                       read_only + list(captures) + self.constants, reverse)
-        return _assemble(traced, carry, xs, carry_out, stacked, self.looped_carry, self.stacked_y)
-
-
-def _assemble(traced, carry, xs, looped_carry_out, stacked, looped_carry, stacked_y):
-    carry_out = list(carry)
-    for i, value in zip(looped_carry, looped_carry_out):
-        carry_out[i] = value
-    ys = [None] * len(traced.y_avals)
-    for i, value in zip(stacked_y, stacked):
-        ys[i] = value
-    for i, source in enumerate(traced.y_from_x):
-        if source is not None:
-            ys[i] = xs[source]
-    return carry_out, ys
+        invariants = [carry[i] for i in traced.read_only_carry] + list(captures) + self.constants
+        carry_out, stacked = self.loop([carry[i] for i in traced.looped_carry], xs, invariants,
+                                       reverse)
+        return traced.assemble(carry, xs, carry_out, stacked)
 
 
 class _TrainingPlan:
@@ -686,18 +689,17 @@ class _TrainingPlan:
     Inputs of one step: looped carries, x slices and invariants (read-only
     carries, then captures). The forward loop also stacks the activations the
     backward graph needs, except those it can get for free: slices of `xs` are
-    read from `xs` itself, and values computed only from invariants (a weight's
-    transpose, say) are recomputed in the backward step instead of stacked.
+    read from `xs` itself, and values computed from invariants alone or from an
+    x slice by layout ops alone (a weight's transpose) are recomputed in the
+    backward step instead of stacked.
     """
 
     def __init__(self, traced: _Traced):
         self.traced = traced
         key = traced.key
-        self.looped_carry = [i for i, ro in enumerate(traced.read_only) if not ro]
-        self.stacked_y = [i for i, src in enumerate(traced.y_from_x) if src is None]
-        read_only = [i for i, ro in enumerate(traced.read_only) if ro]
-        carry_avals = [key.carry_avals[i] for i in self.looped_carry]
-        invariant_avals = [key.carry_avals[i] for i in read_only] + list(traced.capture_avals)
+        carry_avals = [key.carry_avals[i] for i in traced.looped_carry]
+        invariant_avals = ([key.carry_avals[i] for i in traced.read_only_carry]
+                           + list(traced.capture_avals))
         any_grad = any(a.requires_grad for a in (*key.carry_avals, *key.x_avals, *invariant_avals))
         # Gradients flow through every floating carry, whichever input asked for them.
         carry_grad = [a.dtype.is_floating_point and any_grad for a in carry_avals]
@@ -715,20 +717,20 @@ class _TrainingPlan:
         carry = list(primals[:n_carry])
         x, invariants = primals[n_carry:n_carry + n_x], primals[n_carry + n_x:]
         full_carry = [None] * len(key.carry_avals)
-        for i, value in zip(self.looped_carry, carry):
+        for i, value in zip(traced.looped_carry, carry):
             full_carry[i] = value
-        read_only_count = len(key.carry_avals) - n_carry
-        for i, value in zip([i for i, ro in enumerate(traced.read_only) if ro], invariants):
+        for i, value in zip(traced.read_only_carry, invariants):
             full_carry[i] = value
-        stand_ins = {id(c): v for c, v in zip(traced.current_captures(),
-                                               invariants[read_only_count:])}
+        captures = invariants[len(traced.read_only_carry):]
+        stand_ins = {id(c): v for c, v in zip(traced.current_captures(), captures)}
         full_carry, x = _as_fn_arguments(full_carry), _as_fn_arguments(x)
         with _LiftCaptures(list(primals) + full_carry + x, stand_ins):
             carry_out, y_out = _call_body(key.fn, key.carry_tree.unflatten(full_carry),
                                           key.xs_tree.unflatten(x))
         carry_out = _flatten(carry_out)[0]
         y_out = _flatten(y_out)[0]
-        outputs = [carry_out[i] for i in self.looped_carry] + [y_out[i] for i in self.stacked_y]
+        outputs = ([carry_out[i] for i in traced.looped_carry]
+                   + [y_out[i] for i in traced.stacked_y])
         # AOTAutograd keeps outputs that alias inputs out of its graphs; copies
         # keep them in (XLA removes the copy).
         return tuple(o.clone() if o._is_view() or any(o is p for p in primals) else o
@@ -759,9 +761,16 @@ class _TrainingPlan:
         return graphs["forward"], graphs["backward"], differentiable
 
     def _build_loops(self, fw_graph, bw_graph, differentiable):
-        n_carry, n_x, n_inv = self.sizes
-        n_out = n_carry + len(self.stacked_y)
         stand_ins = [_stand_in(a, requires_grad=False) for a in self.input_avals]
+        outputs, activations, saved_sources = self._build_forward_loop(fw_graph, stand_ins)
+        self._build_backward_loop(bw_graph, differentiable, stand_ins, outputs, activations,
+                                  saved_sources)
+
+    def _build_forward_loop(self, fw_graph, stand_ins):
+        """Lowers the forward graph; returns its lazy outputs, the activations it
+        stacks, and where the backward step gets each saved value."""
+        n_carry, n_x, n_inv = self.sizes
+        n_out = n_carry + len(self.traced.stacked_y)
         carry_in, x_in = stand_ins[:n_carry], stand_ins[n_carry:n_carry + n_x]
         invariants_in = stand_ins[n_carry + n_x:]
         slots = {}
@@ -785,34 +794,42 @@ class _TrainingPlan:
         saved_nodes = _output_nodes(fw_graph)[n_out:]
         primal_nodes = [n for n in fw_graph.graph.nodes if n.op == "placeholder"]
         free_inputs = set(primal_nodes[n_carry:])  # x slices and invariants
-        activation_of_saved = []
+        saved_sources = []
         activations = []
         for value, node in zip(saved, saved_nodes):
             reads = set(_XLAC._get_tensors_xla_device_data_node([value])[0])
             if id(value) in x_index:
-                activation_of_saved.append(("x", x_index[id(value)]))
+                saved_sources.append(("x", x_index[id(value)]))
             elif carry_ids.isdisjoint(reads) and (
                     x_ids.isdisjoint(reads) or _is_layout_of(node, free_inputs)):
-                activation_of_saved.append(("recomputed", value))
+                saved_sources.append(("recomputed", value))
             else:
-                activation_of_saved.append(("stacked", len(activations)))
+                saved_sources.append(("stacked", len(activations)))
                 activations.append(value)
 
         forward_body = _lower_body("scan_forward_step", outputs + activations, slots, n_inv)
         self.forward_constants = forward_body.constants
         out_slots = ([_Slot("carry", i) for i in range(n_carry)]
-                     + [_Slot("stacked", i) for i in range(len(self.stacked_y) + len(activations))])
+                     + [_Slot("stacked", i)
+                        for i in range(len(self.traced.stacked_y) + len(activations))])
         self.activation_count = len(activations)
         self.forward_loop = _Loop(
             "scan_forward", forward_body, out_slots, self.input_avals[:n_carry],
             self.input_avals[n_carry:n_carry + n_x],
             _avals(outputs[n_carry:]) + _avals(activations),
             self.input_avals[n_carry + n_x:] + list(_avals(forward_body.constants)))
+        return outputs, activations, saved_sources
 
-        # Backward step: carries are the carry gradients, then accumulators for
-        # invariant gradients; sliced inputs are activations, y gradients, xs.
+    def _build_backward_loop(self, bw_graph, differentiable, stand_ins, outputs, activations,
+                             saved_sources):
+        """Lowers the backward graph. Its loop carries the carry gradients, then
+        accumulators for invariant gradients; its sliced inputs are activations,
+        y gradients and xs."""
+        n_carry, n_x, n_inv = self.sizes
+        x_in, invariants_in = stand_ins[n_carry:n_carry + n_x], stand_ins[n_carry + n_x:]
         self.carry_tangents = [i for i in range(n_carry) if differentiable[i]]
-        self.y_tangents = [i for i in range(len(self.stacked_y)) if differentiable[n_carry + i]]
+        self.y_tangents = [i for i in range(len(self.traced.stacked_y))
+                           if differentiable[n_carry + i]]
         self.grad_x = [i for i in range(n_x) if self.input_avals[n_carry + i].requires_grad]
         self.grad_invariants = [i for i in range(n_inv)
                                 if self.input_avals[n_carry + n_x + i].requires_grad]
@@ -836,7 +853,7 @@ class _TrainingPlan:
             bw_slots[id(t)] = (t, _Slot("carry", position))
             carry_tangent_in.append(t)
         saved_in = []
-        for kind, what in activation_of_saved:
+        for kind, what in saved_sources:
             saved_in.append(x_in[what] if kind == "x" else what if kind == "recomputed"
                             else activation_in[what])
         tangents = carry_tangent_in + y_tangent_in
@@ -866,12 +883,11 @@ class _TrainingPlan:
 
     def __call__(self, carry, xs, captures, reverse):
         traced = self.traced
-        read_only = [c for c, ro in zip(carry, traced.read_only) if ro]
-        inputs = [carry[i] for i in self.looped_carry] + list(xs) + read_only + list(captures)
+        inputs = ([carry[i] for i in traced.looped_carry] + list(xs)
+                  + [carry[i] for i in traced.read_only_carry] + list(captures))
         results = _ScanFunction.apply(self, reverse, *inputs)
         n_carry = self.sizes[0]
-        return _assemble(traced, carry, xs, results[:n_carry], results[n_carry:],
-                         self.looped_carry, self.stacked_y)
+        return traced.assemble(carry, xs, results[:n_carry], results[n_carry:])
 
     def forward(self, inputs, reverse):
         n_carry, n_x, _ = self.sizes
