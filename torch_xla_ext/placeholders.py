@@ -307,6 +307,11 @@ def _missing_value_message(tensor, func) -> str:
     else:
         subject = f"a {_describe_shape(tensor)} tensor computed from {_describe_sources(tensor)}"
         why = "it reads placeholders, which have a shape and a dtype but no data"
+    traced = getattr(_tracing_state, "what", None)
+    if traced is not None:
+        return (f"cannot read the value of {subject} (via {action}) while {traced} is traced "
+                f"with placeholders: a scanned function cannot read data; {why}. Keep values "
+                f"on the device (use torch ops instead of .item(), .cpu() or printing).")
     return (f"cannot read the value of {subject} (via {action}): {why}. Placeholders only stand "
             f"for inputs while a computation is traced or lowered; run it with real tensors to "
             f"get values (for example through torch_xla_ext.scan).")
