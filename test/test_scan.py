@@ -401,3 +401,34 @@ def test_cache_is_bounded_least_recently_used_first(monkeypatch):
     call(1)
     call(2)
     assert traced_widths == [1, 2, 3, 2]
+
+
+SCAN_OF_PLACEHOLDERS = """
+import warnings
+import torch, torch_xla
+import torch_xla_ext as tx
+warnings.simplefilter("ignore")
+lin = torch.nn.Linear(4, 4).to(torch_xla.device())
+weight = tx.placeholder((4, 4))
+carry, ys = tx.scan(lambda c, x: (lin(c) @ weight + x, c.sum()), tx.placeholder((2, 4)),
+                    tx.placeholder((5, 2, 4)))
+hlo = torch_xla._XLAC._get_xla_tensors_hlo([carry, ys])
+assert "while" in hlo, hlo[:500]
+for result in (carry, ys):
+    try:
+        result.cpu()
+    except tx.PlaceholderError:
+        pass
+    else:
+        raise AssertionError("a scan of placeholders was readable")
+good = torch.ones(2, device=torch_xla.device()) * 3
+torch_xla.sync()
+assert good.cpu().tolist() == [3.0, 3.0]
+print("survived")
+"""
+
+
+def test_scanning_placeholders_stages_hlo_and_never_crashes(run_isolated):
+    result = run_isolated(SCAN_OF_PLACEHOLDERS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "survived" in result.stdout

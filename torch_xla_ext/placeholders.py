@@ -79,11 +79,11 @@ class PlaceholderTensor(torch.Tensor):
             return _backward_marking_gradients(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
-        sources = _sources_of(args, kwargs)
-        _mark_derived(result, sources)
+        sources = placeholder_sources(args, kwargs)
+        mark_derived(result, sources)
         if _mutates_arguments(func):
-            _mark_derived(args[0] if args else None, sources)
-            _mark_derived(kwargs.get("out"), sources)
+            mark_derived(args[0] if args else None, sources)
+            mark_derived(kwargs.get("out"), sources)
         return result
 
 
@@ -202,7 +202,9 @@ _live_derived: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakVa
 _tracing_state = threading.local()
 
 
-def _sources_of(args, kwargs) -> tuple:
+def placeholder_sources(args, kwargs=None) -> tuple:
+    """The placeholders (C++ data objects) that tensors in `args` and `kwargs`
+    are computed from."""
     sources = []
     for leaf in tree_flatten((args, kwargs))[0]:
         for source in getattr(leaf, "_placeholder_sources", ()):
@@ -211,7 +213,9 @@ def _sources_of(args, kwargs) -> tuple:
     return tuple(sources)
 
 
-def _mark_derived(result, sources: tuple) -> None:
+def mark_derived(result, sources: tuple) -> None:
+    """Marks the XLA tensors in `result` as computed from `sources`, so that
+    reading them raises PlaceholderError and a sync discards their pending work."""
     if not sources:
         return
     for leaf in tree_flatten(result)[0]:
@@ -249,12 +253,12 @@ def _backward_marking_gradients(func, args, kwargs):
     """Runs a backward pass and marks the gradients it accumulates, which
     depend on the placeholders the graph read."""
     roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    sources = _sources_of(args, kwargs)
+    sources = placeholder_sources(args, kwargs)
     leaves = list(_accumulating_leaves(t.grad_fn for t in roots))
     with torch._C.DisableTorchFunctionSubclass():
         result = func(*args, **kwargs)
     for leaf in leaves:
-        _mark_derived(leaf.grad, sources)
+        mark_derived(leaf.grad, sources)
     return result
 
 

@@ -49,7 +49,8 @@ from torch.utils._pytree import (
     TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_map_only, tree_unflatten)
 
 from torch_xla_ext import _C
-from torch_xla_ext.placeholders import PlaceholderTensor, placeholder, tracing
+from torch_xla_ext.placeholders import (
+    PlaceholderTensor, mark_derived, placeholder, placeholder_sources, tracing)
 
 __all__ = ["scan", "cache_info", "cache_clear", "default_partition"]
 
@@ -99,6 +100,8 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
         return init, traced.y_tree.unflatten(
             [_empty_stack(a, carry_leaves + xs_leaves) for a in traced.y_avals])
     carry_out, ys = traced.run(carry_leaves, xs_leaves, captures, reverse, needs_grad)
+    # Scanning placeholders stages out HLO; its results must then guard reads like them.
+    mark_derived((carry_out, ys), placeholder_sources((carry_leaves, xs_leaves, captures)))
     return carry_tree.unflatten(carry_out), traced.y_tree.unflatten(ys)
 
 
