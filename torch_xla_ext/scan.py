@@ -82,15 +82,15 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
         raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
     if is_fn_pure not in (None, True, False):
         raise TypeError(f"scan: is_fn_pure must be None, True or False, got {is_fn_pure!r}")
-    carry_leaves, carry_tree, carry_paths = _flatten_inputs(init, "init")
-    xs_leaves, xs_tree, xs_paths = _flatten_inputs(xs, "xs")
-    length = _scan_length(xs_leaves, xs_paths)
+    carry_leaves, carry_tree = _flatten_inputs(init, "init")
+    xs_leaves, xs_tree = _flatten_inputs(xs, "xs")
+    length = _scan_length(xs_leaves, xs_tree)
     key = _CacheKey(
         fn, partition_fn, carry_tree, xs_tree, _avals(carry_leaves),
         tuple(_Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in xs_leaves))
     traced = _CACHE.lookup(key) if is_fn_pure is not False else None
     if traced is None:
-        traced = _trace(key, carry_paths)
+        traced = _trace(key)
         if is_fn_pure is not False:
             _CACHE.store(key, traced)
     captures = traced.current_captures()
@@ -151,58 +151,66 @@ class _Structure(NamedTuple):
         leaves = iter(leaves)
         return tree_unflatten([None if none else next(leaves) for none in self.is_none], self.spec)
 
+    def leaf_path(self, name: str, index: int) -> str:
+        """`name` and the key path of kept leaf `index`, like "init['h'][0]"; for
+        messages only, so it is computed on demand."""
+        with_paths = tree_flatten_with_path(tree_unflatten(list(self.is_none), self.spec))[0]
+        kept = [path for path, none in with_paths if not none]
+        return f"{name}{keystr(kept[index])}"
 
-def _flatten(tree) -> tuple[list, _Structure, list]:
-    """Leaves other than None, the structure, and each kept leaf's path."""
-    with_paths, spec = tree_flatten_with_path(tree)
-    kept = [(path, leaf) for path, leaf in with_paths if leaf is not None]
-    structure = _Structure(spec, tuple(leaf is None for _, leaf in with_paths))
-    return [leaf for _, leaf in kept], structure, [keystr(path) for path, _ in kept]
+
+def _flatten(tree) -> tuple[list, _Structure]:
+    """The leaves other than None, and the structure."""
+    leaves, spec = tree_flatten(tree)
+    return [leaf for leaf in leaves if leaf is not None], _Structure(
+        spec, tuple(leaf is None for leaf in leaves))
 
 
-def _flatten_inputs(tree, name: str):
-    leaves, structure, key_paths = _flatten(tree)
-    paths = []
-    for key_path, leaf in zip(key_paths, leaves):
-        where = f"{name}{key_path}"
+def _flatten_inputs(tree, name: str) -> tuple[list, _Structure]:
+    leaves, structure = _flatten(tree)
+    for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"scan: {where} must be a tensor, got {type(leaf).__name__} {leaf!r}; "
-                            f"pass non-tensor settings through fn's closure instead")
+            raise TypeError(f"scan: {structure.leaf_path(name, i)} must be a tensor, got "
+                            f"{type(leaf).__name__} {leaf!r}; pass non-tensor settings through "
+                            f"fn's closure instead")
         if leaf.device.type != "xla":
-            raise ValueError(f"scan: {where} is on {leaf.device}, not an XLA device; "
-                             f"move it with .to(torch_xla.device())")
-        paths.append(where)
-    return leaves, structure, paths
+            raise ValueError(f"scan: {structure.leaf_path(name, i)} is on {leaf.device}, not an "
+                             f"XLA device; move it with .to(torch_xla.device())")
+    return leaves, structure
 
 
-def _scan_length(xs_leaves, xs_paths) -> int:
+def _scan_length(xs_leaves, xs_structure: _Structure) -> int:
     if not xs_leaves:
         raise ValueError("scan: xs has no tensor leaves, so the number of steps is unknown")
-    for leaf, where in zip(xs_leaves, xs_paths):
+    for i, leaf in enumerate(xs_leaves):
         if leaf.dim() == 0:
-            raise ValueError(f"scan: {where} is a 0-d tensor; xs leaves need a leading dim to scan over")
+            raise ValueError(f"scan: {xs_structure.leaf_path('xs', i)} is a 0-d tensor; xs leaves "
+                             f"need a leading dim to scan over")
     length = xs_leaves[0].shape[0]
-    for leaf, where in zip(xs_leaves, xs_paths):
+    for i, leaf in enumerate(xs_leaves):
         if leaf.shape[0] != length:
-            raise ValueError(f"scan: xs leaves must share their leading size: {xs_paths[0]} has "
-                             f"{length} but {where} has {leaf.shape[0]} (shape {tuple(leaf.shape)})")
+            raise ValueError(
+                f"scan: xs leaves must share their leading size: "
+                f"{xs_structure.leaf_path('xs', 0)} has {length} but "
+                f"{xs_structure.leaf_path('xs', i)} has {leaf.shape[0]} (shape {tuple(leaf.shape)})")
     return length
 
 
-def _check_carry_types(init_structure: _Structure, init_paths, init_avals, out_carry) -> list:
+def _check_carry_types(init_structure: _Structure, init_avals, out_carry) -> list:
     """The carry `fn` returns must have the structure, shapes and dtypes of
     `init`. Returns its leaves."""
-    out_leaves, out_structure, _ = _flatten(out_carry)
+    out_leaves, out_structure = _flatten(out_carry)
     if out_structure != init_structure:
         raise TypeError(f"scan: fn must return a carry with the structure of init; init is "
                         f"{init_structure.spec} but fn returned {out_structure.spec}")
-    for where, aval, leaf in zip(init_paths, init_avals, out_leaves):
+    for i, (aval, leaf) in enumerate(zip(init_avals, out_leaves)):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"scan: fn returned {type(leaf).__name__} for carry leaf "
-                            f"{where.replace('init', 'carry', 1)}, which init has as a tensor {aval}")
+                            f"{init_structure.leaf_path('carry', i)}, which init has as a "
+                            f"tensor {aval}")
         if tuple(leaf.shape) != aval.shape or leaf.dtype != aval.dtype:
             raise TypeError(f"scan: fn changed the type of carry leaf "
-                            f"{where.replace('init', 'carry', 1)}: init has {aval} but fn "
+                            f"{init_structure.leaf_path('carry', i)}: init has {aval} but fn "
                             f"returned {_Aval.of(leaf)}; the carry must keep its shape and dtype")
     return out_leaves
 
@@ -318,7 +326,7 @@ def _stand_in(aval: _Aval, requires_grad: bool | None = None) -> torch.Tensor:
     return placeholder(aval.shape, aval.dtype, requires_grad=grad and aval.dtype.is_floating_point)
 
 
-def _trace(key: _CacheKey, carry_paths) -> "_Traced":
+def _trace(key: _CacheKey) -> "_Traced":
     carry_in = [_stand_in(a) for a in key.carry_avals]
     x_in = [_stand_in(a) for a in key.x_avals]
     carry_arg, x_arg = _as_fn_arguments(carry_in), _as_fn_arguments(x_in)
@@ -326,11 +334,11 @@ def _trace(key: _CacheKey, carry_paths) -> "_Traced":
     with tracing(f"scan's fn {getattr(key.fn, '__qualname__', key.fn)!r}"), lifter:
         carry_out, y_out = _call_body(key.fn, key.carry_tree.unflatten(carry_arg),
                                       key.xs_tree.unflatten(x_arg))
-    carry_out = _check_carry_types(key.carry_tree, carry_paths, key.carry_avals, carry_out)
-    y_leaves, y_tree, y_paths = _flatten(y_out)
-    for path, leaf in zip(y_paths, y_leaves):
+    carry_out = _check_carry_types(key.carry_tree, key.carry_avals, carry_out)
+    y_leaves, y_tree = _flatten(y_out)
+    for i, leaf in enumerate(y_leaves):
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"scan: fn returned {type(leaf).__name__} for y{path}; "
+            raise TypeError(f"scan: fn returned {type(leaf).__name__} for {y_tree.leaf_path('y', i)}; "
                             f"y leaves must be tensors or None")
     return _Traced(key, lifter, (carry_in, carry_arg), (x_in, x_arg), carry_out, y_leaves, y_tree)
 
