@@ -35,24 +35,6 @@ MODES = ("loop", "scan", "torch-xla-scan")
 WARMUP_STEPS = 2
 
 
-def _reset_peak_rss() -> bool:
-    """Resets the process's peak RSS (Linux); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def run_worker(args) -> dict:
     """One (mode, L) measurement in this process; returns the figures."""
     import torch
@@ -60,6 +42,7 @@ def run_worker(args) -> dict:
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
+    from torch_xla_ext.metrics import peak_rss_bytes, reset_peak_rss
     from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
 
     device = torch_xla.device()
@@ -75,7 +58,7 @@ def run_worker(args) -> dict:
     peak_reset = False
     for step in range(args.steps):
         if step == args.steps - 1:
-            peak_reset = _reset_peak_rss()
+            peak_reset = reset_peak_rss()
         # The previous step's gradients are released before the timer starts:
         # freeing a buffer of 32 MiB or more is an munmap, which takes up to 0.1 s
         # on some VMs; that is allocator time, not graph building.
@@ -97,7 +80,7 @@ def run_worker(args) -> dict:
         "compile_s": compile_ns / 1e9,
         "compiles": compiles,
         "execute_ms": 1e3 * statistics.median(execute_seconds[steady]),
-        "peak_rss_mib": _peak_rss_bytes() / 2**20,
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
         "peak_is_steady": peak_reset,
         "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
     }

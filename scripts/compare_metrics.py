@@ -23,7 +23,6 @@ import argparse
 import importlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,8 @@ import time
 
 from torch_xla_ext.metrics import (
     BYTES, COUNT, FIGURE_ROWS, SECONDS, MetricsReport, MetricsReportError, Row, collect,
-    figures, format_table, parse_report, raw_figures, raw_rows)
+    figures, format_table, hlo_parameter_count, parse_report, peak_rss_bytes, raw_figures,
+    raw_rows)
 
 
 class InputError(Exception):
@@ -269,25 +269,6 @@ def step_outputs(outputs, spec: str | None) -> list:
     return list(outputs)
 
 
-def entry_parameter_count(hlo_text: str) -> int:
-    """Parameters of the ENTRY computation of an HLO module's text."""
-    lines = iter(hlo_text.splitlines())
-    for line in lines:
-        if line.startswith("ENTRY "):
-            break
-    count = 0
-    for line in lines:
-        if line.startswith("}"):
-            break
-        count += " parameter(" in line
-    return count
-
-
-def peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB
-
-
 def summarize(steps: list[dict]) -> dict:
     """A mode's figures from its per-step ones (see WORKLOAD_HELP)."""
     return {
@@ -321,7 +302,7 @@ def run_worker(args: argparse.Namespace) -> None:
         outputs = step_outputs(step(), args.workload)
         build_seconds = time.perf_counter() - started
         scan_traces = torch_xla_ext.cache_info().misses - traces_before
-        hlo_parameters = entry_parameter_count(torch_xla._XLAC._get_xla_tensors_hlo(outputs))
+        hlo_parameters = hlo_parameter_count(torch_xla._XLAC._get_xla_tensors_hlo(outputs))
         torch_xla.sync()
         current = collect()
         steps.append({**{key: current[key] - previous[key] for key in current},

@@ -343,3 +343,20 @@ def test_format_table_without_baseline_marks_nothing():
 def test_format_table_rejects_unknown_baseline():
     with pytest.raises(ValueError, match="baseline column 'loop' is not among"):
         format_table({"scan": {}})
+
+
+def test_hlo_parameter_count_reads_the_entry_computation():
+    from torch_xla_ext.metrics import hlo_parameter_count
+    text = ("HloModule m\n\n%helper (a: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n}\n\n"
+            "ENTRY %main (p0: f32[2], p1: f32[2]) -> f32[2] {\n  %p0 = f32[2] parameter(0)\n"
+            "  %p1 = f32[2] parameter(1)\n  ROOT %add = f32[2] add(%p0, %p1)\n}\n")
+    assert hlo_parameter_count(text) == 2
+
+
+def test_peak_rss_follows_an_allocation_after_a_reset():
+    from torch_xla_ext.metrics import peak_rss_bytes, reset_peak_rss
+    assert reset_peak_rss()
+    before = peak_rss_bytes()
+    block = bytearray(64 * 2**20)  # touched pages count toward RSS
+    assert peak_rss_bytes() - before >= 60 * 2**20
+    del block

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import resource
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
@@ -435,6 +436,45 @@ def collect() -> dict[str, int | float]:
 
 
 # ---------------------------------------------------------------- table
+
+
+def hlo_parameter_count(hlo_text: str) -> int:
+    """Parameters of the ENTRY computation of an HLO module's text: the data a
+    computation reads from the device."""
+    lines = iter(hlo_text.splitlines())
+    for line in lines:
+        if line.startswith("ENTRY "):
+            break
+    count = 0
+    for line in lines:
+        if line.startswith("}"):
+            break
+        count += " parameter(" in line
+    return count
+
+
+def reset_peak_rss() -> bool:
+    """Restarts the count of `peak_rss_bytes` from the current RSS (Linux);
+    False where that is not possible, and the peak stays the process's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process since it started or since
+    `reset_peak_rss`."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
 
 
 def format_value(value: int | float | None, unit: str) -> str:
