@@ -247,14 +247,13 @@ def trace_with_device_data() -> None:
     import torch
     import torch_xla
 
-    # The module itself: the package attribute `torch_xla_ext.scan` is the function.
-    scan_module = importlib.import_module("torch_xla_ext.scan")
+    tracing_module = importlib.import_module("torch_xla_ext.scan.tracing")
     device = torch_xla.device()
 
     def device_data_stand_in(shape, dtype, *, requires_grad=False):
         return torch.empty(shape, dtype=dtype).to(device).requires_grad_(requires_grad)
 
-    scan_module.placeholder = device_data_stand_in
+    tracing_module.placeholder = device_data_stand_in
 
 
 def step_outputs(outputs, spec: str | None) -> list:

@@ -5,6 +5,8 @@ import textwrap
 
 import pytest
 
+# Tests run on PJRT's CPU backend unless the caller chose a device; the package
+# itself never chooses one.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 

@@ -1,14 +1,15 @@
 """torch_xla_ext: placeholder tensors, a cached `scan` and zero-copy layer stacks
-for PyTorch/XLA."""
-import os
+for PyTorch/XLA.
 
-# PJRT's CPU backend unless the user chose a device (PJRT_DEVICE=TPU on a TPU host).
-os.environ.setdefault("PJRT_DEVICE", "CPU")
-
-from torch_xla_ext.placeholders import (  # noqa: E402
+Importing it changes no environment variable and chooses no device: torch_xla
+picks the device as it always does (set `PJRT_DEVICE` to choose)."""
+from torch_xla_ext.placeholders import (
     PlaceholderError, depends_on_placeholder, is_placeholder, placeholder, placeholder_id)
-from torch_xla_ext.scan import cache_clear, cache_info, scan  # noqa: E402
-from torch_xla_ext.layer_stack import LayerStack, scan_layers  # noqa: E402
+# `scan` is the module torch_xla_ext.scan, which is callable as the function
+# torch_xla_ext.scan.scan; its stages stay reachable by their names.
+from torch_xla_ext import scan
+from torch_xla_ext.scan import cache_clear, cache_info
+from torch_xla_ext.layer_stack import LayerStack, scan_layers
 
 __all__ = [
     "LayerStack", "PlaceholderError", "cache_clear", "cache_info", "depends_on_placeholder",

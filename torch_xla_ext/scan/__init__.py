@@ -1,0 +1,114 @@
+"""`scan`: apply a function over the leading dim of its inputs as one XLA While loop.
+
+Contract, as `jax.lax.scan`::
+
+    scan :: (c -> a -> (c, b)) -> c -> [a] -> (c, [b])
+
+    def scan(fn, init, xs):
+        carry, ys = init, []
+        for x in xs:
+            carry, y = fn(carry, x)
+            ys.append(y)
+        return carry, stack(ys)
+
+`init`, `xs` and what `fn` returns are PyTrees of XLA tensors (`ys` may hold
+`None` leaves). `fn` is traced once with placeholders, never with data, and its
+HLO is cached; calls with the same avals reuse it without running `fn` again.
+
+How one call runs, one module a stage:
+
+1. `cache`: the call's key (fn, partitioner, structures, avals) finds a
+   `Traced` from an earlier call, or
+2. `tracing`: `fn` runs once on placeholders; every XLA tensor it reads without
+   receiving it (closures, module parameters, buffers) is lifted into a
+   loop-invariant input, bound to its current value at every call.
+3. `passes`: read-only carries leave the loop (their output is `init` itself),
+   `xs` slices returned unchanged as `ys` are not copied, and saved values that
+   are cheap to recompute are not stacked.
+4. `loop`: the step is lowered once to HLO and run as an XLA While loop;
+   `autograd`: with gradients, AOTAutograd splits `fn` into forward and
+   backward graphs (`partition_fn` deciding what is saved), both run as While
+   loops (the backward in reverse). `traced` holds a trace and its loops.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Callable
+
+import torch
+from functorch.compile import default_partition
+
+from torch_xla_ext.placeholders import mark_derived, placeholder_sources
+from torch_xla_ext.scan.avals import Aval, avals, empty_stack, flatten_inputs, scan_length
+from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey
+from torch_xla_ext.scan.traced import Traced
+from torch_xla_ext.scan.tracing import trace
+
+__all__ = ["scan", "cache_info", "cache_clear", "CacheInfo", "default_partition"]
+
+
+def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
+         is_fn_pure: bool | None = None, *, reverse: bool = False):
+    """Loops `fn(carry, x) -> (carry, y)` over the leading dim of `xs`.
+
+    Returns `(carry, ys)` where each `ys` leaf stacks the per-step `y` leaves on a
+    new dim 0; `reverse=True` runs from the last slice to the first (`ys` stays in
+    `xs` order). Gradients flow to `init`, `xs` and every tensor `fn` reads from
+    its closure or its module; `partition_fn` (an AOTAutograd partitioner such as
+    `functorch.compile.min_cut_rematerialization_partition`) chooses what the
+    forward loop saves for the backward loop.
+
+    `fn` is assumed pure: traced once per set of input avals (shape, dtype,
+    requires_grad, structure) and captured tensor avals, then replayed from the
+    cache without running its Python body. Pass `is_fn_pure=False` for an `fn`
+    whose traced program can change for the same avals (it reads a global flag,
+    say): it is then traced at every call. Tensors `fn` creates are baked into
+    the trace; tensors it captures are read afresh at every call.
+    """
+    if not callable(fn):
+        raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
+    if is_fn_pure not in (None, True, False):
+        raise TypeError(f"scan: is_fn_pure must be None, True or False, got {is_fn_pure!r}")
+    carry_leaves, carry_tree = flatten_inputs(init, "init")
+    xs_leaves, xs_tree = flatten_inputs(xs, "xs")
+    length = scan_length(xs_leaves, xs_tree)
+    key = CacheKey(
+        fn, partition_fn, carry_tree, xs_tree, avals(carry_leaves),
+        tuple(Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in xs_leaves))
+    traced = CACHE.lookup(key) if is_fn_pure is not False else None
+    if traced is None:
+        traced = Traced(key, trace(key))
+        if is_fn_pure is not False:
+            CACHE.store(key, traced)
+    captures = traced.current_captures()
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (*carry_leaves, *xs_leaves, *captures))
+    if length == 0:
+        return init, traced.y_tree.unflatten(
+            [empty_stack(a, carry_leaves + xs_leaves) for a in traced.y_avals])
+    carry_out, ys = traced.run(carry_leaves, xs_leaves, captures, reverse, needs_grad)
+    # Scanning placeholders stages out HLO; its results must then guard reads like them.
+    mark_derived((carry_out, ys), placeholder_sources((carry_leaves, xs_leaves, captures)))
+    return carry_tree.unflatten(carry_out), traced.y_tree.unflatten(ys)
+
+
+def cache_info() -> CacheInfo:
+    """Hits, misses and size of the cache of traced scan bodies."""
+    return CACHE.info()
+
+
+def cache_clear() -> None:
+    """Empties the cache of traced scan bodies and resets its statistics."""
+    CACHE.clear()
+
+
+class _CallableModule(types.ModuleType):
+    """`torch_xla_ext.scan` is this module (its stages stay reachable as
+    `torch_xla_ext.scan.cache`, ...) and, called, the `scan` function."""
+
+    def __call__(self, fn, init, xs, *args, **kwargs):
+        return scan(fn, init, xs, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,252 @@
+"""The autograd plan: forward and backward While loops from AOTAutograd's
+partitioned graphs, joined by one `torch.autograd.Function`."""
+from __future__ import annotations
+
+import torch
+from functorch.compile import aot_function, make_boxed_func
+
+from torch_xla_ext.placeholders import tracing
+from torch_xla_ext.scan import passes
+from torch_xla_ext.scan.avals import avals, flatten
+from torch_xla_ext.scan.loop import Loop, Slot, lower_body
+from torch_xla_ext.scan.sharding import as_fn_arguments, functional_mark_sharding
+from torch_xla_ext.scan.tracing import LiftCaptures, call_body, new_stand_in, stand_in
+
+
+
+def output_nodes(graph_module) -> list:
+    output = next(n for n in reversed(graph_module.graph.nodes) if n.op == "output")
+    return list(output.args[0])
+
+
+class TrainingPlan:
+    """Forward and backward loops from AOTAutograd's partitioned graphs.
+
+    Inputs of one step: looped carries, x slices and invariants (read-only
+    carries, then captures). The forward loop also stacks the activations the
+    backward graph needs, except those it can get for free: slices of `xs` are
+    read from `xs` itself, and values computed from invariants alone or from an
+    x slice by layout ops alone (a weight's transpose) are recomputed in the
+    backward step instead of stacked.
+    """
+
+    def __init__(self, traced):
+        self.traced = traced
+        key = traced.key
+        carry_avals = [key.carry_avals[i] for i in traced.looped_carry]
+        invariant_avals = ([key.carry_avals[i] for i in traced.read_only_carry]
+                           + list(traced.capture_avals))
+        any_grad = any(a.requires_grad for a in (*key.carry_avals, *key.x_avals, *invariant_avals))
+        # Gradients flow through every floating carry, whichever input asked for them.
+        carry_grad = [a.dtype.is_floating_point and any_grad for a in carry_avals]
+        self.input_avals = ([a._replace(requires_grad=g) for a, g in zip(carry_avals, carry_grad)]
+                            + list(key.x_avals) + invariant_avals)
+        self.sizes = (len(carry_avals), len(key.x_avals), len(invariant_avals))
+        fw_graph, bw_graph, differentiable = self._partition()
+        self._build_loops(fw_graph, bw_graph, differentiable)
+
+    def _step(self, *primals):
+        """One step as a flat function of (looped carries, x, invariants) for
+        AOTAutograd, returning (looped carry outs, stacked ys)."""
+        traced, key = self.traced, self.traced.key
+        n_carry, n_x, _ = self.sizes
+        carry = list(primals[:n_carry])
+        x, invariants = primals[n_carry:n_carry + n_x], primals[n_carry + n_x:]
+        full_carry = [None] * len(key.carry_avals)
+        for i, value in zip(traced.looped_carry, carry):
+            full_carry[i] = value
+        for i, value in zip(traced.read_only_carry, invariants):
+            full_carry[i] = value
+        captures = invariants[len(traced.read_only_carry):]
+        stand_ins = {id(c): v for c, v in zip(traced.current_captures(), captures)}
+        full_carry, x = as_fn_arguments(full_carry), as_fn_arguments(x)
+        with LiftCaptures(list(primals) + full_carry + x, stand_ins):
+            carry_out, y_out = call_body(key.fn, key.carry_tree.unflatten(full_carry),
+                                          key.xs_tree.unflatten(x))
+        carry_out = flatten(carry_out)[0]
+        y_out = flatten(y_out)[0]
+        outputs = ([carry_out[i] for i in traced.looped_carry]
+                   + [y_out[i] for i in traced.stacked_y])
+        # AOTAutograd keeps outputs that alias inputs out of its graphs; copies
+        # keep them in (XLA removes the copy).
+        return tuple(o.clone() if o._is_view() or any(o is p for p in primals) else o
+                     for o in outputs)
+
+    def _partition(self):
+        graphs = {}
+
+        def keep(name):
+            def compiler(graph, _inputs):
+                graphs[name] = graph
+                return make_boxed_func(graph)
+            return compiler
+
+        compiled = aot_function(self._step, fw_compiler=keep("forward"),
+                                bw_compiler=keep("backward"), partition_fn=self.traced.key.partition_fn)
+        primals = [new_stand_in(a.shape, a.dtype, a.requires_grad, guarded=False)
+                   for a in self.input_avals]
+        with torch.enable_grad(), tracing("scan's fn (differentiated)"), functional_mark_sharding():
+            outputs = compiled(*primals)
+            differentiable = [o.requires_grad for o in outputs]
+            roots = [o for o in outputs if o.requires_grad]
+            if roots:
+                torch.autograd.backward(roots, [new_stand_in(o.shape, o.dtype, guarded=False)
+                                                for o in roots])
+        if "backward" not in graphs:
+            raise ValueError("scan: none of fn's outputs depends on an input that requires grad")
+        return graphs["forward"], graphs["backward"], differentiable
+
+    def _build_loops(self, fw_graph, bw_graph, differentiable):
+        stand_ins = [stand_in(a, requires_grad=False) for a in self.input_avals]
+        outputs, activations, saved_sources = self._build_forward_loop(fw_graph, stand_ins)
+        self._build_backward_loop(bw_graph, differentiable, stand_ins, outputs, activations,
+                                  saved_sources)
+
+    def _build_forward_loop(self, fw_graph, stand_ins):
+        """Lowers the forward graph; returns its lazy outputs, the activations it
+        stacks, and where the backward step gets each saved value."""
+        n_carry, n_x, n_inv = self.sizes
+        n_out = n_carry + len(self.traced.stacked_y)
+        carry_in, x_in = stand_ins[:n_carry], stand_ins[n_carry:n_carry + n_x]
+        invariants_in = stand_ins[n_carry + n_x:]
+        slots = {}
+        for i, t in enumerate(carry_in):
+            slots[id(t)] = (t, Slot("carry", i))
+        for i, t in enumerate(x_in):
+            slots[id(t)] = (t, Slot("sliced", i))
+        for i, t in enumerate(invariants_in):
+            slots[id(t)] = (t, Slot("invariant", i))
+        with torch.no_grad(), tracing("scan's forward step"):
+            fw_outputs = fw_graph(*stand_ins)
+        outputs, saved = list(fw_outputs[:n_out]), list(fw_outputs[n_out:])
+
+        saved_sources, activations = passes.classify_saved(
+            saved, output_nodes(fw_graph)[n_out:], fw_graph, carry_in, x_in)
+
+        forward_body = lower_body("scan_forward_step", outputs + activations, slots, n_inv)
+        self.forward_constants = forward_body.constants
+        out_slots = ([Slot("carry", i) for i in range(n_carry)]
+                     + [Slot("stacked", i)
+                        for i in range(len(self.traced.stacked_y) + len(activations))])
+        self.activation_count = len(activations)
+        self.forward_loop = Loop(
+            "scan_forward", forward_body, out_slots, self.input_avals[:n_carry],
+            self.input_avals[n_carry:n_carry + n_x],
+            avals(outputs[n_carry:]) + avals(activations),
+            self.input_avals[n_carry + n_x:] + list(avals(forward_body.constants)))
+        return outputs, activations, saved_sources
+
+    def _build_backward_loop(self, bw_graph, differentiable, stand_ins, outputs, activations,
+                             saved_sources):
+        """Lowers the backward graph. Its loop carries the carry gradients, then
+        accumulators for invariant gradients; its sliced inputs are activations,
+        y gradients and xs."""
+        n_carry, n_x, n_inv = self.sizes
+        x_in, invariants_in = stand_ins[n_carry:n_carry + n_x], stand_ins[n_carry + n_x:]
+        self.carry_tangents = [i for i in range(n_carry) if differentiable[i]]
+        self.y_tangents = [i for i in range(len(self.traced.stacked_y))
+                           if differentiable[n_carry + i]]
+        self.grad_x = [i for i in range(n_x) if self.input_avals[n_carry + i].requires_grad]
+        self.grad_invariants = [i for i in range(n_inv)
+                                if self.input_avals[n_carry + n_x + i].requires_grad]
+        bw_slots = {}
+        activation_in = [stand_in(a, False) for a in avals(activations)]
+        for i, t in enumerate(activation_in):
+            bw_slots[id(t)] = (t, Slot("sliced", i))
+        y_tangent_in = []
+        for position, i in enumerate(self.y_tangents):
+            t = stand_in(avals(outputs)[n_carry + i], False)
+            bw_slots[id(t)] = (t, Slot("sliced", len(activations) + position))
+            y_tangent_in.append(t)
+        x_offset = len(activations) + len(self.y_tangents)
+        for i, t in enumerate(x_in):
+            bw_slots[id(t)] = (t, Slot("sliced", x_offset + i))
+        for i, t in enumerate(invariants_in):
+            bw_slots[id(t)] = (t, Slot("invariant", i))
+        carry_tangent_in = []
+        for position, i in enumerate(self.carry_tangents):
+            t = stand_in(self.input_avals[i], False)
+            bw_slots[id(t)] = (t, Slot("carry", position))
+            carry_tangent_in.append(t)
+        saved_in = []
+        for kind, what in saved_sources:
+            saved_in.append(x_in[what] if kind == "x" else what if kind == "recomputed"
+                            else activation_in[what])
+        tangents = carry_tangent_in + y_tangent_in
+        with torch.no_grad(), tracing("scan's backward step"):
+            grads = list(bw_graph(*saved_in, *tangents))
+        grads = [g if g is not None else torch.zeros(a.shape, dtype=a.dtype, device=x_in[0].device)
+                 for g, a in zip(grads, self.input_avals)]
+        grad_outputs = ([grads[i] for i in self.carry_tangents]
+                        + [grads[n_carry + n_x + i] for i in self.grad_invariants]
+                        + [grads[n_carry + i] for i in self.grad_x])
+        backward_body = lower_body("scan_backward_step", grad_outputs, bw_slots, n_inv)
+        self.backward_constants = backward_body.constants
+        n_tangent_carry = len(self.carry_tangents)
+        bw_out_slots = ([Slot("carry", i) for i in range(n_tangent_carry)]
+                        + [Slot("accumulate", n_tangent_carry + i)
+                           for i in range(len(self.grad_invariants))]
+                        + [Slot("stacked", i) for i in range(len(self.grad_x))])
+        invariant_avals = self.input_avals[n_carry + n_x:]
+        self.backward_loop = Loop(
+            "scan_backward", backward_body, bw_out_slots,
+            [self.input_avals[i] for i in self.carry_tangents]
+            + [invariant_avals[i] for i in self.grad_invariants],
+            list(avals(activations)) + [avals(outputs)[n_carry + i] for i in self.y_tangents]
+            + list(self.input_avals[n_carry:n_carry + n_x]),
+            [self.input_avals[n_carry + i] for i in self.grad_x],
+            list(invariant_avals) + list(avals(backward_body.constants)))
+
+    def __call__(self, carry, xs, captures, reverse):
+        traced = self.traced
+        inputs = ([carry[i] for i in traced.looped_carry] + list(xs)
+                  + [carry[i] for i in traced.read_only_carry] + list(captures))
+        results = _ScanFunction.apply(self, reverse, *inputs)
+        n_carry = self.sizes[0]
+        return traced.assemble(carry, xs, results[:n_carry], results[n_carry:])
+
+    def forward(self, inputs, reverse):
+        n_carry, n_x, _ = self.sizes
+        carry, xs = inputs[:n_carry], inputs[n_carry:n_carry + n_x]
+        invariants = list(inputs[n_carry + n_x:]) + self.forward_constants
+        carry_out, stacked = self.forward_loop(carry, xs, invariants, reverse)
+        split = len(stacked) - self.activation_count
+        return list(carry_out) + list(stacked[:split]), stacked[split:]
+
+    def backward(self, inputs, activations, output_grads, reverse):
+        n_carry, n_x, n_inv = self.sizes
+        xs, invariants = inputs[n_carry:n_carry + n_x], inputs[n_carry + n_x:]
+        carry_grads, y_grads = output_grads[:n_carry], output_grads[n_carry:]
+        zeros = [torch.zeros(invariants[i].shape, dtype=invariants[i].dtype,
+                             device=invariants[i].device) for i in self.grad_invariants]
+        carries = [carry_grads[i] for i in self.carry_tangents] + zeros
+        sliced = list(activations) + [y_grads[i] for i in self.y_tangents] + list(xs)
+        carry_out, stacked = self.backward_loop(
+            carries, sliced, list(invariants) + self.backward_constants, not reverse)
+        grads = [None] * len(inputs)
+        for position, i in enumerate(self.carry_tangents):
+            grads[i] = carry_out[position]
+        for position, i in enumerate(self.grad_invariants):
+            grads[n_carry + n_x + i] = carry_out[len(self.carry_tangents) + position]
+        for position, i in enumerate(self.grad_x):
+            grads[n_carry + i] = stacked[position]
+        return grads
+
+
+class _ScanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: TrainingPlan, reverse: bool, *inputs):
+        outputs, activations = plan.forward(inputs, reverse)
+        ctx.plan, ctx.reverse = plan, reverse
+        ctx.save_for_backward(*inputs, *activations)
+        ctx.input_count = len(inputs)
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.dtype.is_floating_point])
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *output_grads):
+        saved = ctx.saved_tensors
+        grads = ctx.plan.backward(saved[:ctx.input_count], saved[ctx.input_count:], output_grads,
+                                  ctx.reverse)
+        return (None, None, *grads)

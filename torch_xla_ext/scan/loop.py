@@ -1,0 +1,212 @@
+"""Loop building: one step lowered to an HLO computation (`lower_body`), and
+an XLA While loop over its steps (`Loop`)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, NamedTuple, Sequence
+
+import torch
+import torch_xla
+import torch_xla.core.xla_builder as xb
+
+from torch_xla_ext import _C
+
+_XLAC = torch_xla._XLAC
+
+
+class Slot(NamedTuple):
+    kind: str   # "carry", "sliced" (xs-like, one slice per step), "invariant", "seed"
+    index: int
+
+
+@dataclasses.dataclass
+
+
+class Body:
+    """One step, lowered: an HLO computation plus where its parameters come from."""
+    computation: Any
+    inputs: list          # per HLO parameter: Slot
+    constants: list       # tensors baked in at trace time (invariant slots after the given ones)
+    output_count: int
+
+
+def lower_body(name: str, outputs: Sequence[torch.Tensor], slots_by_tensor: dict,
+                invariant_count: int) -> Body:
+    """Lowers `outputs` to one HLO computation. `slots_by_tensor` maps id() of the
+    placeholders standing for carry, slices and invariants to their slot; data
+    the trace made itself (constants) become further invariant slots, and the
+    RNG seed a per-step seed slot."""
+    outputs = [_with_declared_dtype(t) for t in outputs]
+    context = _XLAC.lowering.LoweringContext(name)
+    context.build(outputs)
+    computation = xb.computation_from_module_proto(name, context.hlo())
+    by_parameter = context.device_parameter_id_tensor_mapping()
+    seed_parameter = _seed_parameter(context, outputs)
+    # Constants are planned by the C++ parameter table, keyed on placeholder id
+    # or device handle, so the same data read twice binds one invariant slot.
+    table = _C.ParameterTable()
+    stand_in_of = {}
+    for tensor_id, (tensor, slot) in slots_by_tensor.items():
+        parameter = context.tensor_parameter_id(tensor)
+        if parameter != -1:
+            stand_in_of[parameter] = slot
+    inputs, constants = [], []
+    for parameter in range(len(by_parameter)):
+        if parameter in stand_in_of:
+            inputs.append(stand_in_of[parameter])
+            continue
+        tensor = by_parameter[parameter]
+        if parameter == seed_parameter:
+            inputs.append(Slot("seed", 0))
+            continue
+        before = len(table.parameters)
+        index = table.use_device_data(_XLAC._get_tensors_handle([tensor])[0])
+        if len(table.parameters) > before:
+            constants.append(tensor)
+        inputs.append(Slot("invariant", invariant_count + index))
+    return Body(computation, inputs, constants, len(outputs))
+
+
+def _seed_parameter(context, outputs) -> int | None:
+    """The parameter holding the RNG seed the traced random ops start from."""
+    ids, data = _XLAC._get_tensors_xla_device_data_node(list(outputs))
+    if not any(_may_be_seed(d) for d in data):
+        return None
+    seed_id = _current_seed_id(outputs[0].device)
+    if seed_id not in ids:
+        return None
+    return context.tensor_parameter_id(data[ids.index(seed_id)])
+
+
+def _may_be_seed(data: torch.Tensor) -> bool:
+    return data.dtype == torch.int64 and data.dim() == 0
+
+
+def _current_seed_id(device) -> int:
+    # Until the next sync, every random op derives its seed from one s64[] device
+    # data; a probe random op shows which (torch_xla's seed-info id is not always it).
+    ids, data = _XLAC._get_tensors_xla_device_data_node([torch.rand((), device=device)])
+    return next(i for i, d in zip(ids, data) if _may_be_seed(d))
+
+
+def _with_declared_dtype(tensor: torch.Tensor) -> torch.Tensor:
+    """torch_xla keeps some bool tensors (dropout masks) as f32 in XLA; a
+    round trip through uint8 makes the lowered type bool, as loops expect."""
+    if tensor.dtype == torch.bool and _XLAC._xla_op_tensor_shape(tensor, "")["type"] != "pred":
+        return tensor.to(torch.uint8).to(torch.bool)
+    return tensor
+
+
+class Loop:
+    """An XLA While loop over the steps of a `Body`, built once per scan length
+    and direction and called through `_xla_user_computation` with the current
+    tensors.
+
+    Loop state: (step, carries, sliced inputs, stacked outputs, invariants,
+    seeds). Body outputs either replace a carry, are written into slice `i` of a
+    stacked output, or are added to a carry (gradient accumulators)."""
+
+    def __init__(self, name: str, body: Body, outputs: Sequence[Slot], carry_avals,
+                 sliced_avals, stacked_avals, invariant_avals):
+        self.name, self.body, self.outputs = name, body, list(outputs)
+        self.carry_avals, self.sliced_avals = list(carry_avals), list(sliced_avals)
+        self.stacked_avals, self.invariant_avals = list(stacked_avals), list(invariant_avals)
+        self.uses_seed = any(slot.kind == "seed" for slot in body.inputs)
+        self._computations: dict = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, carries, sliced, invariants, reverse: bool):
+        length = sliced[0].shape[0]
+        with self._lock:
+            computation = self._computations.get((length, reverse))
+            if computation is None:
+                computation = self._build(length, reverse)
+                self._computations[(length, reverse)] = computation
+        operands = [*carries, *sliced, *invariants]
+        if self.uses_seed:
+            # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
+            seeds = torch.randint(0, 2**62, (length,), dtype=torch.int64)
+            operands.append(seeds.to(sliced[0].device))
+        results = _XLAC._xla_user_computation(f"xla::{self.name}", operands, computation)
+        return results[:len(self.carry_avals)], results[len(self.carry_avals):]
+
+    def _build(self, length: int, reverse: bool):
+        body, outputs = self.body, self.outputs
+        builder = xb.create_builder(self.name)
+        shapes = ([_xla_shape(a.shape, a.dtype) for a in self.carry_avals]
+                  + [_xla_shape((length, *a.shape), a.dtype) for a in self.sliced_avals]
+                  + [_xla_shape(a.shape, a.dtype) for a in self.invariant_avals])
+        if self.uses_seed:
+            shapes.append(_xla_shape((length,), torch.int64))
+        params = [xb.mkparam(builder, i, shape) for i, shape in enumerate(shapes)]
+        n_carry, n_sliced = len(self.carry_avals), len(self.sliced_avals)
+        carries, sliced = params[:n_carry], params[n_carry:n_carry + n_sliced]
+        invariants = params[n_carry + n_sliced:]
+        stacked = [xb.Op.scalar(builder, 0, dtype=_xla_type(a.dtype)).broadcast((length, *a.shape))
+                   for a in self.stacked_avals]
+        step = xb.Op.scalar(builder, 0, dtype=xb.Type.S64)
+        n_stacked = len(stacked)
+
+        def unpack(state):
+            state = list(state)
+            return (state[0], state[1:1 + n_carry], state[1 + n_carry:1 + n_carry + n_sliced],
+                    state[1 + n_carry + n_sliced:1 + n_carry + n_sliced + n_stacked],
+                    state[1 + n_carry + n_sliced + n_stacked:])
+
+        def condition(step, *rest):
+            return step < xb.Op.scalar(step.builder(), length, dtype=xb.Type.S64)
+
+        def step_fn(*state):
+            step, carries, sliced, stacked, invariants = unpack(state)
+            index = (xb.Op.scalar(step.builder(), length - 1, dtype=xb.Type.S64) - step
+                     if reverse else step)
+            arguments = []
+            for slot in body.inputs:
+                if slot.kind == "carry":
+                    arguments.append(carries[slot.index])
+                elif slot.kind == "sliced":
+                    arguments.append(_slice(sliced[slot.index], index))
+                elif slot.kind == "invariant":
+                    arguments.append(invariants[slot.index])
+                else:
+                    arguments.append(_slice(invariants[-1], index))
+            result = xb.Op.call(body.computation, arguments)
+            carries, stacked = list(carries), list(stacked)
+            for position, slot in enumerate(outputs):
+                value = result.get_tuple_element(position)
+                if slot.kind == "carry":
+                    carries[slot.index] = value
+                elif slot.kind == "accumulate":
+                    carries[slot.index] = carries[slot.index] + value
+                else:
+                    stacked[slot.index] = _update_slice(stacked[slot.index], value, index)
+            one = xb.Op.scalar(step.builder(), 1, dtype=xb.Type.S64)
+            return xb.Op.tuple((step + one, *carries, *sliced, *stacked, *invariants))
+
+        loop = xb.Op.mkwhile((step, *carries, *sliced, *stacked, *invariants), condition, step_fn)
+        results = [loop.get_tuple_element(1 + i) for i in range(n_carry)]
+        results += [loop.get_tuple_element(1 + n_carry + n_sliced + i) for i in range(n_stacked)]
+        return xb.Op.tuple(results).build(self.name)
+
+
+def _xla_type(dtype: torch.dtype):
+    return xb.Op.from_torch_type(dtype)
+
+
+def _xla_shape(shape, dtype):
+    return xb.mkshape(_xla_type(dtype), tuple(shape))
+
+
+def _slice(stacked: xb.Op, index: xb.Op) -> xb.Op:
+    sizes = list(stacked.shape().sizes)
+    starts = [index] + [index.zeros_like() for _ in sizes[1:]]
+    return stacked.dynamic_slice(starts, [1, *sizes[1:]]).reshape(sizes[1:])
+
+
+def _update_slice(stacked: xb.Op, value: xb.Op, index: xb.Op) -> xb.Op:
+    sizes = list(stacked.shape().sizes)
+    starts = [index] + [index.zeros_like() for _ in sizes[1:]]
+    return stacked.dynamic_update_slice(value.reshape([1, *sizes[1:]]), starts)
+
+

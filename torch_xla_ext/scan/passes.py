@@ -1,0 +1,68 @@
+"""Small passes over a traced step, each deciding what a loop need not carry,
+copy or stack."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch_xla
+
+_XLAC = torch_xla._XLAC
+
+
+def read_only_carries(carry_out: Sequence[torch.Tensor], carry_arg: Sequence[torch.Tensor]) -> list:
+    """A carry `fn` returns unchanged is read-only: it leaves the loop (as a
+    loop invariant) and its output is `init` itself."""
+    return [out is arg for out, arg in zip(carry_out, carry_arg)]
+
+
+def ys_passed_from_xs(y_out: Sequence[torch.Tensor], x_arg: Sequence[torch.Tensor]) -> list:
+    """For each y, the index of the x slice `fn` returned as it unchanged (that
+    ys leaf is then the xs leaf, not a stacked copy), or None."""
+    x_index = {id(x): i for i, x in enumerate(x_arg)}
+    return [x_index.get(id(y)) for y in y_out]
+
+
+def classify_saved(saved: Sequence[torch.Tensor], saved_nodes: Sequence, fw_graph,
+                   carry_in: Sequence[torch.Tensor], x_in: Sequence[torch.Tensor]):
+    """Where the backward step gets each value the forward graph saves for it.
+
+    An x slice is read from xs (`("x", i)`); a value computed from invariants
+    alone, or from an x slice by layout ops alone (a layer weight's transpose),
+    is recomputed in the backward step (`("recomputed", value)`); anything else
+    is an activation, stacked by the forward loop (`("stacked", i)`). Returns
+    the sources and the activations."""
+    n_carry = len(carry_in)
+    carry_ids = {_XLAC._xla_get_tensor_id(t) for t in carry_in}
+    x_ids = {_XLAC._xla_get_tensor_id(t) for t in x_in}
+    x_index = {id(t): i for i, t in enumerate(x_in)}
+    primal_nodes = [n for n in fw_graph.graph.nodes if n.op == "placeholder"]
+    free_inputs = set(primal_nodes[n_carry:])  # x slices and invariants
+    sources, activations = [], []
+    for value, node in zip(saved, saved_nodes):
+        reads = set(_XLAC._get_tensors_xla_device_data_node([value])[0])
+        if id(value) in x_index:
+            sources.append(("x", x_index[id(value)]))
+        elif carry_ids.isdisjoint(reads) and (
+                x_ids.isdisjoint(reads) or _is_layout_of(node, free_inputs)):
+            sources.append(("recomputed", value))
+        else:
+            sources.append(("stacked", len(activations)))
+            activations.append(value)
+    return sources, activations
+
+
+# Ops that move no data but only reinterpret its layout: recomputing them in the
+# backward step costs nothing, stacking their results costs a copy per step.
+_LAYOUT_OPS = frozenset(["t", "transpose", "permute", "view", "_unsafe_view", "reshape",
+                         "expand", "slice", "select", "unsqueeze", "squeeze", "alias",
+                         "detach", "clone"])
+
+
+def _is_layout_of(node, inputs: set) -> bool:
+    """Whether the FX `node` is computed from `inputs` by layout ops alone."""
+    if node in inputs:
+        return True
+    if node.op != "call_function" or getattr(node.target, "_opname", None) not in _LAYOUT_OPS:
+        return False
+    return all(_is_layout_of(arg, inputs) for arg in node.all_input_nodes)

@@ -1,0 +1,122 @@
+"""Tracing `fn` once on placeholders, lifting the tensors it captures.
+
+`fn` runs under `LiftCaptures`, which swaps every XLA tensor `fn` reads without
+receiving it (closures, module parameters, buffers) for a placeholder of its
+own; those captures become loop-invariant inputs, bound at every call."""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+import torch_xla.core.xla_builder as xb
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from torch_xla_ext.placeholders import PlaceholderTensor, placeholder, tracing
+from torch_xla_ext.scan.avals import Aval, Structure, check_carry_types, flatten
+from torch_xla_ext.scan.sharding import as_fn_arguments
+
+_CAPTURABLE = (torch.nn.Parameter, PlaceholderTensor)
+
+
+def _wraps_fake(tensor: torch.Tensor) -> bool:
+    # XLA tensors are functional wrappers too; AOTAutograd's wrap fake tensors.
+    return (torch._is_functional_tensor(tensor)
+            and isinstance(torch._from_functional_tensor(tensor), FakeTensor))
+
+
+class LiftCaptures(TorchFunctionMode):
+    """Swaps every XLA tensor that `fn` reads without having received or made it
+    for a stand-in, so that the trace reads no data and the capture becomes an
+    explicit input. `stand_ins` maps id(captured tensor) to its stand-in; new
+    captures get a fresh placeholder unless the map is frozen."""
+
+    def __init__(self, arguments: Sequence[torch.Tensor], stand_ins: dict | None = None):
+        super().__init__()
+        self._known = {id(t): t for t in arguments}
+        self.stand_ins = {} if stand_ins is None else stand_ins
+        self._frozen = stand_ins is not None
+        self.captured: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map_only(torch.Tensor, self._lift, (args, kwargs or {}))
+        result = func(*args, **kwargs)
+        for leaf in tree_flatten(result)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self._known[id(leaf)] = leaf
+        return result
+
+    def _lift(self, tensor: torch.Tensor) -> torch.Tensor:
+        if (id(tensor) in self._known or tensor.device.type != "xla"
+                or not isinstance(tensor, _CAPTURABLE) and type(tensor) is not torch.Tensor
+                or _wraps_fake(tensor)):
+            return tensor  # made by fn, not on XLA, or one of AOTAutograd's or SPMD's wrappers
+        stand_in = self.stand_ins.get(id(tensor))
+        if stand_in is None:
+            if self._frozen:
+                raise RuntimeError(
+                    f"scan: fn read a {Aval.of(tensor)} tensor on its second trace that it did "
+                    f"not read on its first; fn must trace the same way each time (or pass "
+                    f"is_fn_pure=False)")
+            stand_in = new_stand_in(tensor.shape, tensor.dtype, tensor.requires_grad)
+            self.stand_ins[id(tensor)] = stand_in
+            self.captured.append(tensor)
+        return stand_in
+
+
+def new_stand_in(shape, dtype: torch.dtype, requires_grad: bool = False, *,
+                 guarded: bool = True) -> torch.Tensor:
+    """Every tensor scan traces or lowers with comes from here: a placeholder,
+    so that no stage of a trace moves data (the main job's `scan-device-data`
+    mode replaces this function to measure what that saves). `guarded=False`
+    gives a plain tensor, not a `PlaceholderTensor`, for AOTAutograd, which
+    inspects its inputs' storage while it fakeifies them."""
+    if guarded:
+        return placeholder(shape, dtype, requires_grad=requires_grad)
+    return xb.create_placeholder_tensor(tuple(shape), dtype).requires_grad_(requires_grad)
+
+
+def stand_in(aval: Aval, requires_grad: bool | None = None) -> torch.Tensor:
+    grad = aval.requires_grad if requires_grad is None else requires_grad
+    return new_stand_in(aval.shape, aval.dtype, grad and aval.dtype.is_floating_point)
+
+
+class Trace(NamedTuple):
+    """One run of `fn` on placeholders: the stand-ins it received (`*_in`, and
+    `*_arg` as `fn` saw them, which differ under SPMD), what it returned, and
+    the lifter that recorded its captures."""
+    lifter: LiftCaptures
+    carry_in: list
+    carry_arg: list
+    x_in: list
+    x_arg: list
+    carry_out: list
+    y_out: list
+    y_tree: Structure
+
+
+def trace(key) -> Trace:
+    """Runs `key.fn` once on placeholders of `key`'s avals."""
+    carry_in = [stand_in(a) for a in key.carry_avals]
+    x_in = [stand_in(a) for a in key.x_avals]
+    carry_arg, x_arg = as_fn_arguments(carry_in), as_fn_arguments(x_in)
+    lifter = LiftCaptures(carry_in + x_in + carry_arg + x_arg)
+    with tracing(f"scan's fn {getattr(key.fn, '__qualname__', key.fn)!r}"), lifter:
+        carry_out, y_out = call_body(key.fn, key.carry_tree.unflatten(carry_arg),
+                                     key.xs_tree.unflatten(x_arg))
+    carry_out = check_carry_types(key.carry_tree, key.carry_avals, carry_out)
+    y_leaves, y_tree = flatten(y_out)
+    for i, leaf in enumerate(y_leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"scan: fn returned {type(leaf).__name__} for "
+                            f"{y_tree.leaf_path('y', i)}; y leaves must be tensors or None")
+    return Trace(lifter, carry_in, carry_arg, x_in, x_arg, carry_out, y_leaves, y_tree)
+
+
+def call_body(fn, carry, x):
+    result = fn(carry, x)
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise TypeError(f"scan: fn must return a pair (carry, y), got {type(result).__name__}")
+    return result
+
