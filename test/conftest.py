@@ -15,9 +15,14 @@ def run_isolated():
     """Runs Python source in a fresh interpreter (so a crash cannot take the
     test session down) and returns the completed process."""
 
-    def run(source: str, timeout: float = 240, env: dict | None = None):
+    def run(source: str, timeout: float = 240, env: dict | None = None,
+            clean_env: dict | None = None):
+        """`env` adds to the test environment (on PJRT CPU); `clean_env`, if
+        given, is the whole environment instead."""
+        environment = clean_env if clean_env is not None else {
+            **os.environ, "PJRT_DEVICE": "CPU", **(env or {})}
         return subprocess.run(
             [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
-            timeout=timeout, env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})})
+            timeout=timeout, env=environment)
 
     return run
