@@ -188,17 +188,20 @@ def tuples():
     run_test(fn, init, xs)
 
 
-def add_created_constants(carry, x):
-    a = tensor([1.0, 2.0])
-    b = tensor([3.0, 4.0])
-    return carry + a, x + b
+def step_creating_tensors():
+    """A new fn each time, so that each case traces it."""
+    def fn(carry, x):
+        a = tensor([1.0, 2.0])
+        b = tensor([3.0, 4.0])
+        return carry + a, x + b
+    return fn
 
 
 @case("scan")
 def create_tensors():
     init = tensor([0.0, 0.0], requires_grad=True)
     xs = tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], requires_grad=True)
-    run_test(add_created_constants, init, xs)
+    run_test(step_creating_tensors(), init, xs)
 
 
 @case("scan")
@@ -207,7 +210,7 @@ def create_tensors_no_transfers_from_device():
     xs = tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], requires_grad=True)
     met.clear_all()
     assert not met.metric_data("TransferFromDeviceTime")
-    scan(add_created_constants, init, xs)
+    scan(step_creating_tensors(), init, xs)
     torch_xla.sync(wait=True)
     assert not met.metric_data("TransferFromDeviceTime"), met.metric_data("TransferFromDeviceTime")
 
