@@ -6,6 +6,10 @@
 #include "parameter_table.h"
 #include "placeholder_data.h"
 
+#include <string>
+#include <tuple>
+#include <vector>
+
 namespace py = pybind11;
 using torch_xla_ext::ParameterKey;
 using torch_xla_ext::ParameterTable;
@@ -58,6 +62,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("find_placeholder", &torch_xla_ext::FindPlaceholder, py::arg("id"),
         "The live placeholder with this id, or None.");
   m.def("live_placeholder_count", &torch_xla_ext::LivePlaceholderCount);
+  m.def(
+      "live_placeholders",
+      [] {
+        // Plain values, so that the caller's list keeps no placeholder alive.
+        std::vector<std::tuple<int64_t, c10::ScalarType, std::vector<int64_t>,
+                               std::string>>
+            out;
+        for (const auto& data : torch_xla_ext::LivePlaceholders()) {
+          out.emplace_back(data->id(), data->shape().scalar_type(),
+                           data->shape().sizes().vec(), data->Describe());
+        }
+        return out;
+      },
+      "(id, dtype, sizes, description) of each registered placeholder alive "
+      "now, oldest first.");
   m.def("ids_issued", &PlaceholderData::IdsIssued);
 
   py::class_<ParameterTable>(m, "ParameterTable")

@@ -1,5 +1,7 @@
 #include "placeholder_data.h"
 
+#include <c10/core/ScalarType.h>
+
 #include <algorithm>
 #include <atomic>
 #include <mutex>
@@ -71,7 +73,7 @@ void PlaceholderData::Assign(const torch::lazy::BackendData& /*data*/) {
 
 std::string PlaceholderData::Describe() const {
   std::ostringstream out;
-  out << shape().scalar_type() << "[";
+  out << c10::getDtypeNames(shape().scalar_type()).first << "[";
   const auto& sizes = shape().sizes();
   for (size_t i = 0; i < sizes.size(); ++i) {
     out << (i ? "," : "") << sizes[i];
@@ -110,6 +112,25 @@ size_t LivePlaceholderCount() {
   std::lock_guard<std::mutex> lock(registry.mutex);
   registry.Prune();
   return registry.by_id.size();
+}
+
+std::vector<PlaceholderDataPtr> LivePlaceholders() {
+  std::vector<PlaceholderDataPtr> live;
+  {
+    Registry& registry = GetRegistry();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    live.reserve(registry.by_id.size());
+    for (const auto& entry : registry.by_id) {
+      if (auto data = entry.second.lock()) {
+        live.push_back(std::move(data));
+      }
+    }
+  }
+  std::sort(live.begin(), live.end(),
+            [](const PlaceholderDataPtr& a, const PlaceholderDataPtr& b) {
+              return a->id() < b->id();
+            });
+  return live;
 }
 
 }  // namespace torch_xla_ext

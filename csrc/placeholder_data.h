@@ -33,7 +33,8 @@ class PlaceholderData : public torch::lazy::BackendData {
   bool HasValue() const override { return false; }
   [[noreturn]] void Assign(const torch::lazy::BackendData& data) override;
 
-  // "Float[2,3] placeholder #7", used in every error message.
+  // "float32[2,3] placeholder #7" (dtype as torch names it), the one
+  // description of a placeholder that every error message uses.
   std::string Describe() const;
 
   // How many ids have been handed out so far (the next id is this plus one).
@@ -45,12 +46,15 @@ class PlaceholderData : public torch::lazy::BackendData {
 
 using PlaceholderDataPtr = std::shared_ptr<PlaceholderData>;
 
-// Registry of the placeholders that are alive, by id. Entries expire on
-// their own when the last owner of a placeholder lets go of it.
+// Registry of the placeholders that are alive, by id. It holds them weakly:
+// entries expire on their own when the last owner of a placeholder lets go of
+// it, so the registry never keeps a placeholder alive.
 PlaceholderDataPtr CreatePlaceholder(std::vector<int64_t> sizes,
                                      c10::ScalarType dtype,
                                      int64_t device_ordinal = 0);
 PlaceholderDataPtr FindPlaceholder(PlaceholderData::Handle id);
 size_t LivePlaceholderCount();
+// The registered placeholders alive now, in order of id (oldest first).
+std::vector<PlaceholderDataPtr> LivePlaceholders();
 
 }  // namespace torch_xla_ext

@@ -147,25 +147,18 @@ void TestNegativeSizeThrows() {
 }
 
 void TestDescribe() {
+  // The dtype as torch names it, the sizes, the id.
   PlaceholderData data({2, 3}, c10::kFloat);
   const std::string text = data.Describe();
-  const std::string suffix =
-      "[2,3] placeholder #" + std::to_string(data.id());
-  // Ends with exactly the sizes and the id...
-  CHECK_TRUE(text.size() > suffix.size());
-  EXPECT_EQ(text.substr(text.size() - suffix.size()), suffix);
-  // ...after a dtype name: "Float" from c10's operator<< today, although the
-  // header documents "f32" (reported; either is accepted here).
-  const std::string dtype = text.substr(0, text.size() - suffix.size());
-  EXPECT_TRUE(dtype == "Float" || dtype == "f32");
-
+  EXPECT_EQ(text, "float32[2,3] placeholder #" + std::to_string(data.id()));
+  PlaceholderData half({4, 2}, c10::kBFloat16);
+  EXPECT_EQ(half.Describe(),
+            "bfloat16[4,2] placeholder #" + std::to_string(half.id()));
   PlaceholderData scalar({}, c10::kInt);
-  const std::string scalar_text = scalar.Describe();
-  EXPECT_CONTAINS(scalar_text,
-                  "[] placeholder #" + std::to_string(scalar.id()));
-  PlaceholderData zero({0}, c10::kFloat);
-  EXPECT_CONTAINS(zero.Describe(),
-                  "[0] placeholder #" + std::to_string(zero.id()));
+  EXPECT_EQ(scalar.Describe(),
+            "int32[] placeholder #" + std::to_string(scalar.id()));
+  PlaceholderData zero({0}, c10::kBool);
+  EXPECT_EQ(zero.Describe(), "bool[0] placeholder #" + std::to_string(zero.id()));
   // Two placeholders of the same shape are told apart by their ids.
   PlaceholderData twin({2, 3}, c10::kFloat);
   EXPECT_NE(twin.Describe(), text);
@@ -234,6 +227,39 @@ void TestRegistryManyLiveAndExpired() {
   EXPECT_EQ(LivePlaceholderCount(), live_before);
 }
 
+void TestLivePlaceholdersInIdOrder() {
+  const size_t live_before = torch_xla_ext::LivePlaceholders().size();
+  std::vector<PlaceholderDataPtr> kept;
+  for (int i = 0; i < 300; ++i) {
+    auto data = CreatePlaceholder({i}, c10::kFloat);
+    if (i % 4 == 0) {
+      kept.push_back(data);
+    }
+  }
+  PlaceholderData unregistered({1}, c10::kFloat);
+  auto live = torch_xla_ext::LivePlaceholders();
+  CHECK_EQ(live.size(), live_before + kept.size());
+  EXPECT_EQ(live.size(), LivePlaceholderCount());
+  // Oldest first: the ones kept here are the newest, in creation order.
+  int out_of_order = 0;
+  for (size_t i = 1; i < live.size(); ++i) {
+    out_of_order += live[i - 1]->id() < live[i]->id() ? 0 : 1;
+  }
+  EXPECT_EQ(out_of_order, 0);
+  int wrong = 0;
+  for (size_t i = 0; i < kept.size(); ++i) {
+    wrong += live[live_before + i] == kept[i] ? 0 : 1;
+  }
+  EXPECT_EQ(wrong, 0);
+  // The list shares ownership while it lives; the registry itself does not.
+  const Handle first_id = kept.front()->id();
+  kept.clear();
+  EXPECT_TRUE(FindPlaceholder(first_id) != nullptr);  // `live` holds it
+  live.clear();
+  EXPECT_TRUE(FindPlaceholder(first_id) == nullptr);
+  EXPECT_EQ(torch_xla_ext::LivePlaceholders().size(), live_before);
+}
+
 }  // namespace
 
 int main() {
@@ -251,5 +277,7 @@ int main() {
   check::Run("registry find and expiry", TestRegistryFindAndExpiry);
   check::Run("registry with many live and expired entries",
              TestRegistryManyLiveAndExpired);
+  check::Run("LivePlaceholders: registered, alive, in id order",
+             TestLivePlaceholdersInIdOrder);
   return check::Summary("placeholder_data_test");
 }
