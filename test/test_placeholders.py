@@ -11,6 +11,11 @@ def hlo_of(*tensors):
     return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
+def describe(placeholder):
+    """The C++ core's description of a placeholder, which every message uses."""
+    return tx._C.find_placeholder(tx.placeholder_id(placeholder)).describe()
+
+
 @pytest.mark.parametrize("dtype", tx.placeholders.SUPPORTED_DTYPES)
 def test_placeholder_has_shape_dtype_and_no_buffer(dtype):
     p = tx.placeholder((2, 3), dtype)
@@ -94,8 +99,9 @@ def test_reading_raises_placeholder_error_naming_the_tensor(reader, derived):
         reader(t)
     message = str(error.value)
     assert isinstance(error.value, RuntimeError)
-    assert f"placeholder #{tx.placeholder_id(p)}" in message
-    assert "bfloat16[4,2]" in message and "no data" in message
+    assert describe(p) == f"bfloat16[4,2] placeholder #{tx.placeholder_id(p)}"
+    assert describe(p) in message
+    assert "no data" in message
 
 
 def test_tensors_not_reading_placeholder_data_stay_readable():
@@ -182,3 +188,95 @@ def test_sync_warns_about_discarded_work():
         torch_xla.sync()
     with pytest.raises(tx.PlaceholderError, match="discarded when torch_xla synced"):
         pending.cpu()
+
+
+def test_every_message_names_placeholders_by_the_core_description():
+    p, q = tx.placeholder((2, 3)), tx.placeholder((3,), torch.float16)
+    with pytest.raises(tx.PlaceholderError) as read:
+        p.tolist()
+    with pytest.raises(tx.PlaceholderError) as read_derived:
+        (p.sum(0).half() * q).cpu()
+    with pytest.raises(tx.PlaceholderError) as assign:
+        tx._C.find_placeholder(tx.placeholder_id(p)).assign()
+    pending = p[0] + 1
+    with pytest.warns(RuntimeWarning) as discard:
+        torch_xla.sync()
+    with pytest.raises(tx.PlaceholderError) as read_discarded:
+        pending.cpu()
+    assert f"of {describe(p)} (via tolist)" in str(read.value)
+    assert f"computed from {describe(p)}, {describe(q)}" in str(read_derived.value)
+    assert f"cannot assign a value to {describe(p)}:" in str(assign.value)
+    assert any(describe(p) in str(w.message) for w in discard)
+    assert f"a float32[3] tensor computed from {describe(p)}" in str(read_discarded.value)
+    # The discarded tensor is a placeholder now, registered like the others.
+    assert tx.is_placeholder(pending)
+    assert tx.placeholder_id(pending) in [entry.id for entry in tx.live_placeholders()]
+
+
+SYNC_ENTRY_POINTS = ("_xla_step_marker", "_xla_sync_multi", "_xla_sync_live_tensors")
+
+LAZY_SYNC_GUARD = f"""
+import torch, torch_xla
+originals = {{name: getattr(torch_xla._XLAC, name) for name in {SYNC_ENTRY_POINTS!r}}}
+import torch_xla_ext as tx
+from torch_xla_ext import layer_stack, metrics, placeholders, scan
+assert placeholders.SYNC_ENTRY_POINTS == {SYNC_ENTRY_POINTS!r}
+
+def untouched():
+    return all(getattr(torch_xla._XLAC, name) is entry for name, entry in originals.items())
+
+# Real work and syncs, but no placeholder: nothing is patched.
+a = torch.ones(3, device="xla") * 2
+torch_xla.sync()
+assert a.cpu().tolist() == [2.0] * 3
+assert untouched(), "importing torch_xla_ext patched torch_xla's sync entry points"
+p = tx.placeholder((3,))
+assert all(getattr(torch_xla._XLAC, name).__wrapped__ is entry for name, entry in originals.items())
+print("lazy")
+"""
+
+
+def test_sync_entry_points_untouched_until_a_placeholder_exists(run_isolated):
+    result = run_isolated(LAZY_SYNC_GUARD)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lazy" in result.stdout
+
+
+CONCURRENT_FIRST_PLACEHOLDERS = f"""
+import threading, time
+import torch, torch_xla
+originals = {{name: getattr(torch_xla._XLAC, name) for name in {SYNC_ENTRY_POINTS!r}}}
+import torch_xla_ext as tx
+from torch_xla_ext import placeholders
+
+# Wrapping an entry point is made slow, so that threads racing to install the
+# guard would all wrap it without the lock.
+wraps, guard = [], placeholders._guard
+def slow_guard(entry_point):
+    wraps.append(entry_point)
+    time.sleep(0.05)
+    return guard(entry_point)
+placeholders._guard = slow_guard
+
+start = threading.Barrier(8)
+made = []
+def make():
+    start.wait()
+    made.append(tx.placeholder((2,)))
+threads = [threading.Thread(target=make) for _ in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert len(made) == 8 and len({{tx.placeholder_id(p) for p in made}}) == 8
+assert len(wraps) == 3, f"the guard was installed {{len(wraps)}} times over 3 entry points"
+for name, entry in originals.items():
+    assert getattr(torch_xla._XLAC, name).__wrapped__ is entry, name
+print("once")
+"""
+
+
+def test_concurrent_first_placeholders_install_the_guard_once(run_isolated):
+    result = run_isolated(CONCURRENT_FIRST_PLACEHOLDERS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "once" in result.stdout

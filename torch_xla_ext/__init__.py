@@ -4,7 +4,8 @@ for PyTorch/XLA.
 Importing it changes no environment variable and chooses no device: torch_xla
 picks the device as it always does (set `PJRT_DEVICE` to choose)."""
 from torch_xla_ext.placeholders import (
-    PlaceholderError, depends_on_placeholder, is_placeholder, placeholder, placeholder_id)
+    LivePlaceholder, PlaceholderError, depends_on_placeholder, is_placeholder, live_placeholders,
+    placeholder, placeholder_id)
 # `scan` is the module torch_xla_ext.scan, which is callable as the function
 # torch_xla_ext.scan.scan; its stages stay reachable by their names.
 from torch_xla_ext import scan
@@ -12,6 +13,7 @@ from torch_xla_ext.scan import cache_clear, cache_info
 from torch_xla_ext.layer_stack import LayerStack, scan_layers
 
 __all__ = [
-    "LayerStack", "PlaceholderError", "cache_clear", "cache_info", "depends_on_placeholder",
-    "is_placeholder", "placeholder", "placeholder_id", "scan", "scan_layers",
+    "LayerStack", "LivePlaceholder", "PlaceholderError", "cache_clear", "cache_info",
+    "depends_on_placeholder", "is_placeholder", "live_placeholders", "placeholder",
+    "placeholder_id", "scan", "scan_layers",
 ]

@@ -3,7 +3,8 @@
 They exist to stage out HLO: trace a function on placeholders, lower the result,
 and no byte moves to the device. Each one is registered with the C++ core, which
 gives it a process-unique id (torch_xla's own placeholders are keyed on object
-addresses, which are reused once freed).
+addresses, which are reused once freed), describes it in every error message
+and lists the ones alive (`live_placeholders()`).
 
 A placeholder has no value, so anything that would read one must fail cleanly
 rather than crash the process, as torch_xla 2.9.0 does when it executes a graph
@@ -18,6 +19,9 @@ that reads a placeholder. Three mechanisms see to that:
   tensors become value-less placeholders themselves, so the sync runs the rest
   and later reads raise `PlaceholderError`.
 * While `scan` traces a function, syncing raises `PlaceholderError`.
+
+The sync guard is the one process-wide patch: importing this module installs
+nothing; the first placeholder (or `tracing` region) installs it, once.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import operator
 import threading
 import warnings
 import weakref
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 import torch_xla
@@ -102,13 +106,49 @@ def placeholder(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, 
     if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"requires_grad=True needs a floating point or complex dtype, "
                          f"got {dtype}; only such tensors can have gradients")
-    data = _C.create_placeholder(sizes, dtype, ordinal)
-    tensor = xla_builder.create_placeholder_tensor(sizes, dtype)
+    tensor = _registered_placeholder(sizes, dtype, ordinal)
     tensor.__class__ = PlaceholderTensor
-    tensor._placeholder_data = data
-    tensor._placeholder_sources = (data,)
+    tensor._placeholder_sources = (tensor._placeholder_data,)
     _live_derived[id(tensor)] = tensor
     return tensor.requires_grad_(requires_grad)
+
+
+def unguarded_placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A placeholder as a plain `torch.Tensor`: registered with the C++ core
+    like any other, but reading it is not guarded. For AOTAutograd, which
+    inspects its inputs' storage while it fakeifies them."""
+    sizes = _check_sizes(shape)
+    _check_dtype(dtype)
+    return _registered_placeholder(sizes, dtype, _check_device(None))
+
+
+def _registered_placeholder(sizes: list[int], dtype: torch.dtype, ordinal: int) -> torch.Tensor:
+    """Every placeholder torch_xla_ext makes comes from here: torch_xla's
+    placeholder tensor, carrying (and keeping alive) the C++ core's
+    `PlaceholderData` that gives it its id, as `_placeholder_data`."""
+    _install_sync_guard()
+    data = _C.create_placeholder(sizes, dtype, ordinal)
+    tensor = xla_builder.create_placeholder_tensor(sizes, dtype)
+    tensor._placeholder_data = data
+    return tensor
+
+
+class LivePlaceholder(NamedTuple):
+    """A placeholder alive in this process, as `live_placeholders()` lists it."""
+    id: int
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    description: str  # as every error message names it: "float32[2,3] placeholder #7"
+
+
+def live_placeholders() -> list[LivePlaceholder]:
+    """The placeholders alive in this process, oldest first: those made by
+    `placeholder()`, the stand-ins of a `scan` trace in progress, and tensors
+    whose pending work a sync discarded. A placeholder lives as long as a tensor
+    that is it or is computed from it. `scan`'s cache holds none: a cached trace
+    keeps HLO computations, a parameter plan and device-data constants."""
+    return [LivePlaceholder(id_, dtype, tuple(sizes), description)
+            for id_, dtype, sizes, description in _C.live_placeholders()]
 
 
 def is_placeholder(tensor) -> bool:
@@ -142,6 +182,7 @@ def depends_on_placeholder(tensor: torch.Tensor) -> bool:
 def tracing(what: str):
     """Marks a region where a function is traced with placeholders: syncing in
     it raises `PlaceholderError` naming `what`."""
+    _install_sync_guard()
     previous = getattr(_tracing_state, "what", None)
     _tracing_state.what = what
     try:
@@ -293,21 +334,19 @@ def _describe_sources(tensor) -> str:
     sources = getattr(tensor, "_placeholder_sources", ())
     if not sources:
         return "placeholders"
-    return ", ".join(
-        f"placeholder #{d.id} ({str(d.dtype).removeprefix('torch.')}[{','.join(map(str, d.sizes))}])"
-        for d in sources)
+    return ", ".join(data.describe() for data in sources)
 
 
 def _missing_value_message(tensor, func) -> str:
     action = getattr(func, "__name__", str(func))
     data = getattr(tensor, "_placeholder_data", None)
-    if data is not None and _XLAC._is_placecholder(tensor):
-        subject = (f"placeholder #{data.id} ({_describe_shape(tensor)})")
-        why = "a placeholder has a shape and a dtype but no data"
-    elif getattr(tensor, "_placeholder_discarded", False):
+    if getattr(tensor, "_placeholder_discarded", False):
         subject = f"a {_describe_shape(tensor)} tensor computed from {_describe_sources(tensor)}"
         why = ("its pending computation was discarded when torch_xla synced, because it reads "
                "placeholders, which have no data")
+    elif data is not None and _XLAC._is_placecholder(tensor):
+        subject = data.describe()
+        why = "a placeholder has a shape and a dtype but no data"
     else:
         subject = f"a {_describe_shape(tensor)} tensor computed from {_describe_sources(tensor)}"
         why = "it reads placeholders, which have a shape and a dtype but no data"
@@ -331,8 +370,12 @@ def _discard_pending_placeholder_work() -> None:
             f"cannot sync while {tracing_what} is traced with placeholders: a traced function "
             f"must not read data or run the device (no torch_xla.sync(), .item(), .cpu())")
     discarded = []
-    for tensor in list(_live_derived.values()):
-        if not _XLAC._is_placecholder(tensor) and depends_on_placeholder(tensor):
+    # valuerefs() copies the references at once, so that threads making
+    # placeholders meanwhile cannot change what is being iterated.
+    for ref in _live_derived.valuerefs():
+        tensor = ref()
+        if (tensor is not None and not _XLAC._is_placecholder(tensor)
+                and depends_on_placeholder(tensor)):
             _replace_with_placeholder(tensor)
             discarded.append(tensor)
     if discarded:
@@ -346,8 +389,11 @@ def _discard_pending_placeholder_work() -> None:
 def _replace_with_placeholder(tensor: torch.Tensor) -> None:
     if tensor.grad_fn is not None and not tensor._is_view():
         tensor.detach_()  # frees the autograd graph, whose saved tensors read placeholders too
+    replacement = _registered_placeholder(list(tensor.shape), tensor.dtype,
+                                          tensor.device.index or 0)
     with torch._C.DisableTorchFunctionSubclass():
-        tensor.data = xla_builder.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
+        tensor.data = replacement
+    tensor._placeholder_data = replacement._placeholder_data
     tensor._placeholder_discarded = True
 
 
@@ -361,14 +407,24 @@ def _guard(sync_entry_point):
     return guarded
 
 
+SYNC_ENTRY_POINTS = ("_xla_step_marker", "_xla_sync_multi", "_xla_sync_live_tensors")
+_sync_guard_lock = threading.Lock()
+_sync_guard_installed = False
+
+
 def _install_sync_guard() -> None:
-    # torch_xla's Python layer calls these through the _XLAC module at call time,
-    # so wrapping them there covers torch_xla.sync(), xm.mark_step(), optimizer
-    # barriers and explicit tensor syncs alike.
-    for name in ("_xla_step_marker", "_xla_sync_multi", "_xla_sync_live_tensors"):
-        entry_point = getattr(_XLAC, name)
-        if not hasattr(entry_point, "__wrapped__"):
-            setattr(_XLAC, name, _guard(entry_point))
-
-
-_install_sync_guard()
+    """Wraps torch_xla's sync entry points, once per process. Until a
+    placeholder exists there is nothing to guard, so this runs on the first
+    one, not at import."""
+    global _sync_guard_installed
+    if _sync_guard_installed:
+        return
+    with _sync_guard_lock:
+        if _sync_guard_installed:
+            return
+        # torch_xla's Python layer calls these through the _XLAC module at call
+        # time, so wrapping them there covers torch_xla.sync(), xm.mark_step(),
+        # optimizer barriers and explicit tensor syncs alike.
+        for name in SYNC_ENTRY_POINTS:
+            setattr(_XLAC, name, _guard(getattr(_XLAC, name)))
+        _sync_guard_installed = True

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
-import torch_xla.core.xla_builder as xb
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from torch_xla_ext.placeholders import PlaceholderTensor, placeholder, tracing
+from torch_xla_ext.placeholders import (
+    PlaceholderTensor, placeholder, tracing, unguarded_placeholder)
 from torch_xla_ext.scan.avals import Aval, Structure, check_carry_types, flatten
 from torch_xla_ext.scan.sharding import as_fn_arguments
 
@@ -74,7 +74,7 @@ def new_stand_in(shape, dtype: torch.dtype, requires_grad: bool = False, *,
     inspects its inputs' storage while it fakeifies them."""
     if guarded:
         return placeholder(shape, dtype, requires_grad=requires_grad)
-    return xb.create_placeholder_tensor(tuple(shape), dtype).requires_grad_(requires_grad)
+    return unguarded_placeholder(shape, dtype).requires_grad_(requires_grad)
 
 
 def stand_in(aval: Aval, requires_grad: bool | None = None) -> torch.Tensor:
