@@ -11,6 +11,7 @@ import torch_xla
 import torch_xla.core.xla_builder as xb
 
 from torch_xla_ext import _C
+from torch_xla_ext.scan.avals import Aval
 
 _XLAC = torch_xla._XLAC
 
@@ -21,51 +22,82 @@ class Slot(NamedTuple):
 
 
 @dataclasses.dataclass
-
-
 class Body:
     """One step, lowered: an HLO computation plus where its parameters come from."""
     computation: Any
     inputs: list          # per HLO parameter: Slot
     constants: list       # tensors baked in at trace time (invariant slots after the given ones)
     output_count: int
+    parameters: list      # per HLO parameter: ("placeholder", id) or ("device_data", handle)
 
 
-def lower_body(name: str, outputs: Sequence[torch.Tensor], slots_by_tensor: dict,
-                invariant_count: int) -> Body:
-    """Lowers `outputs` to one HLO computation. `slots_by_tensor` maps id() of the
-    placeholders standing for carry, slices and invariants to their slot; data
-    the trace made itself (constants) become further invariant slots, and the
-    RNG seed a per-step seed slot."""
+def lower_body(name: str, outputs: Sequence[torch.Tensor], stand_ins: dict,
+               invariant_count: int) -> Body:
+    """Lowers `outputs` to one HLO computation and plans its parameters.
+
+    The values of `stand_ins` are (tensor, Slot) pairs: the stand-ins for the
+    carry, the slices and the invariants (its keys are the caller's). Data the
+    trace made itself (constants) becomes further invariant slots, and the RNG
+    seed a per-step seed slot.
+
+    Every parameter is planned through the C++ `ParameterTable`: a placeholder
+    by its process-unique id, device data by its handle. torch_xla's lowering
+    itself finds a placeholder's parameter by the address of its data; that is
+    safe within this call, because the stand-ins (held by `stand_ins`) and all
+    data the outputs read (held by their graphs) stay alive until it returns,
+    so no two of them can share an address. Were torch_xla ever to bind two
+    of them to one parameter, the plan would see it and raise."""
     outputs = [_with_declared_dtype(t) for t in outputs]
     context = _XLAC.lowering.LoweringContext(name)
     context.build(outputs)
     computation = xb.computation_from_module_proto(name, context.hlo())
     by_parameter = context.device_parameter_id_tensor_mapping()
-    seed_parameter = _seed_parameter(context, outputs)
-    # Constants are planned by the C++ parameter table, keyed on placeholder id
-    # or device handle, so the same data read twice binds one invariant slot.
-    table = _C.ParameterTable()
-    stand_in_of = {}
-    for tensor_id, (tensor, slot) in slots_by_tensor.items():
+    stand_in_at = {}
+    for tensor, slot in stand_ins.values():
         parameter = context.tensor_parameter_id(tensor)
-        if parameter != -1:
-            stand_in_of[parameter] = slot
+        if parameter == -1:
+            continue  # the step does not read it
+        if parameter in stand_in_at:
+            raise RuntimeError(
+                f"scan: lowering {name!r} bound two stand-ins to HLO parameter {parameter}: "
+                f"{_parameter_key(stand_in_at[parameter][0])} and {_parameter_key(tensor)}")
+        stand_in_at[parameter] = (tensor, slot)
+    seed_parameter = _seed_parameter(context, outputs)
+    table = _C.ParameterTable()
     inputs, constants = [], []
     for parameter in range(len(by_parameter)):
-        if parameter in stand_in_of:
-            inputs.append(stand_in_of[parameter])
-            continue
-        tensor = by_parameter[parameter]
-        if parameter == seed_parameter:
-            inputs.append(Slot("seed", 0))
-            continue
-        before = len(table.parameters)
-        index = table.use_device_data(_XLAC._get_tensors_handle([tensor])[0])
-        if len(table.parameters) > before:
-            constants.append(tensor)
-        inputs.append(Slot("invariant", invariant_count + index))
-    return Body(computation, inputs, constants, len(outputs))
+        tensor, slot = stand_in_at.get(parameter, (by_parameter[parameter], None))
+        if slot is None:
+            if _XLAC._is_placecholder(tensor):
+                raise ValueError(
+                    f"scan: the step {name!r} reads a {Aval.of(tensor)} placeholder that is not "
+                    f"an input of fn and that scan could not lift as a capture (it was made "
+                    f"outside torch_xla_ext.placeholder(), and is of a tensor class scan does "
+                    f"not capture); pass it in init or xs, or make it with "
+                    f"torch_xla_ext.placeholder()")
+            if parameter == seed_parameter:
+                slot = Slot("seed", 0)
+            else:
+                slot = Slot("invariant", invariant_count + len(constants))
+                constants.append(tensor)
+        kind, value = _parameter_key(tensor)
+        index = (table.use_placeholder(value) if kind == "placeholder"
+                 else table.use_device_data(value))
+        if index != parameter:
+            raise RuntimeError(
+                f"scan: lowering {name!r} gave HLO parameters {index} and {parameter} the same "
+                f"data ({kind} {value})")
+        inputs.append(slot)
+    return Body(computation, inputs, constants, len(outputs), table.parameters)
+
+
+def _parameter_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """What a parameter is planned by: a placeholder's process-unique id (kept
+    by the tensor made from it), else the device data's handle."""
+    data = getattr(tensor, "_placeholder_data", None)
+    if data is not None:
+        return "placeholder", data.id
+    return "device_data", _XLAC._get_tensors_handle([tensor])[0]
 
 
 def _seed_parameter(context, outputs) -> int | None:
