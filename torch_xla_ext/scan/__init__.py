@@ -17,8 +17,8 @@ HLO is cached; calls with the same avals reuse it without running `fn` again.
 
 How one call runs, one module a stage:
 
-1. `cache`: the call's key (fn, partitioner, structures, avals) finds a
-   `Traced` from an earlier call, or
+1. `cache`: the call's key (a fingerprint of fn and the partitioner,
+   structures, avals, autocast state) finds a `Traced` from an earlier call, or
 2. `tracing`: `fn` runs once on placeholders; every XLA tensor it reads without
    receiving it (closures, module parameters, buffers) is lifted into a
    loop-invariant input, bound to its current value at every call.
@@ -41,7 +41,7 @@ from functorch.compile import default_partition
 
 from torch_xla_ext.placeholders import mark_derived, placeholder_sources
 from torch_xla_ext.scan.avals import Aval, avals, empty_stack, flatten_inputs, scan_length
-from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey
+from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, fingerprint
 from torch_xla_ext.scan.traced import Traced
 from torch_xla_ext.scan.tracing import trace
 
@@ -59,12 +59,33 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
     `functorch.compile.min_cut_rematerialization_partition`) chooses what the
     forward loop saves for the backward loop.
 
-    `fn` is assumed pure: traced once per set of input avals (shape, dtype,
-    requires_grad, structure) and captured tensor avals, then replayed from the
-    cache without running its Python body. Pass `is_fn_pure=False` for an `fn`
-    whose traced program can change for the same avals (it reads a global flag,
-    say): it is then traced at every call. Tensors `fn` creates are baked into
-    the trace; tensors it captures are read afresh at every call.
+    `fn` is assumed pure: traced once per cache key, then replayed from the
+    cache without running its Python body. The key is what can change the
+    traced program, never `fn`'s identity, so a lambda or closure made afresh at
+    each call from the same code over the same objects shares one trace:
+
+    - the input structures and avals (shape, dtype, requires_grad), and the
+      caller's autocast state;
+    - `fn` itself (and `partition_fn`) by a fingerprint: code, closure cells,
+      defaults and keyword defaults, `functools.partial` arguments, the object
+      a method is bound to, recursively. In those, plain constants count by
+      type and value (True, 1 and 1.0 differ), XLA tensors by aval (a new tensor
+      of the same aval shares the trace), modules by identity and their
+      submodules' `training` flags, other objects by identity. The key holds
+      every object weakly: the cache keeps nothing alive, and its entry goes when
+      one dies. An `fn` holding an object that is neither comparable by value
+      nor weakly referenceable is traced at every call (with a warning).
+
+    Tensors `fn` creates are baked into the trace; tensors it captures are read
+    afresh at every call: those it reaches through its closure, defaults,
+    partial arguments or bound object are found again on this call's `fn` by
+    the same path (the module's current `weight`, or the new tensor a new
+    closure holds); others (globals) must be the very tensors seen when tracing.
+    What the key leaves out is assumed unchanged: globals `fn` reads, and the
+    attributes of objects held by identity other than the `training` flags.
+    Pass `is_fn_pure=False` for an `fn` whose traced program can change for the
+    same key (it reads a global flag, say): it is then traced at every call and
+    nothing is cached.
     """
     if not callable(fn):
         raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
@@ -73,21 +94,29 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
     carry_leaves, carry_tree = flatten_inputs(init, "init")
     xs_leaves, xs_tree = flatten_inputs(xs, "xs")
     length = scan_length(xs_leaves, xs_tree)
+    cacheable = is_fn_pure is not False
+    fn_key = partition_key = None
+    if cacheable:
+        fn_key, partition_key = fingerprint(fn, "fn"), fingerprint(partition_fn, "partition_fn")
+        cacheable = fn_key is not None and partition_key is not None
     key = CacheKey(
-        fn, partition_fn, carry_tree, xs_tree, avals(carry_leaves),
+        fn_key, partition_key, carry_tree, xs_tree, avals(carry_leaves),
         tuple(Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in xs_leaves))
-    traced = CACHE.lookup(key) if is_fn_pure is not False else None
-    if traced is None:
-        traced = Traced(key, trace(key))
-        if is_fn_pure is not False:
-            CACHE.store(key, traced)
-    captures = traced.current_captures()
+    found = CACHE.lookup(key, fn) if cacheable else None
+    if found is None:
+        new_trace = trace(key, fn)
+        traced, captures = Traced(key, new_trace, fn), new_trace.lifter.captured
+        if cacheable:
+            CACHE.store(key, traced, fn)
+    else:
+        traced, captures = found
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (*carry_leaves, *xs_leaves, *captures))
     if length == 0:
         return init, traced.y_tree.unflatten(
             [empty_stack(a, carry_leaves + xs_leaves) for a in traced.y_avals])
-    carry_out, ys = traced.run(carry_leaves, xs_leaves, captures, reverse, needs_grad)
+    carry_out, ys = traced.run(fn, partition_fn, carry_leaves, xs_leaves, captures, reverse,
+                               needs_grad)
     # Scanning placeholders stages out HLO; its results must then guard reads like them.
     mark_derived((carry_out, ys), placeholder_sources((carry_leaves, xs_leaves, captures)))
     return carry_tree.unflatten(carry_out), traced.y_tree.unflatten(ys)

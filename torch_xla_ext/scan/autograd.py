@@ -2,6 +2,8 @@
 partitioned graphs, joined by one `torch.autograd.Function`."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from functorch.compile import aot_function, make_boxed_func
 
@@ -30,7 +32,9 @@ class TrainingPlan:
     backward step instead of stacked.
     """
 
-    def __init__(self, traced):
+    def __init__(self, traced, fn, partition_fn, captured):
+        """`fn`, `partition_fn` and the tensors `fn` captures are the building
+        call's; the plan does not keep them."""
         self.traced = traced
         key = traced.key
         carry_avals = [key.carry_avals[i] for i in traced.looped_carry]
@@ -42,10 +46,10 @@ class TrainingPlan:
         self.input_avals = ([a._replace(requires_grad=g) for a, g in zip(carry_avals, carry_grad)]
                             + list(key.x_avals) + invariant_avals)
         self.sizes = (len(carry_avals), len(key.x_avals), len(invariant_avals))
-        fw_graph, bw_graph, differentiable = self._partition()
+        fw_graph, bw_graph, differentiable = self._partition(fn, partition_fn, captured)
         self._build_loops(fw_graph, bw_graph, differentiable)
 
-    def _step(self, *primals):
+    def _step(self, fn, captured, *primals):
         """One step as a flat function of (looped carries, x, invariants) for
         AOTAutograd, returning (looped carry outs, stacked ys)."""
         traced, key = self.traced, self.traced.key
@@ -58,10 +62,10 @@ class TrainingPlan:
         for i, value in zip(traced.read_only_carry, invariants):
             full_carry[i] = value
         captures = invariants[len(traced.read_only_carry):]
-        stand_ins = {id(c): v for c, v in zip(traced.current_captures(), captures)}
+        stand_ins = {id(c): v for c, v in zip(captured, captures)}
         full_carry, x = as_fn_arguments(full_carry), as_fn_arguments(x)
         with LiftCaptures(list(primals) + full_carry + x, stand_ins):
-            carry_out, y_out = call_body(key.fn, key.carry_tree.unflatten(full_carry),
+            carry_out, y_out = call_body(fn, key.carry_tree.unflatten(full_carry),
                                           key.xs_tree.unflatten(x))
         carry_out = flatten(carry_out)[0]
         y_out = flatten(y_out)[0]
@@ -72,7 +76,7 @@ class TrainingPlan:
         return tuple(o.clone() if o._is_view() or any(o is p for p in primals) else o
                      for o in outputs)
 
-    def _partition(self):
+    def _partition(self, fn, partition_fn, captured):
         graphs = {}
 
         def keep(name):
@@ -81,8 +85,9 @@ class TrainingPlan:
                 return make_boxed_func(graph)
             return compiler
 
-        compiled = aot_function(self._step, fw_compiler=keep("forward"),
-                                bw_compiler=keep("backward"), partition_fn=self.traced.key.partition_fn)
+        compiled = aot_function(functools.partial(self._step, fn, captured),
+                                fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                partition_fn=partition_fn)
         primals = [new_stand_in(a.shape, a.dtype, a.requires_grad, guarded=False)
                    for a in self.input_avals]
         with torch.enable_grad(), tracing("scan's fn (differentiated)"), functional_mark_sharding():

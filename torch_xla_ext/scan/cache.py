@@ -1,12 +1,29 @@
-"""The cache of traced scan bodies: a thread-safe LRU map from a call's key
-(fn, partitioner, input structures and avals) to its `Traced`."""
+"""The cache of traced scan bodies: when two calls may share a trace, and a
+thread-safe LRU map from a call's key to its `Traced`.
+
+A call's `fn` is keyed by a fingerprint of what can change the program it
+traces, never by the function object: a lambda or closure made afresh at each
+call from the same code over the same objects finds the earlier trace. The
+tensors `fn` captures are found again on the new `fn` by access paths (closure
+cell 0, then `.cell.weight`, say) recorded when it was traced. The cache holds
+every object of a key weakly, so it keeps no function, module or tensor alive,
+and an entry is dropped once one of them dies.
+"""
 from __future__ import annotations
 
 import collections
+import enum
+import functools
+import numbers
 import threading
+import types
+import warnings
+import weakref
 from typing import Any, NamedTuple
 
-from torch_xla_ext.scan.avals import Structure
+import torch
+
+from torch_xla_ext.scan.avals import Aval, Structure
 
 
 class CacheInfo(NamedTuple):
@@ -17,49 +34,369 @@ class CacheInfo(NamedTuple):
 
 
 class CacheKey(NamedTuple):
-    fn: Any
-    partition_fn: Any
+    fn: Any  # fingerprint(fn); None when fn is traced at every call
+    partition_fn: Any  # fingerprint(partition_fn)
     carry_tree: Structure
     xs_tree: Structure
     carry_avals: tuple
     x_avals: tuple
 
 
+class WeakIdentity:
+    """An object in a key by identity, held weakly. Equal only to a
+    `WeakIdentity` of the same living object, so an entry whose object died never
+    matches a newcomer that reuses its id."""
+    __slots__ = ("ref", "_hash")
+
+    def __init__(self, obj):
+        self.ref = weakref.ref(obj)
+        self._hash = id(obj)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        if not isinstance(other, WeakIdentity):
+            return NotImplemented
+        obj = self.ref()
+        return obj is not None and obj is other.ref()
+
+    def __repr__(self):
+        return f"WeakIdentity({self.ref()!r})"
+
+
+# Immutable values a trace may depend on, keyed by value.
+_VALUE_TYPES = (type(None), type(Ellipsis), str, bytes, range, enum.Enum, torch.dtype,
+                torch.device, torch.layout, torch.memory_format)
+# Stands in the key for a closure cell that is not filled yet.
+_EMPTY_CELL = object()
+
+
+class _Unkeyable(Exception):
+    """`fingerprint` met an object it can neither compare by value nor hold weakly."""
+
+    def __init__(self, obj):
+        super().__init__(obj)
+        self.obj = obj
+
+
+def fingerprint(fn, name: str = "fn"):
+    """What about `fn` can change the program it traces, as a hashable key that
+    holds every object weakly, or None (with a warning) when `fn` holds
+    something that cannot be keyed soundly, so that `fn` is traced at every call.
+
+    - functions: their code (by identity), defaults, keyword defaults and
+      closure cells; `functools.partial`: its function, args and keywords; bound
+      methods: the function and the bound object; weak references: the object
+      they refer to; tuples, lists, dicts and sets: their type and items; all
+      recursively.
+    - plain constants (numbers, strings, None, dtypes, devices, enums, ...): by
+      type and value, so that True, 1 and 1.0 differ.
+    - XLA tensors: by type and aval (shape, dtype, requires_grad), so that a new
+      tensor of the same aval shares the trace and is read at that call. Other
+      tensors are baked into the trace as constants: by identity.
+    - `nn.Module`s: by identity, and the `training` flags of the module and its
+      submodules (`model.eval()` changes what dropout traces). Other attributes
+      of a module are assumed unchanged between calls.
+    - bare `object()` sentinels: by identity (they hold nothing).
+    - any other object: by identity, held weakly. An object that is neither of
+      the above nor weakly referenceable makes `fn` unkeyable.
+    Globals that `fn` reads are not part of the key.
+    """
+    try:
+        return _fingerprint(fn, set(), True)
+    except _Unkeyable as error:
+        path = find_paths(fn, [error.obj])[0]
+        where = f"{name}{describe(fn, path)}" if path is not None else f"an object {name} holds"
+        warnings.warn(
+            f"scan: {where} is a {type(error.obj).__name__}, which scan can neither compare by "
+            f"value nor reference weakly, so it cannot tell whether a later call's {name} traces "
+            f"the same program; {name} is traced at every call, as with is_fn_pure=False. Give "
+            f"the class a '__weakref__' slot, or hold plain constants or tensors instead.",
+            stacklevel=3)
+        return None
+
+
+def same_fn_key(key: CacheKey, fn) -> CacheKey | None:
+    """`key` for this very `fn` object regardless of what its lists, dicts and
+    sets hold, or None if `fn` cannot be referenced weakly: a list `fn` appends
+    to as a side effect changes between its calls, and must not make the same
+    function object trace again."""
+    try:
+        identity = WeakIdentity(fn)
+    except TypeError:
+        return None
+    return key._replace(fn=(identity, _fingerprint(fn, set(), False)))
+
+
+_MUTABLE_CONTAINERS = (list, dict, set, bytearray)
+
+
+def _fingerprint(value, active: set, contents: bool):
+    """`contents=False` leaves out what mutable containers hold."""
+    if isinstance(value, numbers.Number):
+        return type(value), repr(value)  # repr: NaN equals itself and -0.0 differs from 0.0
+    if isinstance(value, _VALUE_TYPES):
+        return type(value), value
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "xla":
+            return type(value), Aval.of(value)
+        return type(value), WeakIdentity(value)
+    if isinstance(value, torch.nn.Module):
+        return WeakIdentity(value), tuple(m.training for m in value.modules())
+    if type(value) is object:
+        return object, value
+    if not contents and isinstance(value, _MUTABLE_CONTAINERS):
+        return type(value), "contents left out"
+    if isinstance(value, (types.FunctionType, functools.partial, types.MethodType, weakref.ref,
+                          tuple, frozenset, slice, *_MUTABLE_CONTAINERS)):
+        if id(value) in active:  # a function or container that reaches itself
+            return "recursion", type(value)
+        active.add(id(value))
+        try:
+            return _fingerprint_of_items(value, active, contents)
+        finally:
+            active.discard(id(value))
+    try:
+        return WeakIdentity(value)
+    except TypeError:
+        raise _Unkeyable(value) from None
+
+
+def _fingerprint_of_items(value, active: set, contents: bool):
+    if isinstance(value, dict):
+        return type(value), tuple((_fingerprint(k, active, contents),
+                                   _fingerprint(v, active, contents)) for k, v in value.items())
+    if isinstance(value, (set, frozenset, bytearray)):
+        return type(value), frozenset(_fingerprint(item, active, contents) for item in value)
+    if isinstance(value, slice):
+        return slice, tuple(_fingerprint(v, active, contents)
+                            for v in (value.start, value.stop, value.step))
+    head = WeakIdentity(value.__code__) if isinstance(value, types.FunctionType) else None
+    return type(value), head, tuple((step, _fingerprint(child, active, contents))
+                                    for step, child in _steps(value))
+
+
+def _steps(value):
+    """(step, object) for each object `value` holds that a capture may be reached
+    through; `resolve` follows a step on another object of the same kind."""
+    if isinstance(value, types.FunctionType):
+        for i, cell in enumerate(value.__closure__ or ()):
+            try:
+                yield ("closure", i), cell.cell_contents
+            except ValueError:  # a cell not filled yet
+                yield ("closure", i), _EMPTY_CELL
+        for i, default in enumerate(value.__defaults__ or ()):
+            yield ("default", i), default
+        for name, default in (value.__kwdefaults__ or {}).items():
+            yield ("kwdefault", name), default
+    elif isinstance(value, functools.partial):
+        yield ("partial.func", None), value.func
+        for i, arg in enumerate(value.args):
+            yield ("partial.arg", i), arg
+        for name, arg in value.keywords.items():
+            yield ("partial.keyword", name), arg
+    elif isinstance(value, types.MethodType):
+        yield ("method.func", None), value.__func__
+        yield ("method.self", None), value.__self__
+    elif isinstance(value, weakref.ref):
+        yield ("deref", None), value()
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield ("item", i), item
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield ("item", key), item
+    elif isinstance(value, torch.nn.Module):
+        # Parameters, buffers and submodules first, so that paths read `.cell.weight`.
+        for members in (value._parameters, value._buffers, value._modules):
+            for name, member in members.items():
+                yield ("attr", name), member
+        for name, member in vars(value).items():
+            yield ("attr", name), member
+    elif hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType)):
+        for name, member in vars(value).items():
+            yield ("attr", name), member
+
+
+_FOLLOW = {
+    "closure": lambda obj, i: obj.__closure__[i].cell_contents,
+    "default": lambda obj, i: obj.__defaults__[i],
+    "kwdefault": lambda obj, name: obj.__kwdefaults__[name],
+    "partial.func": lambda obj, _: obj.func,
+    "partial.arg": lambda obj, i: obj.args[i],
+    "partial.keyword": lambda obj, name: obj.keywords[name],
+    "method.func": lambda obj, _: obj.__func__,
+    "method.self": lambda obj, _: obj.__self__,
+    "deref": lambda obj, _: obj(),
+    "item": lambda obj, key: obj[key],
+    "attr": getattr,
+}
+
+
+def resolve(root, path: tuple):
+    """The object `path` reaches from `root`, or None when it leads nowhere."""
+    obj = root
+    try:
+        for kind, arg in path:
+            obj = _FOLLOW[kind](obj, arg)
+    except (AttributeError, LookupError, TypeError, ValueError):
+        return None
+    return obj
+
+
+# How many objects a search for paths visits at most: it runs when fn is traced
+# and stops early once every target is found, so this only bounds the search
+# for captures that no path reaches (globals) in a large object graph.
+_SEARCH_LIMIT = 100_000
+
+
+def find_paths(root, targets) -> list:
+    """For each target object, the shortest path from `root` to it through what
+    `_steps` follows, or None when it is not reachable."""
+    wanted = {id(t): i for i, t in enumerate(targets)}
+    paths = [None] * len(targets)
+    remaining = len(wanted)
+    queue = collections.deque([(root, ())])
+    seen = {id(root)}
+    while queue and remaining and len(seen) < _SEARCH_LIMIT:
+        obj, path = queue.popleft()
+        if isinstance(obj, torch.Tensor):
+            continue
+        for step, child in _steps(obj):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            index = wanted.get(id(child))
+            if index is not None:
+                paths[index] = path + (step,)
+                remaining -= 1
+            queue.append((child, path + (step,)))
+    return paths
+
+
+def describe(root, path: tuple) -> str:
+    """`path` as text, like "<closure self>.cell.weight", naming closure cells by
+    their variable names."""
+    text, obj = "", root
+    for kind, arg in path:
+        if kind == "closure":
+            text += f"<closure {obj.__code__.co_freevars[arg]}>"
+        elif kind in ("default", "partial.arg"):
+            text += f"<{kind} {arg}>"
+        elif kind in ("kwdefault", "partial.keyword"):
+            text += f"<{kind} {arg!r}>"
+        elif kind in ("partial.func", "method.func"):
+            text += ".func" if kind == "partial.func" else ".__func__"
+        elif kind == "method.self":
+            text += ".__self__"
+        elif kind == "deref":
+            text += "()"
+        else:
+            text += f".{arg}" if kind == "attr" else f"[{arg!r}]"
+        obj = _FOLLOW[kind](obj, arg)
+    return text
+
+
+def _weak_identities(key):
+    if isinstance(key, WeakIdentity):
+        yield key
+    elif isinstance(key, (tuple, frozenset)):
+        for part in key:
+            yield from _weak_identities(part)
+
+
+class _Entry(NamedTuple):
+    traced: Any
+    watchers: list  # weak references whose callbacks report deaths of the key's objects
+    alias: CacheKey | None  # its `same_fn_key`
+
+
 class TraceCache:
-    """A thread-safe LRU map from `CacheKey` to `Traced`."""
+    """A thread-safe LRU map from `CacheKey` to `Traced`, plus, per entry, its
+    `same_fn_key` for the function object that was traced. An entry goes when
+    an object its key holds weakly dies (at the next use of the cache)."""
 
     def __init__(self, maxsize: int = 256):
         self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._aliases: dict = {}  # same_fn_key -> (key, watchers)
+        # (table, key) whose objects died; a deque, since garbage collection
+        # may append at any moment, even while this thread holds the lock.
+        self._dead: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._maxsize = maxsize
         self._hits = self._misses = 0
 
-    def lookup(self, key: CacheKey):
+    def lookup(self, key: CacheKey, fn):
+        """`(traced, captures)` for a call of `fn` with `key`, or None (a miss)
+        when no trace matches or the tensors `fn` captures cannot be bound."""
         with self._lock:
-            traced = self._entries.get(key)
-            if traced is not None and traced.captures_still_match():
-                self._entries.move_to_end(key)
-                self._hits += 1
-                return traced
-            self._misses += 1
-            return None
+            self._drop_dead()
+            traced = self._touch(key)
+            try_alias = traced is None and bool(self._aliases)
+        if try_alias:
+            alias = same_fn_key(key, fn)
+            with self._lock:
+                target = self._aliases.get(alias) if alias is not None else None
+                traced = self._touch(target[0]) if target is not None else None
+        # Outside the lock: binding follows attributes of user objects.
+        captures = traced.bind_captures(fn) if traced is not None else None
+        with self._lock:
+            if captures is None:
+                self._misses += 1
+                return None
+            self._hits += 1
+        return traced, captures
 
-    def store(self, key: CacheKey, traced) -> None:
+    def store(self, key: CacheKey, traced, fn) -> None:
+        alias = same_fn_key(key, fn)
         with self._lock:
-            self._entries[key] = traced
-            self._entries.move_to_end(key)
+            self._drop_dead()
+            self._remove(key)  # so that the entry's key is this one, which the watchers name
+            self._entries[key] = _Entry(traced, self._watch("entry", key), alias)
+            if alias is not None:
+                self._aliases[alias] = (key, self._watch("alias", alias))
             while len(self._entries) > self._maxsize:
-                self._entries.popitem(last=False)
+                self._remove(next(iter(self._entries)))
 
     def info(self) -> CacheInfo:
         with self._lock:
+            self._drop_dead()
             return CacheInfo(self._hits, self._misses, len(self._entries), self._maxsize)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._aliases.clear()
+            self._dead.clear()
             self._hits = self._misses = 0
+
+    def _touch(self, key):
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry.traced
+
+    def _watch(self, table: str, key) -> list:
+        report = functools.partial(self._dead.append, (table, key))
+        return [weakref.ref(identity.ref(), lambda _: report())
+                for identity in _weak_identities(key) if identity.ref() is not None]
+
+    def _remove(self, key) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None and entry.alias is not None:
+            target = self._aliases.get(entry.alias)
+            if target is not None and target[0] == key:  # not re-pointed by a later entry
+                del self._aliases[entry.alias]
+
+    def _drop_dead(self) -> None:
+        while self._dead:
+            table, key = self._dead.popleft()
+            if table == "entry":
+                self._remove(key)
+            else:
+                self._aliases.pop(key, None)
 
 
 CACHE = TraceCache()
-

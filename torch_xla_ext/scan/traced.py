@@ -8,8 +8,8 @@ import torch
 
 from torch_xla_ext.scan import passes
 from torch_xla_ext.scan.autograd import TrainingPlan
-from torch_xla_ext.scan.avals import avals
-from torch_xla_ext.scan.cache import CacheKey
+from torch_xla_ext.scan.avals import Aval, avals
+from torch_xla_ext.scan.cache import CacheKey, find_paths, resolve
 from torch_xla_ext.scan.loop import Loop, Slot, lower_body
 from torch_xla_ext.scan.tracing import Trace
 
@@ -19,10 +19,15 @@ class Traced:
     and, built on first need, the inference loop and the training loops for
     each scan length and direction."""
 
-    def __init__(self, key: CacheKey, trace: Trace):
+    def __init__(self, key: CacheKey, trace: Trace, fn):
         self.key = key
-        self._capture_refs = [weakref.ref(t) for t in trace.lifter.captured]
-        self.capture_avals = avals(trace.lifter.captured)
+        captured = trace.lifter.captured
+        # How a later call finds its captures: by the path from its fn to each
+        # (a lambda made afresh over the same module reads the module's
+        # current weight), else by a weak reference to the tensor itself.
+        self._capture_bindings = [weakref.ref(t) if path is None else path
+                                  for t, path in zip(captured, find_paths(fn, captured))]
+        self.capture_avals = avals(captured)
         self.y_tree = trace.y_tree
         self.y_avals = avals(trace.y_out)
         self.read_only = passes.read_only_carries(trace.carry_out, trace.carry_arg)
@@ -38,19 +43,27 @@ class Traced:
         self._training = None
         self._lock = threading.Lock()
 
-    def captures_still_match(self) -> bool:
-        captures = [ref() for ref in self._capture_refs]
-        return all(c is not None for c in captures) and avals(captures) == self.capture_avals
+    def bind_captures(self, fn) -> list[torch.Tensor] | None:
+        """The tensors that this call's `fn` captures, in trace order, or None
+        when one is gone or no longer has its traced aval (so fn must be traced
+        afresh)."""
+        captures = []
+        for binding, aval in zip(self._capture_bindings, self.capture_avals):
+            tensor = binding() if isinstance(binding, weakref.ref) else resolve(fn, binding)
+            if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "xla"
+                    or Aval.of(tensor) != aval):
+                return None
+            captures.append(tensor)
+        return captures
 
-    def current_captures(self) -> list[torch.Tensor]:
-        return [ref() for ref in self._capture_refs]
-
-    def run(self, carry, xs, captures, reverse, needs_grad):
+    def run(self, fn, partition_fn, carry, xs, captures, reverse, needs_grad):
+        """One call; `fn` and `partition_fn` are this call's, used (not kept) if
+        the training plan is built now."""
         if not needs_grad:
             return self._inference(carry, xs, captures, reverse)
         with self._lock:
             if self._training is None:
-                self._training = TrainingPlan(self)
+                self._training = TrainingPlan(self, fn, partition_fn, captures)
         return self._training(carry, xs, captures, reverse)
 
     def assemble(self, carry, xs, looped_carry_out, stacked_ys):

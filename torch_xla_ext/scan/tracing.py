@@ -96,14 +96,14 @@ class Trace(NamedTuple):
     y_tree: Structure
 
 
-def trace(key) -> Trace:
-    """Runs `key.fn` once on placeholders of `key`'s avals."""
+def trace(key, fn) -> Trace:
+    """Runs `fn` once on placeholders of `key`'s avals."""
     carry_in = [stand_in(a) for a in key.carry_avals]
     x_in = [stand_in(a) for a in key.x_avals]
     carry_arg, x_arg = as_fn_arguments(carry_in), as_fn_arguments(x_in)
     lifter = LiftCaptures(carry_in + x_in + carry_arg + x_arg)
-    with tracing(f"scan's fn {getattr(key.fn, '__qualname__', key.fn)!r}"), lifter:
-        carry_out, y_out = call_body(key.fn, key.carry_tree.unflatten(carry_arg),
+    with tracing(f"scan's fn {getattr(fn, '__qualname__', fn)!r}"), lifter:
+        carry_out, y_out = call_body(fn, key.carry_tree.unflatten(carry_arg),
                                      key.xs_tree.unflatten(x_arg))
     carry_out = check_carry_types(key.carry_tree, key.carry_avals, carry_out)
     y_leaves, y_tree = flatten(y_out)
