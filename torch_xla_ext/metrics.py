@@ -477,10 +477,12 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
 
 
-def format_value(value: int | float | None, unit: str) -> str:
-    """A value in human units: KiB/MiB/GiB for bytes, us/ms/s for seconds."""
+def format_value(value: int | float | str | None, unit: str) -> str:
+    """A value in human units: KiB/MiB/GiB for bytes, us/ms/s for seconds; text as it is."""
     if value is None:
         return "-"
+    if isinstance(value, str):
+        return value
     if unit == BYTES:
         if abs(value) < 1024:
             return f"{value:.0f} B"
@@ -502,15 +504,16 @@ def format_value(value: int | float | None, unit: str) -> str:
     return f"{value:,.2f}"
 
 
-def _differs(value: int | float | None, baseline: int | float | None, threshold: float) -> bool:
-    if value is None or baseline is None:
+def _differs(value: int | float | str | None, baseline: int | float | str | None,
+             threshold: float) -> bool:
+    if not (isinstance(value, (int, float)) and isinstance(baseline, (int, float))):
         return False
     if baseline == 0:
         return value != 0
     return abs(value - baseline) > threshold * abs(baseline)
 
 
-def format_table(columns: Mapping[str, Mapping[str, int | float | None]],
+def format_table(columns: Mapping[str, Mapping[str, int | float | str | None]],
                  baseline: str | None = "loop",
                  rows: Sequence[Row | tuple[str, str, str] | None] | None = None,
                  threshold: float = 0.10) -> str:
@@ -518,8 +521,8 @@ def format_table(columns: Mapping[str, Mapping[str, int | float | None]],
     line per row (FIGURE_ROWS by default; None draws a rule).
 
     A value that differs from the `baseline` column by more than `threshold`
-    (relative) is marked with `*`; a value that is missing shows as `-` and is
-    never marked.
+    (relative) is marked with `*`; a value that is missing shows as `-`, and
+    text (a status) as it is; neither is ever marked.
     """
     if baseline is not None and baseline not in columns:
         raise ValueError(
