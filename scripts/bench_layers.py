@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark a training step over L decoder blocks: for loop, LayerStack, torch_xla scan_layers.
 
-Each (mode, L) runs in a fresh subprocess on PJRT CPU: build the model
+Each (mode, L) runs in a fresh process (scripts/harness.py, within --timeout
+seconds) on the device PJRT_DEVICE names, CPU if it is not set: build the model
 (`torch_xla_ext.workloads`), run `--steps` training steps (forward, MSE loss,
 backward, SGD), and report
 
@@ -24,15 +25,17 @@ The summary prints the ratios the layer-stack issue asks for.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
+import harness  # first: it sets the default device before torch_xla is imported
+
 MODES = ("loop", "scan", "torch-xla-scan")
 WARMUP_STEPS = 2
+# Seconds one (mode, L) may take: L=64 with torch_xla's scan_layers takes minutes.
+DEFAULT_TIMEOUT = 1800
 
 
 def run_worker(args) -> dict:
@@ -74,8 +77,6 @@ def run_worker(args) -> dict:
     compiles, compile_ns, _ = met.metric_data("CompileTime") or (0, 0, None)
     steady = slice(WARMUP_STEPS, None)
     return {
-        "mode": args.mode,
-        "layers": args.layers,
         "python_ms": 1e3 * statistics.median(python_seconds[steady]),
         "compile_s": compile_ns / 1e9,
         "compiles": compiles,
@@ -86,42 +87,37 @@ def run_worker(args) -> dict:
     }
 
 
-def measure(mode: str, layers: int, args) -> dict | None:
-    """Runs one (mode, L) in a fresh interpreter; None (with its error shown) if it failed."""
-    command = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode,
-               "--layers", str(layers), "--steps", str(args.steps), "--hidden", str(args.hidden),
-               "--heads", str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch)]
+def measure(mode: str, layers: int, args) -> harness.Outcome:
+    """Runs one (mode, L) in a fresh process within the time limit."""
+    arguments = ["--worker", "--mode", mode, "--layers", str(layers), "--steps", str(args.steps),
+                 "--hidden", str(args.hidden), "--heads", str(args.heads), "--seq", str(args.seq),
+                 "--batch", str(args.batch)]
     if args.intermediate:
-        command += ["--intermediate", str(args.intermediate)]
-    environment = {**os.environ, "PJRT_DEVICE": "CPU"}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, env=environment,
-                              timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        print(f"  {mode} L={layers}: no result within {args.timeout} s", flush=True)
-        return None
-    result_lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not result_lines:
-        print(f"  {mode} L={layers} failed (exit {done.returncode}):\n"
-              + "\n".join(done.stderr.strip().splitlines()[-15:]), flush=True)
-        return None
-    return json.loads(result_lines[-1])
+        arguments += ["--intermediate", str(args.intermediate)]
+    outcome = harness.run_worker(os.path.abspath(__file__), arguments, args.timeout)
+    if not outcome.ok:
+        print(outcome.failure_report(f"  {mode} L={layers}"), flush=True)
+    return outcome
 
 
-def print_table(results: list[dict]) -> None:
+def print_table(outcomes: dict[tuple[str, int], harness.Outcome]) -> None:
+    """A line per (mode, L): its figures, or the status of a run that gave none."""
     header = (f"{'mode':<16}{'L':>4}{'python ms':>11}{'compile s':>11}{'compiles':>10}"
               f"{'exec ms':>10}{'peak RSS MiB':>14}{'params MiB':>12}")
     print(header)
     print("-" * len(header))
-    for r in results:
+    for (mode, layers), outcome in outcomes.items():
+        r = outcome.figures
+        if r is None:
+            print(f"{mode:<16}{layers:>4}  {outcome.status}")
+            continue
         steady = "" if r["peak_is_steady"] else " (lifetime peak)"
-        print(f"{r['mode']:<16}{r['layers']:>4}{r['python_ms']:>11.2f}{r['compile_s']:>11.2f}"
+        print(f"{mode:<16}{layers:>4}{r['python_ms']:>11.2f}{r['compile_s']:>11.2f}"
               f"{r['compiles']:>10}{r['execute_ms']:>10.1f}{r['peak_rss_mib']:>14.0f}"
               f"{r['param_mib']:>12.1f}{steady}")
 
 
-def print_ratios(results: list[dict], layer_counts: list[int]) -> None:
-    by_key = {(r["mode"], r["layers"]): r for r in results}
+def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int]) -> None:
     middle = 32 if 32 in layer_counts else max(layer_counts)
     smallest, largest = min(layer_counts), max(layer_counts)
 
@@ -149,18 +145,18 @@ def print_ratios(results: list[dict], layer_counts: list[int]) -> None:
           "execute_ms", 1.15)
 
 
-def print_memory(results: list[dict]) -> None:
+def print_memory(by_key: dict[tuple[str, int], dict]) -> None:
     """Peak RSS growth over the for loop, as a share of the parameter bytes."""
-    loop = next((r for r in results if r["mode"] == "loop"), None)
+    loop = next((r for (mode, _), r in by_key.items() if mode == "loop"), None)
     if loop is None:
         return
     print("\nPeak RSS of a steady step over the for loop's, in parameter bytes:")
-    for r in results:
-        if r["mode"] == "loop":
+    for (mode, layers), r in by_key.items():
+        if mode == "loop":
             continue
         growth = (r["peak_rss_mib"] - loop["peak_rss_mib"]) / r["param_mib"]
-        goal = "  goal <= 0.10 " + ("ok" if growth <= 0.10 else "MISSED") if r["mode"] == "scan" else ""
-        print(f"  {r['mode']:<16} L={r['layers']:<4} {growth:+.2f}x{goal}")
+        goal = "  goal <= 0.10 " + ("ok" if growth <= 0.10 else "MISSED") if mode == "scan" else ""
+        print(f"  {mode:<16} L={layers:<4} {growth:+.2f}x{goal}")
 
 
 def main() -> None:
@@ -180,14 +176,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=None,
                         help="MLP width (default 4 x hidden)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--timeout", type=harness.time_limit, default=DEFAULT_TIMEOUT,
+                        metavar="SECONDS",
+                        help=f"time limit of each run's process (default {DEFAULT_TIMEOUT}); "
+                             "a run that exceeds it is reported as timed out")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
         args.layers = int(args.layers)
-        print(json.dumps(run_worker(args)), flush=True)
+        harness.report_result(run_worker(args))
         return
 
     if args.steps <= WARMUP_STEPS:
@@ -201,22 +200,25 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
 
-    print(f"PJRT CPU, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, batch "
-          f"{args.batch}, {args.steps} steps (first {WARMUP_STEPS} not steady)", flush=True)
-    results = []
+    print(f"PJRT {harness.device_name()}, hidden {args.hidden}, {args.heads} heads, seq "
+          f"{args.seq}, batch {args.batch}, {args.steps} steps (first {WARMUP_STEPS} not "
+          "steady)", flush=True)
+    outcomes = {}
     for layers in layer_counts:
         for mode in modes:
-            started = time.perf_counter()
-            result = measure(mode, layers, args)
-            print(f"  ran {mode} L={layers} in {time.perf_counter() - started:.0f} s", flush=True)
-            if result:
-                results.append(result)
+            outcome = outcomes[mode, layers] = measure(mode, layers, args)
+            print(f"  ran {mode} L={layers} in {outcome.seconds:.0f} s", flush=True)
     print()
-    print_table(results)
+    print_table(outcomes)
+    figures = {key: outcome.figures for key, outcome in outcomes.items() if outcome.ok}
     if args.memory:
-        print_memory(results)
+        print_memory(figures)
     else:
-        print_ratios(results, layer_counts)
+        print_ratios(figures, layer_counts)
+    failures = harness.failure_summary(
+        {f"{mode} L={layers}": outcome for (mode, layers), outcome in outcomes.items()})
+    if failures:
+        sys.exit(f"bench_layers.py: error: {failures}")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 
   compare_metrics.py [run] [--layers N | --sweep-layers N,N,...] [--hidden H]
                      [--steps S] [--modes MODE,...] [--workload MODULE:FUNCTION]
-                     [--json FILE] [--plot FILE.png]
+                     [--json FILE] [--plot FILE.png] [--timeout SECONDS]
 
 runs a training workload (by default a stack of decoder blocks) once per mode,
-each mode in a fresh process because torch_xla's metrics are global to a
-process, and prints one table: a column per mode, a row per figure, marking
-the values that differ from the `loop` column by more than 10%. `run` is the
-default command.
+each mode in a fresh process (scripts/harness.py) because torch_xla's metrics
+are global to a process, and prints one table: a column per mode, a row per
+figure, marking the values that differ from the `loop` column by more than
+10%. `run` is the default command.
 
   compare_metrics.py diff A.txt B.txt
 
@@ -24,10 +24,10 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
+import harness  # first: it sets the default device before torch_xla is imported
 from torch_xla_ext.metrics import (
     BYTES, COUNT, FIGURE_ROWS, SECONDS, MetricsReport, MetricsReportError, Row, collect,
     figures, format_table, hlo_parameter_count, parse_report, peak_rss_bytes, raw_figures,
@@ -39,7 +39,7 @@ class InputError(Exception):
 
 
 class RunError(Exception):
-    """A mode's worker process failed; reported with exit code 1."""
+    """A mode's worker process gave no figures; reported with exit code 1."""
 
 
 def column_names(paths: list[str]) -> list[str]:
@@ -86,7 +86,7 @@ def run_diff(args: argparse.Namespace) -> None:
 MODES = {
     "loop": "a Python for loop over the layers",
     "scan": "torch_xla_ext's LayerStack: one scan, traced once on placeholders",
-    "scan-device-data": "that scan traced at every step on stand-ins copied from host",
+    "scan-device-data": "that scan traced at every step, every stand-in copied from host",
     "torch-xla-scan": "torch_xla.experimental.scan_layers",
 }
 # The mode a workload builds its model for: scan-device-data is `scan` with
@@ -99,6 +99,8 @@ BASELINE_MODE = "loop"
 DEFAULT_LAYERS = 4
 DEFAULT_HIDDEN = 64
 DEFAULT_STEPS = 3
+# Seconds a mode's process may take; the default run takes under a minute per mode.
+DEFAULT_TIMEOUT = 600
 DECODER_HEADS = 4
 DECODER_BATCH = 2
 DECODER_SEQUENCE = 16
@@ -109,19 +111,17 @@ RUN_ROWS: tuple[Row | None, ...] = (
     None,
     Row("build_seconds", "graph building per step", SECONDS),
     Row("scan_traces", "torch_xla_ext scan traces", COUNT),
+    Row("scan_stand_ins", "torch_xla_ext scan stand-ins", COUNT),
     Row("hlo_parameters", "HLO parameters of the step", COUNT),
     Row("peak_rss", "peak RSS", BYTES),
 )
 # Figures summed over the steps; the others are described in `summarize`.
-SUMMED_KEYS = tuple(row.key for row in FIGURE_ROWS) + ("scan_traces",)
+SUMMED_KEYS = tuple(row.key for row in FIGURE_ROWS) + ("scan_traces", "scan_stand_ins")
 # The sweep's two subplots.
 PLOTTED_ROWS = (Row("compile_seconds", "XLA compile time (all steps)", SECONDS),
                 Row("build_seconds", "graph building per step (steady state)", SECONDS))
 
 WORKER_COMMAND = "_worker"
-# Marks the worker's result line on its stdout, which the workload may print to.
-RESULT_PREFIX = "compare_metrics.py result: "
-WORKER_ERROR_LINES = 25
 
 WORKLOAD_HELP = """\
 workload contract:
@@ -136,11 +136,17 @@ workload contract:
   runs torch_xla.sync().
 
 figures:
-  Transfers, compilations and executions are summed over the steps (what the
-  set-up moves is left out); graph building is the mean time step() takes
-  over the steps after the first; HLO parameters are those of the last step's
-  graph (the outputs step() returns); peak RSS is the mode's process's.
+  Transfers, compilations, executions, scan traces and the stand-ins scan
+  traces with are summed over the steps (what the set-up moves is left out);
+  graph building is the mean time step() takes over the steps after the
+  first; HLO parameters are those of the last step's graph (the outputs
+  step() returns); peak RSS is the mode's process's.
   --json FILE writes every figure per mode, with a list of per-step figures.
+
+time limit:
+  A mode's process that runs longer than --timeout seconds is stopped; the
+  table shows it as timed out, the other modes run, and the exit code is 1.
+  Modes run on the device PJRT_DEVICE names, CPU if it is not set.
 """
 
 
@@ -235,25 +241,40 @@ def layer_list(text: str) -> list[int]:
 # ---------------------------------------------------------------- worker side
 
 
-def trace_with_device_data() -> None:
-    """Makes torch_xla_ext.scan trace with device data instead of placeholders.
+class StandInFactory:
+    """Takes the place of `torch_xla_ext.scan.tracing.new_stand_in`, the one
+    factory of every tensor scan traces or lowers with (its forward and
+    backward steps' inputs, the captures it lifts, AOTAutograd's primals and
+    cotangents), and counts the stand-ins made.
 
-    Each stand-in is an uninitialized host tensor moved to the device: one
-    host-to-device transfer per carry, slice and captured tensor at every
-    trace, which is what placeholders avoid. `torch.empty(..., device=xla)`
-    would not do: torch_xla makes it a lazy broadcast of the constant 0, which
-    moves nothing and would be baked into the trace as zeros.
+    With `from_host`, each stand-in is an uninitialized host tensor moved to
+    the device: one host-to-device transfer per stand-in, which is what
+    placeholders avoid. `torch.empty(..., device=xla)` would not do: torch_xla
+    makes it a lazy broadcast of the constant 0, which moves nothing and would
+    be baked into the trace as zeros. Otherwise the factory's own stand-ins
+    (placeholders) are made.
     """
-    import torch
-    import torch_xla
 
-    tracing_module = importlib.import_module("torch_xla_ext.scan.tracing")
-    device = torch_xla.device()
+    def __init__(self, from_host: bool):
+        import torch_xla
 
-    def device_data_stand_in(shape, dtype, *, requires_grad=False):
-        return torch.empty(shape, dtype=dtype).to(device).requires_grad_(requires_grad)
+        self.made = 0
+        self._device = torch_xla.device() if from_host else None
+        self._original = importlib.import_module("torch_xla_ext.scan.tracing").new_stand_in
+        # Modules that imported the factory by name hold it too (autograd.py does).
+        for name, module in list(sys.modules.items()):
+            if name == "torch_xla_ext" or name.startswith("torch_xla_ext."):
+                for attribute, value in list(vars(module).items()):
+                    if value is self._original:
+                        setattr(module, attribute, self)
 
-    tracing_module.placeholder = device_data_stand_in
+    def __call__(self, shape, dtype, requires_grad: bool = False, *, guarded: bool = True):
+        import torch
+
+        self.made += 1
+        if self._device is None:
+            return self._original(shape, dtype, requires_grad, guarded=guarded)
+        return torch.empty(shape, dtype=dtype).to(self._device).requires_grad_(requires_grad)
 
 
 def step_outputs(outputs, spec: str | None) -> list:
@@ -278,14 +299,13 @@ def summarize(steps: list[dict]) -> dict:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    """Runs one mode and prints its figures as a JSON line after RESULT_PREFIX."""
+    """Runs one mode and reports its figures to the parent (harness.report_result)."""
     import torch_xla
     import torch_xla_ext
 
     build_workload = load_workload(args.workload)
     device_data = args.mode == "scan-device-data"
-    if device_data:
-        trace_with_device_data()
+    stand_ins = StandInFactory(from_host=device_data)
     step = build_workload(WORKLOAD_MODES[args.mode], args.layers, args.hidden)
     torch_xla.sync()
     previous = collect()
@@ -296,17 +316,18 @@ def run_worker(args: argparse.Namespace) -> None:
             # would move them once. torch_xla's scan_layers traces again at
             # every call (unless told its layers are pure), so this does too.
             torch_xla_ext.cache_clear()
-        traces_before = torch_xla_ext.cache_info().misses
+        traces_before, stand_ins_before = torch_xla_ext.cache_info().misses, stand_ins.made
         started = time.perf_counter()
         outputs = step_outputs(step(), args.workload)
         build_seconds = time.perf_counter() - started
         scan_traces = torch_xla_ext.cache_info().misses - traces_before
+        scan_stand_ins = stand_ins.made - stand_ins_before
         hlo_parameters = hlo_parameter_count(torch_xla._XLAC._get_xla_tensors_hlo(outputs))
         torch_xla.sync()
         current = collect()
         steps.append({**{key: current[key] - previous[key] for key in current},
                       "build_seconds": build_seconds, "scan_traces": scan_traces,
-                      "hlo_parameters": hlo_parameters})
+                      "scan_stand_ins": scan_stand_ins, "hlo_parameters": hlo_parameters})
         previous = current
     if device_data and not any(step["scan_traces"] for step in steps):
         raise InputError(f"workload {workload_name(args.workload)!r} never called "
@@ -314,28 +335,20 @@ def run_worker(args: argparse.Namespace) -> None:
                          "to trace with device data")
     # Read after the last figures were taken: it is a device-to-host transfer.
     final_loss = outputs[0].item()
-    result = {**summarize(steps), "peak_rss": peak_rss_bytes(), "final_loss": final_loss,
-              "steps": steps}
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    harness.report_result({**summarize(steps), "peak_rss": peak_rss_bytes(),
+                           "final_loss": final_loss, "steps": steps})
 
 
 # ---------------------------------------------------------------- parent side
 
 
-def run_in_worker(mode: str, layers: int, args: argparse.Namespace) -> dict:
-    """One mode's figures, measured in a fresh process."""
-    command = [sys.executable, os.path.abspath(__file__), WORKER_COMMAND, "--mode", mode,
-               "--layers", str(layers), "--hidden", str(args.hidden), "--steps", str(args.steps)]
+def run_in_worker(mode: str, layers: int, args: argparse.Namespace) -> harness.Outcome:
+    """One mode's figures, measured in a fresh process within the time limit."""
+    arguments = [WORKER_COMMAND, "--mode", mode, "--layers", str(layers),
+                 "--hidden", str(args.hidden), "--steps", str(args.steps)]
     if args.workload is not None:
-        command += ["--workload", args.workload]
-    completed = subprocess.run(command, capture_output=True, text=True)
-    results = [line[len(RESULT_PREFIX):] for line in completed.stdout.splitlines()
-               if line.startswith(RESULT_PREFIX)]
-    if completed.returncode != 0 or not results:
-        tail = "\n".join(completed.stderr.rstrip().splitlines()[-WORKER_ERROR_LINES:])
-        raise RunError(f"mode {mode!r} with {layers} layers failed (exit code "
-                       f"{completed.returncode}); the end of its output:\n{tail}")
-    return json.loads(results[-1])
+        arguments += ["--workload", args.workload]
+    return harness.run_worker(os.path.abspath(__file__), arguments, args.timeout)
 
 
 def check_output_path(path: str | None, option: str) -> None:
@@ -358,7 +371,8 @@ def check_plot_format(path: str) -> None:
 
 
 def plot_sweep(path: str, depths: list[int], runs: list[dict], modes: list[str]) -> dict:
-    """Draws PLOTTED_ROWS against depth, a line per mode; returns what was drawn."""
+    """Draws PLOTTED_ROWS against depth, a line per mode through the depths it
+    has figures for; returns what was drawn."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -366,7 +380,10 @@ def plot_sweep(path: str, depths: list[int], runs: list[dict], modes: list[str])
     figure, axes = plt.subplots(1, len(PLOTTED_ROWS), figsize=(11, 4.5))
     for axis, row in zip(axes, PLOTTED_ROWS):
         for mode in modes:
-            axis.plot(depths, [run[mode][row.key] for run in runs], marker="o", label=mode)
+            points = [(layers, run[mode][row.key]) for layers, run in zip(depths, runs)
+                      if row.key in run[mode]]
+            if points:
+                axis.plot(*zip(*points), marker="o", label=mode)
         axis.set(title=row.label, xlabel="layers", ylabel="seconds", xticks=depths)
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
@@ -392,21 +409,25 @@ def run_run(args: argparse.Namespace) -> None:
     load_workload(args.workload)  # a bad --workload fails here, before any process starts
     depths = args.sweep_layers or [args.layers]
     baseline = BASELINE_MODE if BASELINE_MODE in args.modes else args.modes[0]
-    runs = []
+    run_count = len(depths) * len(args.modes)
+    runs, every_outcome = [], {}
     for depth_index, layers in enumerate(depths):
-        results = {}
+        outcomes = {}
         for mode_index, mode in enumerate(args.modes):
             position = depth_index * len(args.modes) + mode_index + 1
             what = f"{mode}, {layers} layers" if args.sweep_layers else mode
-            print(f"[{position}/{len(depths) * len(args.modes)}] {what}: running "
-                  f"{args.steps} steps ...", file=sys.stderr, flush=True)
-            results[mode] = run_in_worker(mode, layers, args)
-        runs.append(results)
+            print(f"[{position}/{run_count}] {what}: running {args.steps} steps ...",
+                  file=sys.stderr, flush=True)
+            outcome = outcomes[mode] = every_outcome[what] = run_in_worker(mode, layers, args)
+            if not outcome.ok:
+                print(outcome.failure_report(f"mode {mode!r} with {layers} layers"),
+                      file=sys.stderr, flush=True)
+        runs.append(harness.outcome_columns(outcomes))
         if depth_index:
             print()
         print(f"{workload_name(args.workload)}: {layers} layers, hidden {args.hidden}, "
               f"{args.steps} steps")
-        print(format_table(results, baseline=baseline, rows=RUN_ROWS))
+        print(harness.outcome_table(outcomes, RUN_ROWS, baseline), flush=True)
 
     settings = {"workload": workload_name(args.workload), "hidden": args.hidden,
                 "steps": args.steps, "modes": args.modes}
@@ -422,6 +443,9 @@ def run_run(args: argparse.Namespace) -> None:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump(output, file, indent=1)
             file.write("\n")
+    failures = harness.failure_summary(every_outcome)
+    if failures:
+        raise RunError(failures)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -465,6 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plot", metavar="FILE.png",
                      help="with --sweep-layers, plot compile time and graph-building time "
                           "against depth, a line per mode (the plotted series go into --json)")
+    run.add_argument("--timeout", type=harness.time_limit, default=DEFAULT_TIMEOUT,
+                     metavar="SECONDS",
+                     help=f"time limit of each mode's process (default {DEFAULT_TIMEOUT}); "
+                          "a mode that exceeds it is reported as timed out")
     run.set_defaults(handler=run_run)
 
     diff = commands.add_parser(

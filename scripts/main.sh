@@ -5,5 +5,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
-export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
+# The device is PJRT_DEVICE's, CPU if unset (compare_metrics.py chooses it).
 .venv/bin/python scripts/compare_metrics.py "$@"
