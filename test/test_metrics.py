@@ -1,7 +1,6 @@
 """torch_xla_ext.metrics and scripts/compare_metrics.py on real torch_xla reports."""
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -57,17 +56,13 @@ WORKLOAD = """
 """
 
 
-def environment():
-    return {**os.environ, "PJRT_DEVICE": "CPU"}
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """Paths of report A, report B and the live values saved at B."""
     out = tmp_path_factory.mktemp("reports")
     completed = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(WORKLOAD), str(out)],
-        capture_output=True, text=True, timeout=240, env=environment())
+        capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stderr
     return out / "a.txt", out / "b.txt", json.loads((out / "live.json").read_text())
 
@@ -75,7 +70,7 @@ def reports(tmp_path_factory):
 def compare_metrics(*args):
     return subprocess.run(
         [sys.executable, str(COMPARE_METRICS), *map(str, args)],
-        capture_output=True, text=True, timeout=120, env=environment(), cwd=REPO)
+        capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 def table_row(table: str, label: str) -> str:
