@@ -1,8 +1,17 @@
-"""Python time of one cached scan call against the equivalent for loop.
+"""Python time of cached scan calls: against the equivalent for loop, and with a
+lambda made afresh at every call against a module-level function.
 
-PJRT CPU; 32 iterations of a 256-wide MLP block; each measurement builds the
-forward and backward graph (no execution is timed), after warm-up calls that fill
-the caches. Prints both medians and their ratio, measured side by side.
+PJRT CPU; each measurement builds the forward and backward graph (no execution
+is timed), after warm-up calls that fill the caches; the two runs of a pair
+alternate, so drift affects both alike. Times are CPU time of the calling
+thread, which builds the graphs, so that other processes sharing the machine
+do not blur them. Prints medians and their ratios.
+
+1. scan against the for loop: `--iterations` steps of a `--width`-wide MLP block.
+2. the per-call lambda: an RNN module whose forward calls
+   `scan(lambda c, x: (torch.tanh(self.cell(c) + x), c.sum()), h, xs)`, so the
+   lambda is new at each call, against the same scan given a module-level
+   function; `--repeats` training steps each, and one trace in all.
 
     .venv/bin/python scripts/bench_scan.py [--iterations 32] [--width 256] [--repeats 20]
 """
@@ -16,15 +25,31 @@ import torch_xla
 import torch_xla_ext as tx
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=32)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+def graph_building_seconds(run, tensors) -> float:
+    """CPU seconds `run` takes to build its graphs; then runs them, untimed, to
+    the end (so that the next measured run does not wait for them) and drops
+    the gradients of `tensors`, so that graphs do not pile up."""
+    start = time.thread_time()
+    run()
+    elapsed = time.thread_time() - start
+    torch_xla.sync(wait=True)
+    for tensor in tensors:
+        tensor.grad = None
+    return elapsed
 
-    device = torch_xla.device()
-    torch.manual_seed(0)
+
+def median_ms(runs, tensors, repeats: int) -> list[float]:
+    """Per run, the median over `repeats` alternating measurements, in ms."""
+    for run in runs:  # warm-up: trace, lower and compile once
+        graph_building_seconds(run, tensors)
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, measured in zip(runs, times):
+            measured.append(graph_building_seconds(run, tensors))
+    return [statistics.median(measured) * 1e3 for measured in times]
+
+
+def scan_against_loop(args, device):
     block = torch.nn.Sequential(torch.nn.Linear(args.width, 4 * args.width), torch.nn.GELU(),
                                 torch.nn.Linear(4 * args.width, args.width)).to(device)
     init = torch.randn(8, args.width, device=device, requires_grad=True)
@@ -44,27 +69,75 @@ def main():
             carry, _ = step(carry, x)
         carry.sum().backward()
 
-    def graph_building_seconds(run):
-        start = time.perf_counter()
-        run()
-        elapsed = time.perf_counter() - start
-        torch_xla.sync()  # execute, untimed, so graphs do not pile up
-        for tensor in (init, xs, *block.parameters()):
-            tensor.grad = None
-        return elapsed
-
-    for run in (with_scan, with_loop):  # warm-up: trace, lower and compile once
-        graph_building_seconds(run)
-    scan_times, loop_times = [], []
-    for _ in range(args.repeats):  # alternate, so drift affects both alike
-        scan_times.append(graph_building_seconds(with_scan))
-        loop_times.append(graph_building_seconds(with_loop))
-    scan_ms, loop_ms = statistics.median(scan_times) * 1e3, statistics.median(loop_times) * 1e3
+    scan_ms, loop_ms = median_ms([with_scan, with_loop], (init, xs, *block.parameters()),
+                                 args.repeats)
     print(f"{args.iterations} iterations of a {args.width}-wide MLP block, forward + backward, "
           f"median of {args.repeats}")
     print(f"  for loop graph building : {loop_ms:8.2f} ms")
     print(f"  cached scan call        : {scan_ms:8.2f} ms")
     print(f"  ratio scan / loop       : {scan_ms / loop_ms:8.3f}  (goal <= 0.2)")
+
+
+class RNN(torch.nn.Module):
+    """A tanh RNN over `cell`: its forward passes scan either the issue's
+    pattern, a lambda made afresh at every call, or a module-level function."""
+
+    def __init__(self, cell: torch.nn.Linear, fresh_lambda: bool):
+        super().__init__()
+        self.cell = cell
+        self.fresh_lambda = fresh_lambda
+
+    def forward(self, h, xs):
+        if self.fresh_lambda:
+            return tx.scan(lambda c, x: (torch.tanh(self.cell(c) + x), c.sum()), h, xs)
+        return tx.scan(module_level_step, h, xs)
+
+
+# The cell the module-level function reads, set by the benchmark.
+_cell: torch.nn.Linear | None = None
+
+
+def module_level_step(c, x):
+    return torch.tanh(_cell(c) + x), c.sum()
+
+
+def per_call_lambda_against_function(args, device):
+    global _cell
+    _cell = torch.nn.Linear(args.width, args.width).to(device)
+    h = torch.randn(8, args.width, device=device, requires_grad=True)
+    xs = torch.randn(args.iterations, 8, args.width, device=device)
+    torch_xla.sync()
+
+    def training_step(model):
+        def run():
+            carry, ys = model(h, xs)
+            (carry.pow(2).mean() + ys.mean()).backward()
+        return run
+
+    tx.cache_clear()
+    lambda_ms, function_ms = median_ms(
+        [training_step(RNN(_cell, fresh_lambda=True)), training_step(RNN(_cell, False))],
+        (h, *_cell.parameters()), args.repeats)
+    traces = tx.cache_info().misses
+    print(f"{args.iterations} steps of a {args.width}-wide tanh RNN cell, forward + backward, "
+          f"median of {args.repeats} training steps")
+    print(f"  module-level function   : {function_ms:8.2f} ms")
+    print(f"  fresh lambda per call   : {lambda_ms:8.2f} ms")
+    print(f"  ratio lambda / function : {lambda_ms / function_ms:8.3f}  (goal <= 1.2)")
+    print(f"  traces: {traces} (goal 2: one shared by the lambda's {args.repeats + 1} calls, one "
+          f"for the function's)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=32)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    scan_against_loop(args, device)
+    per_call_lambda_against_function(args, device)
     print(f"  scan cache: {tx.cache_info()}")
 
 

@@ -65,9 +65,11 @@ class WeakIdentity:
         return f"WeakIdentity({self.ref()!r})"
 
 
-# Immutable values a trace may depend on, keyed by value.
-_VALUE_TYPES = (type(None), type(Ellipsis), str, bytes, range, enum.Enum, torch.dtype,
+# Immutable values a trace may depend on, keyed by value: these exact types
+# (checked first, as most closure values are among them), and subclasses.
+_VALUE_TYPES = (type(None), type(Ellipsis), bool, int, str, bytes, range, torch.dtype,
                 torch.device, torch.layout, torch.memory_format)
+_EXACT_VALUE_TYPES = frozenset(_VALUE_TYPES)
 # Stands in the key for a closure cell that is not filled yet.
 _EMPTY_CELL = object()
 
@@ -89,7 +91,8 @@ def fingerprint(fn, name: str = "fn"):
       closure cells; `functools.partial`: its function, args and keywords; bound
       methods: the function and the bound object; weak references: the object
       they refer to; tuples, lists, dicts and sets: their type and items; all
-      recursively.
+      recursively. (The very function object of an earlier call also matches
+      whatever its lists, dicts and sets now hold: see `same_fn_key`.)
     - plain constants (numbers, strings, None, dtypes, devices, enums, ...): by
       type and value, so that True, 1 and 1.0 differ.
     - XLA tensors: by type and aval (shape, dtype, requires_grad), so that a new
@@ -129,14 +132,16 @@ def same_fn_key(key: CacheKey, fn) -> CacheKey | None:
     return key._replace(fn=(identity, _fingerprint(fn, set(), False)))
 
 
-_MUTABLE_CONTAINERS = (list, dict, set, bytearray)
+_MUTABLE_CONTAINERS = (list, dict, set)
 
 
 def _fingerprint(value, active: set, contents: bool):
     """`contents=False` leaves out what mutable containers hold."""
+    if type(value) in _EXACT_VALUE_TYPES:
+        return type(value), value
     if isinstance(value, numbers.Number):
         return type(value), repr(value)  # repr: NaN equals itself and -0.0 differs from 0.0
-    if isinstance(value, _VALUE_TYPES):
+    if isinstance(value, (*_VALUE_TYPES, enum.Enum)):
         return type(value), value
     if isinstance(value, torch.Tensor):
         if value.device.type == "xla":
@@ -167,7 +172,7 @@ def _fingerprint_of_items(value, active: set, contents: bool):
     if isinstance(value, dict):
         return type(value), tuple((_fingerprint(k, active, contents),
                                    _fingerprint(v, active, contents)) for k, v in value.items())
-    if isinstance(value, (set, frozenset, bytearray)):
+    if isinstance(value, (set, frozenset)):
         return type(value), frozenset(_fingerprint(item, active, contents) for item in value)
     if isinstance(value, slice):
         return slice, tuple(_fingerprint(v, active, contents)
