@@ -211,6 +211,19 @@ def test_a_failing_mode_shows_its_error_and_the_others_still_run(tmp_path):
     assert modes["loop"]["worker"] == "ok" and modes["loop"]["final_loss"] < 64
 
 
+def test_timed_out_modes_show_in_the_table_and_the_others_run():
+    # Half a second is too little for a worker to import torch_xla: both time out.
+    completed = compare_metrics("--modes", "loop,scan", "--timeout", 0.5, timeout=120)
+    assert completed.returncode == 1
+    assert table_cells(completed.stdout, "worker process") == ["timed out after 0.5 s"] * 2
+    assert table_cells(completed.stdout, "compilations") == ["-", "-"]
+    assert [line for line in completed.stderr.splitlines() if line.startswith("[")] == [
+        "[1/2] loop: running 3 steps ...", "[2/2] scan: running 3 steps ..."]
+    assert completed.stderr.splitlines()[-1] == (
+        "compare_metrics.py: error: 2 of 2 runs gave no figures: loop (timed out after 0.5 s), "
+        "scan (timed out after 0.5 s)")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--modes", "loop,scna"],
      "argument --modes: unknown mode 'scna' in 'loop,scna'; choose from loop, scan, "

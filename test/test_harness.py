@@ -142,3 +142,18 @@ def test_workers_run_on_the_users_device_cpu_by_default(tmp_path, chosen, expect
                                timeout=60, cwd=SCRIPTS, env=environment)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == [expected, expected]
+
+
+def test_bench_layers_reports_each_timed_out_run_and_goes_on():
+    # Half a second is too little for a worker to import torch_xla: every run times out.
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_layers.py"), "--layers", "1,2", "--modes", "loop",
+         "--steps", "3", "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 1
+    lines = completed.stdout.splitlines()
+    assert "  loop L=1: timed out after 0.5 s; the end of its output:" in lines
+    assert lines[lines.index("-" * 88) + 1:][:2] == ["loop               1  timed out after 0.5 s",
+                                                    "loop               2  timed out after 0.5 s"]
+    assert completed.stderr.splitlines()[-1] == (
+        "bench_layers.py: error: 2 of 2 runs gave no figures: loop L=1 (timed out after 0.5 s), "
+        "loop L=2 (timed out after 0.5 s)")
