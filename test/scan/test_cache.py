@@ -1,8 +1,10 @@
 """The trace cache recognises the same function: fresh lambdas, closures,
 partials and bound methods over the same objects share one trace, read the
 tensors of the call at hand, and the cache keeps nothing alive."""
+import dataclasses
 import functools
 import gc
+import types
 import weakref
 
 import pytest
@@ -223,6 +225,41 @@ def test_what_changes_the_program_changes_the_key():
         fn = factors(values)
         assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
     assert traces_and_hits() == (11, 2)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrozenSettings:
+    scale: float
+
+
+class Settings:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+@pytest.mark.parametrize("settings_of", [types.SimpleNamespace, FrozenSettings],
+                         ids=["SimpleNamespace", "slotted dataclass"])
+def test_settings_that_cannot_be_referenced_weakly_count_by_their_attributes(settings_of):
+    h, xs = randn(3), randn(2, 3)
+
+    def scaled(settings):
+        return lambda c, x: (c * settings.scale + x, None)
+
+    for scale in (2.0, 2.0, 3.0):
+        fn = scaled(settings_of(scale=scale))
+        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+    assert traces_and_hits() == (2, 1)
+
+
+def test_other_objects_count_by_identity():
+    h, xs = randn(3), randn(2, 3)
+    settings = Settings(2.0)
+    for _ in range(2):
+        fn = (lambda s: lambda c, x: (c * s.scale + x, None))(settings)
+        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+    fn = (lambda s: lambda c, x: (c * s.scale + x, None))(Settings(3.0))
+    assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+    assert traces_and_hits() == (2, 1)
 
 
 def test_nonlocal_rebinding_of_a_constant_traces_again():

@@ -12,6 +12,7 @@ and an entry is dropped once one of them dies.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import functools
 import numbers
@@ -102,8 +103,9 @@ def fingerprint(fn, name: str = "fn"):
       submodules (`model.eval()` changes what dropout traces). Other attributes
       of a module are assumed unchanged between calls.
     - bare `object()` sentinels: by identity (they hold nothing).
-    - any other object: by identity, held weakly. An object that is neither of
-      the above nor weakly referenceable makes `fn` unkeyable.
+    - any other object: by identity, held weakly; one that cannot be referenced
+      weakly by its attributes if it is a SimpleNamespace or a dataclass, else
+      it makes `fn` unkeyable.
     Globals that `fn` reads are not part of the key.
     """
     try:
@@ -135,8 +137,17 @@ def same_fn_key(key: CacheKey, fn) -> CacheKey | None:
 _MUTABLE_CONTAINERS = (list, dict, set)
 
 
+def _is_record(value) -> bool:
+    """Whether `value` is an object whose state is its attributes and that
+    cannot be referenced weakly (a SimpleNamespace, a dataclass with
+    `__slots__`): keyed by its attributes, like a dict."""
+    return type(value).__weakrefoffset__ == 0 and (
+        isinstance(value, types.SimpleNamespace)
+        or dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
 def _fingerprint(value, active: set, contents: bool):
-    """`contents=False` leaves out what mutable containers hold."""
+    """`contents=False` leaves out what mutable containers and records hold."""
     if type(value) in _EXACT_VALUE_TYPES:
         return type(value), value
     if isinstance(value, numbers.Number):
@@ -151,10 +162,11 @@ def _fingerprint(value, active: set, contents: bool):
         return WeakIdentity(value), tuple(m.training for m in value.modules())
     if type(value) is object:
         return object, value
-    if not contents and isinstance(value, _MUTABLE_CONTAINERS):
+    record = _is_record(value)
+    if not contents and (record or isinstance(value, _MUTABLE_CONTAINERS)):
         return type(value), "contents left out"
-    if isinstance(value, (types.FunctionType, functools.partial, types.MethodType, weakref.ref,
-                          tuple, frozenset, slice, *_MUTABLE_CONTAINERS)):
+    if record or isinstance(value, (types.FunctionType, functools.partial, types.MethodType,
+                                    weakref.ref, tuple, frozenset, slice, *_MUTABLE_CONTAINERS)):
         if id(value) in active:  # a function or container that reaches itself
             return "recursion", type(value)
         active.add(id(value))
@@ -222,6 +234,9 @@ def _steps(value):
     elif hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType)):
         for name, member in vars(value).items():
             yield ("attr", name), member
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield ("attr", field.name), getattr(value, field.name)
 
 
 _FOLLOW = {
