@@ -74,7 +74,10 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
       submodules' `training` flags, other objects by identity. The key holds
       every object weakly: the cache keeps nothing alive, and its entry goes when
       one dies. An `fn` holding an object that is neither comparable by value
-      nor weakly referenceable is traced at every call (with a warning).
+      nor weakly referenceable is traced at every call (with a warning). The
+      very function object of an earlier call also reuses its trace whatever
+      its lists, dicts and sets now hold, so that a list it appends to does
+      not make it trace again.
 
     Tensors `fn` creates are baked into the trace; tensors it captures are read
     afresh at every call: those it reaches through its closure, defaults,
