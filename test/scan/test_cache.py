@@ -404,3 +404,11 @@ def test_same_function_object_filling_a_list_traces_once():
     for _ in range(3):
         tx.scan(fn, randn(3), randn(2, 3))
     assert len(seen) == 1 and traces_and_hits() == (1, 2)
+
+
+def test_host_tensors_are_baked_in_so_count_by_identity():
+    h, xs = randn(3), randn(2, 3)
+    for scale in (torch.tensor(2.0), torch.tensor(3.0)):  # 0-d host tensors, as constants
+        fn = scaled_by(scale)
+        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+    assert traces_and_hits() == (2, 0)

@@ -20,6 +20,15 @@ from torch_xla_ext.scan.sharding import as_fn_arguments
 _CAPTURABLE = (torch.nn.Parameter, PlaceholderTensor)
 
 
+def liftable(tensor: torch.Tensor) -> bool:
+    """Whether a tensor that fn reads without having received or made it
+    becomes an input of the trace: yes on XLA, unless it is one of
+    AOTAutograd's or SPMD's wrappers (what fn reads otherwise is baked in)."""
+    return (tensor.device.type == "xla"
+            and (isinstance(tensor, _CAPTURABLE) or type(tensor) is torch.Tensor)
+            and not _wraps_fake(tensor))
+
+
 def _wraps_fake(tensor: torch.Tensor) -> bool:
     # XLA tensors are functional wrappers too; AOTAutograd's wrap fake tensors.
     return (torch._is_functional_tensor(tensor)
@@ -48,10 +57,8 @@ class LiftCaptures(TorchFunctionMode):
         return result
 
     def _lift(self, tensor: torch.Tensor) -> torch.Tensor:
-        if (id(tensor) in self._known or tensor.device.type != "xla"
-                or not isinstance(tensor, _CAPTURABLE) and type(tensor) is not torch.Tensor
-                or _wraps_fake(tensor)):
-            return tensor  # made by fn, not on XLA, or one of AOTAutograd's or SPMD's wrappers
+        if id(tensor) in self._known or not liftable(tensor):
+            return tensor
         stand_in = self.stand_ins.get(id(tensor))
         if stand_in is None:
             if self._frozen:
