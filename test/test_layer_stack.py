@@ -1,7 +1,10 @@
 """LayerStack and scan_layers against the plain `for layer in layers` loop."""
 import copy
+import functools
 import io
 import re
+import types
+import warnings
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch_xla.debug.metrics as met
 from torch import nn
 
 import torch_xla_ext as tx
-from torch_xla_ext.layer_stack import LayerStack, scan_layers
+from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack, scan_layers
 from torch_xla_ext.workloads import (DecoderBlock, RMSNorm, make_batch, make_decoder_stack,
                                      training_step)
 
@@ -270,13 +273,6 @@ def test_extra_arguments_reach_every_layer_and_tuple_outputs_carry_their_first(
     close(scales[1].grad, scales[0].grad)
 
 
-def test_unsupported_extra_argument_is_named(device):
-    stack = LayerStack(TupleLayer() for _ in range(2)).to(device)
-    hidden = torch.zeros(1, HIDDEN, device=device)
-    with pytest.raises(TypeError, match=r"kwargs\['bias'\] has type object"):
-        stack(hidden, torch.tensor(1.0, device=device), bias=object())
-
-
 class DropoutLayer(nn.Module):
 
     def __init__(self, p=0.5):
@@ -341,12 +337,14 @@ def test_mismatched_layers_are_named(layers, error, pattern):
         scan_layers(layers, torch.zeros(4))
 
 
-def test_ignored_attributes_may_differ():
-    layers = [with_attribute(DecoderBlock(HIDDEN, HEADS), "self_attn.layer_idx", i)
+def test_other_differing_attributes_name_per_layer_attributes():
+    layers = [with_attribute(DecoderBlock(HIDDEN, HEADS), "self_attn.block_id", i)
               for i in range(2)]
-    with pytest.raises(ValueError, match=r"ignored_attributes=\('layer_idx',\)"):
+    with pytest.raises(ValueError, match=r"Layer 1 setting 'self_attn.block_id' is 1 but layer "
+                       r"0's is 0.*per_layer_attributes=\('layer_idx', 'block_id'\)"):
         LayerStack(layers)
-    assert len(LayerStack(layers, ignored_attributes=["layer_idx"])) == 2
+    stack = LayerStack(layers, per_layer_attributes=["block_id"])
+    assert [layer.self_attn.block_id for layer in stack] == [0, 1]
 
 
 def test_shared_parameters_are_refused():
@@ -361,6 +359,229 @@ def test_empty_stack_returns_its_input():
     assert len(stack) == 0 and list(stack) == [] and stack.state_dict() == {}
     assert stack(hidden, "ignored", mask=None) is hidden
     assert scan_layers([], hidden) is hidden
+
+
+# ---------------------------------------------------------------------------
+# Layers alike in what they compute: functions, partials, methods, configs
+
+
+def tanh_of_scaled(scale):
+    return lambda x: torch.tanh(x * scale)
+
+
+def tanh_with_default(scale):
+    def act(x, scale=scale):
+        return torch.tanh(x * scale)
+    return act
+
+
+class Scaler:
+    """A plain settings object whose bound method serves as an activation."""
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    def apply(self, x):
+        return x * self.factor
+
+
+class ActLayer(nn.Module):
+
+    def __init__(self, act, config=None):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.act = act
+        self.config = config
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+class ClosesOverItself(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.act = lambda x: self.linear(x).relu()
+
+    def forward(self, x):
+        return self.act(x)
+
+
+class Offset(nn.Module):
+    """Holds a plain tensor attribute, not a registered buffer."""
+
+    def __init__(self, offset):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.offset = offset
+
+    def forward(self, x):
+        return self.linear(x) + self.offset
+
+
+def config(theta):
+    return types.SimpleNamespace(eps=1e-6, rope={"theta": theta, "type": "default"})
+
+
+@pytest.mark.parametrize("layers, pattern", [
+    ([ActLayer(tanh_of_scaled(1.0)), ActLayer(tanh_of_scaled(5.0))],
+     r"Layer 1 setting 'act' differs from layer 0's in its closure variable 'scale': 5.0 in "
+     r"layer 1 but 1.0 in layer 0"),
+    ([ActLayer(tanh_with_default(1.0)), ActLayer(tanh_with_default(5.0))],
+     r"Layer 1 setting 'act' differs from layer 0's in its default of 'scale': 5.0 in layer 1"),
+    ([ActLayer(functools.partial(F.leaky_relu, negative_slope=0.1)),
+      ActLayer(functools.partial(F.leaky_relu, negative_slope=0.2))],
+     r"Layer 1 setting 'act' differs .* keyword 'negative_slope' of the partial: 0.2 in layer 1 "
+     r"but 0.1 in layer 0"),
+    ([ActLayer(Scaler(2.0).apply), ActLayer(Scaler(2.0).apply), ActLayer(Scaler(3.0).apply)],
+     r"Layer 2 setting 'act' differs .* self of the method → attribute 'factor': 3.0"),
+    ([ActLayer(torch.tanh, config(1e4)), ActLayer(torch.tanh, config(5e5))],
+     r"Layer 1 setting 'config' differs .* attribute 'rope' → key 'theta': 500000.0 in layer 1 "
+     r"but 10000.0 in layer 0"),
+    ([ActLayer(torch.tanh), ActLayer(torch.sigmoid)],
+     r"Layer 1 setting 'act' is <built-in method sigmoid.* but layer 0's is <built-in method tanh"),
+    ([Offset(torch.zeros(4)), Offset(torch.zeros(4))],
+     r"Layer 1 setting 'offset' is the Tensor object at .*very same object in every layer"),
+    ([ClosesOverItself(), ClosesOverItself()],
+     r"Layer 0 setting 'act' holds a function whose closure or defaults refer to the layer's "
+     r"own module ''"),
+], ids=["lambda-closure", "function-default", "partial", "bound-method", "config-object",
+        "builtin", "unregistered-tensor", "closure-over-layer"])
+def test_layers_that_compute_differently_are_refused(layers, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        LayerStack(layers)
+    with pytest.raises(ValueError, match=pattern):
+        scan_layers(layers, torch.zeros(4))
+
+
+def test_layers_built_alike_run_as_the_loop(device):
+    """Distinct but equal functions, partials, bound methods and config objects are
+    one computation; a tensor attribute all layers share is read at every call."""
+    shared_offset = torch.zeros(4, device=device)
+
+    def build():
+        return nn.Sequential(ActLayer(tanh_of_scaled(2.0), config(1e4)),
+                             ActLayer(functools.partial(F.leaky_relu, negative_slope=0.1)),
+                             ActLayer(Scaler(0.5).apply), Offset(shared_offset))
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(build() for _ in range(3)).to(device)
+    stack = LayerStack(copy.deepcopy(layers, {id(shared_offset): shared_offset}))
+    hidden = torch.randn(BATCH, 4, device=device)
+    for _ in range(2):
+        expected = loop(layers, hidden)
+        actual, drop_in = stack(hidden), scan_layers(layers, hidden)
+        torch_xla.sync()
+        close(actual, expected)
+        close(drop_in, expected)
+        with torch.no_grad():
+            shared_offset.add_(1.0)
+
+
+# ---------------------------------------------------------------------------
+# Per-layer attributes: an index that only picks a cache slot
+
+
+def loop(layers, hidden, *args, **kwargs):
+    for layer in layers:
+        output = layer(hidden, *args, **kwargs)
+        hidden = output[0] if isinstance(output, tuple) else output
+    return hidden
+
+
+class KVCache:
+    """A cache object in the manner of transformers' DynamicCache: not a pytree."""
+
+    def __init__(self):
+        self.entries = {}
+
+    def update(self, value, layer_idx):
+        self.entries[layer_idx] = value
+        return value
+
+
+class CacheLayer(nn.Module):
+    """Like a transformers attention layer: `layer_idx` only picks its cache slot."""
+
+    def __init__(self, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden, cache=None):
+        out = hidden + torch.tanh(self.linear(hidden))
+        if cache is None:
+            return out
+        return cache.update(out, self.layer_idx) * 0.5, cache
+
+
+class IndexedLayer(CacheLayer):
+    """A layer whose computation depends on its index."""
+
+    def forward(self, hidden):
+        return hidden + torch.tanh(self.linear(hidden)) * (1 + self.layer_idx)
+
+
+def cache_layers(device, layer_type=CacheLayer):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(layer_type(index) for index in range(3)).to(device)
+    return layers, LayerStack(copy.deepcopy(layers))
+
+
+def test_cache_index_differs_per_layer_and_runs_as_one_scan(device):
+    layers, stack = cache_layers(device)
+    assert [layer.layer_idx for layer in stack] == [0, 1, 2]
+    assert [type(layer) for layer in stack] == [CacheLayer] * 3
+    hidden = torch.randn(BATCH, HIDDEN, device=device)
+    expected = loop(layers, hidden)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        actual = stack(hidden)
+        drop_in = scan_layers(layers, hidden)
+    assert "while" in torch_xla._XLAC._get_xla_tensors_hlo([actual, drop_in])
+    torch_xla.sync()
+    close(actual, expected)
+    close(drop_in, expected)
+
+
+def test_cache_object_runs_layer_by_layer_with_each_layers_index(device):
+    layers, stack = cache_layers(device)
+    hidden = torch.randn(BATCH, HIDDEN, device=device)
+    caches = [KVCache() for _ in range(3)]
+    expected = loop(layers, hidden, caches[0])
+    with pytest.warns(LayerByLayerWarning, match=r"args\[0\] is of type KVCache"):
+        actual = stack(hidden, caches[1])
+    with pytest.warns(LayerByLayerWarning, match=r"input_data\[1\] is of type KVCache"):
+        drop_in, _ = scan_layers(layers, (hidden, caches[2]))
+    expected.sum().backward()
+    actual.sum().backward()
+    torch_xla.sync()
+    close(actual, expected)
+    close(drop_in, expected)
+    for cache in caches[1:]:
+        assert sorted(cache.entries) == [0, 1, 2]
+        for index, value in cache.entries.items():
+            close(value, caches[0].entries[index])
+    for index, layer in enumerate(layers):
+        close(stack.stacked.linear.weight.grad[index], layer.linear.weight.grad)
+
+
+def test_layer_that_reads_its_index_runs_layer_by_layer(device):
+    layers, stack = cache_layers(device, IndexedLayer)
+    hidden = torch.randn(BATCH, HIDDEN, device=device)
+    expected = loop(layers, hidden)
+    for _ in range(2):  # the second call knows without tracing again
+        misses = tx.cache_info().misses
+        with pytest.warns(LayerByLayerWarning, match=r"the layer reads \['layer_idx'\]"):
+            actual = stack(hidden)
+        with pytest.warns(LayerByLayerWarning, match=r"the layer reads \['layer_idx'\]"):
+            drop_in = scan_layers(layers, hidden)
+        torch_xla.sync()
+        close(actual, expected)
+        close(drop_in, expected)
+    assert tx.cache_info().misses == misses
+    assert type(stack._template) is IndexedLayer
 
 
 # ---------------------------------------------------------------------------
@@ -387,6 +608,39 @@ def test_scan_layers_matches_for_loop(device):
     misses = tx.cache_info().misses
     scan_layers(twins, hidden)
     assert tx.cache_info().misses == misses, "a second call re-traced the layer"
+
+
+class ThreeInputs(nn.Module):
+    """forward(x, y, z) returning the next layer's (x, y, z)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, y, z):
+        return torch.tanh(self.linear(x)) + y, y * 0.5, z + x.mean(-1, keepdim=True)
+
+
+def test_scan_layers_passes_a_tuple_as_the_layers_arguments(device):
+    from torch_xla.experimental.scan_layers import scan_layers as torch_xla_scan_layers
+    torch.manual_seed(0)
+    layers = nn.ModuleList(ThreeInputs() for _ in range(3)).to(device)
+    x = torch.randn(BATCH, HIDDEN, device=device, requires_grad=True)
+    inputs = (x, torch.randn(BATCH, HIDDEN, device=device), torch.randn(BATCH, 1, device=device))
+    expected = inputs
+    for layer in layers:
+        expected = layer(*expected)
+    results = [expected, scan_layers(layers, inputs), torch_xla_scan_layers(layers, inputs)]
+    weights = [x, *(layer.linear.weight for layer in layers)]
+    grads = [torch.autograd.grad(sum(out.sum() for out in result), weights)
+             for result in results]
+    torch_xla.sync()
+    for result, result_grads in zip(results[1:], grads[1:]):
+        assert isinstance(result, tuple) and len(result) == 3
+        for out, expected_out in zip(result, expected):
+            close(out, expected_out)
+        for grad, expected_grad in zip(result_grads, grads[0]):
+            close(grad, expected_grad)
 
 
 def test_rms_norm_normalizes():
