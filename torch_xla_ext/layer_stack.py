@@ -121,6 +121,7 @@ class _LayerReference(Exception):
     """A function's closure or defaults refer to a module or tensor of the layer."""
 
 
+@functools.cache
 def _has_slots(cls: type) -> bool:
     return any(set(vars(base).get("__slots__", ())) - {"__dict__", "__weakref__"}
                for base in cls.__mro__)
@@ -142,33 +143,46 @@ class _FormBuilder:
             self._places[id(tensor)] = f"tensor '{name}'"
         self.shared: list = []
         self._ancestors: list[int] = []
+        # (id, by_reference) -> form of an object reached again (a config most
+        # submodules hold), unless its form points back at an ancestor.
+        self._seen: dict[tuple[int, bool], _Composite] = {}
+        self._cycles = 0
 
     def form(self, value, by_reference: bool = False):
         """`by_reference`: `value` is reached through a function's closure or
         defaults, which a deep copy of the layer shares instead of copying."""
-        if isinstance(value, float) and math.isnan(value):
+        # type() rather than isinstance(): configs make reading __class__ slow.
+        kind = type(value)
+        if issubclass(kind, float) and math.isnan(value):
             return _Mark(("nan",), "nan")  # which is unequal to itself
-        if isinstance(value, (_VALUE_TYPES, _Mark)):
+        if issubclass(kind, (_VALUE_TYPES, _Mark)):
             return value
-        if isinstance(value, (nn.Module, torch.Tensor)) and id(value) in self._places:
+        if issubclass(kind, (nn.Module, torch.Tensor)) and id(value) in self._places:
             place = self._places[id(value)]
             if by_reference:
                 raise _LayerReference(place)
             return _Mark(("in layer", place), f"the layer's {place}")
         if id(value) in self._ancestors:
+            self._cycles += 1
             return _Mark(("cycle", self._ancestors.index(id(value))),
                          "a reference back to a value that contains it")
+        seen_key = (id(value), by_reference)
+        if seen_key in self._seen:
+            return self._seen[seen_key]
         composite = None
         if len(self._ancestors) < self._MAX_DEPTH:
+            cycles = self._cycles
             self._ancestors.append(id(value))
             try:
-                composite = self._composite(value, by_reference)
+                composite = self._composite(value, kind, by_reference)
             finally:
                 self._ancestors.pop()
+            if composite is not None and self._cycles == cycles:
+                self._seen[seen_key] = composite
         if composite is not None:
             return composite
         self.shared.append(value)
-        if isinstance(value, _NAMED_BY_REPR):
+        if issubclass(kind, _NAMED_BY_REPR):
             shown = repr(value)
         else:
             shown = f"the {type(value).__qualname__} object at {id(value):#x}"
@@ -177,39 +191,42 @@ class _FormBuilder:
     def _parts(self, labelled, by_reference: bool) -> tuple:
         return tuple((label, self.form(part, by_reference)) for label, part in labelled)
 
-    def _composite(self, value, by_reference: bool) -> _Composite | None:
+    def _composite(self, value, kind: type, by_reference: bool) -> _Composite | None:
         """`value`'s form from its parts, or None if it is compared by identity."""
-        kind = type(value)
-        if isinstance(value, (tuple, list)):
+        if issubclass(kind, (tuple, list)):
             parts = self._parts(((f"item [{i}]", item) for i, item in enumerate(value)),
                                 by_reference)
             return _Composite((kind, len(value)), parts, f"a {kind.__name__} of {len(value)}")
-        if isinstance(value, dict):
+        if issubclass(kind, dict):
             keys = tuple(self.form(key, by_reference) for key in value)
             parts = self._parts(((f"key {key!r}", item) for key, item in value.items()),
                                 by_reference)
             return _Composite((kind, keys), parts,
                               f"a {kind.__name__} with keys {list(value)!r}")
-        if isinstance(value, (set, frozenset)):
+        if issubclass(kind, (set, frozenset)):
             items = frozenset(self.form(item, by_reference) for item in value)
             return _Composite((kind, items), (), f"the {kind.__name__} {value!r}")
-        if isinstance(value, types.FunctionType):
+        if issubclass(kind, types.FunctionType):
             return self._function(value)
-        if isinstance(value, functools.partial):
+        if issubclass(kind, functools.partial):
             parts = self._parts(
                 (("function of the partial", value.func),
                  *((f"argument [{i}] of the partial", arg) for i, arg in enumerate(value.args)),
                  *((f"keyword {key!r} of the partial", arg)
                    for key, arg in value.keywords.items())), by_reference)
             return _Composite((kind,), parts, f"a partial of {value.func!r}")
-        if isinstance(value, types.MethodType):
+        if issubclass(kind, types.MethodType):
             parts = self._parts((("function of the method", value.__func__),
                                  ("self of the method", value.__self__)), by_reference)
             return _Composite((kind,), parts, f"method {value.__func__.__qualname__}")
-        if (isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType))
-                or not hasattr(value, "__dict__") or _has_slots(kind)):
+        if (issubclass(kind, (nn.Module, torch.Tensor, type, types.ModuleType))
+                or _has_slots(kind)):
             return None
-        parts = self._parts(((f"attribute {name!r}", item) for name, item in vars(value).items()),
+        try:
+            attributes = vars(value)
+        except TypeError:  # no __dict__
+            return None
+        parts = self._parts(((f"attribute {name!r}", item) for name, item in attributes.items()),
                             by_reference)
         return _Composite((kind,), parts, f"a {kind.__qualname__}")
 
