@@ -11,9 +11,10 @@ from torch_xla_ext.placeholders import (
 from torch_xla_ext import scan
 from torch_xla_ext.scan import cache_clear, cache_info
 from torch_xla_ext.layer_stack import LayerStack, scan_layers
+from torch_xla_ext.hf import stack_layers
 
 __all__ = [
     "LayerStack", "LivePlaceholder", "PlaceholderError", "cache_clear", "cache_info",
     "depends_on_placeholder", "is_placeholder", "live_placeholders", "placeholder",
-    "placeholder_id", "scan", "scan_layers",
+    "placeholder_id", "scan", "scan_layers", "stack_layers",
 ]

@@ -1,0 +1,404 @@
+"""stack_layers on unmodified transformers causal LMs, against the same model unconverted."""
+import copy
+import os
+import re
+import warnings
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import transformers
+from safetensors.torch import load_file
+from torch import nn
+
+import torch_xla_ext as tx
+from torch_xla_ext.hf import StackedLayers, stack_layers
+
+VOCAB, SEQ, BATCH = 128, 8, 2
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+
+
+def make_model(family="llama", layers=4, seed=0, **config):
+    config_class, model_class = FAMILIES[family]
+    settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                    use_cache=False, sliding_window=None)
+    torch.manual_seed(seed)
+    return model_class(config_class(**{**settings, **config}))
+
+
+def converted_pair(family="llama", layers=4, **config):
+    """An unconverted model and a converted copy with the same weights."""
+    model = make_model(family, layers, **config)
+    return model, stack_layers(copy.deepcopy(model))
+
+
+def per_layer_grads(model) -> dict:
+    """Every parameter's gradient under the unconverted model's name."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if ".stacked." in name:
+            prefix, _, rest = name.partition(".stacked.")
+            for index in range(param.shape[0]):
+                grads[f"{prefix}.{index}.{rest}"] = param.grad[index]
+        else:
+            grads[name] = param.grad
+    return grads
+
+
+def close(actual, expected, atol=1e-4):
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-4,
+                               atol=atol)
+
+
+@pytest.fixture(scope="module")
+def device():
+    return torch_xla.device()
+
+
+def batch(device, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, :2] = 0  # left padding in one row
+    return ids.to(device), mask.to(device)
+
+
+def compilations() -> int:
+    return (met.metric_data("CompileTime") or (0,))[0]
+
+
+# ---------------------------------------------------------------------------
+# Training
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_matches_the_unconverted_model(device, family):
+    reference, model = converted_pair(family)
+    assert type(model.model.layers) is StackedLayers and len(model.model.layers) == 4
+    ids, mask = batch(device)
+    compiled = {}
+    for which in (reference, model):
+        which.to(device).train()
+        optimizer = torch.optim.AdamW(which.parameters(), lr=1e-2)
+        cache_before = tx.cache_info()
+        losses, grads = [], []
+        for step in range(5):
+            if step == 2:
+                compiles_before = compilations()
+            optimizer.zero_grad(set_to_none=True)
+            loss = which(ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({k: g.detach().clone() for k, g in per_layer_grads(which).items()})
+            optimizer.step()
+            torch_xla.sync()
+        # Step 0 builds AdamW's state and step 1 is the steady graph: no step after recompiles.
+        compiled[which is model] = compilations() - compiles_before
+        cache_after = tx.cache_info()
+        if which is model:
+            # One trace of the layer for all five steps: a miss, then hits.
+            assert cache_after.misses - cache_before.misses == 1
+            assert cache_after.hits - cache_before.hits == 4
+        else:
+            reference_losses, reference_grads = losses, grads
+    assert compiled == {False: 0, True: 0}
+    for step in range(5):
+        close(losses[step], reference_losses[step])
+        assert grads[step].keys() == reference_grads[step].keys()
+        for name, grad in reference_grads[step].items():
+            close(grads[step][name], grad)
+    for key, value in reference.state_dict().items():
+        close(model.state_dict()[key], value)
+
+
+def training_step_hlo(model, device) -> tuple[str, torch.Tensor]:
+    """The HLO of a training step's loss and gradients (not run), and the loss."""
+    model.to(device).train()
+    ids, mask = batch(device)
+    loss = model(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    return torch_xla._XLAC._get_xla_tensors_hlo(
+        [loss, *(p.grad for p in model.parameters())]), loss
+
+
+def instruction_count(hlo: str) -> int:
+    return len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", hlo, re.MULTILINE))
+
+
+def test_64_layers_train_as_one_while_loop_like_the_unconverted_model(device):
+    sizes, results = {}, []
+    for layers in (4, 64):
+        for which in converted_pair(layers=layers):
+            converted = isinstance(which.model.layers, StackedLayers)
+            hlo, loss = training_step_hlo(which, device)
+            sizes[layers, converted] = instruction_count(hlo)
+            assert bool(re.search(r"\bwhile\(", hlo)) == converted
+            if layers == 64:
+                torch_xla.sync()
+                results.append((loss, per_layer_grads(which)))
+            else:
+                which.zero_grad(set_to_none=True)  # drops the step unrun
+    # The converted step does not grow with the layers; the for loop's copies of the layer do.
+    assert sizes[64, True] == sizes[4, True]
+    assert sizes[64, False] > 8 * sizes[4, False]
+    (reference_loss, reference_grads), (loss, grads) = results
+    close(loss, reference_loss)
+    for name, grad in reference_grads.items():
+        close(grads[name], grad)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints and per-layer access
+
+
+def test_state_dict_and_layers_look_unconverted():
+    reference, model = converted_pair()
+    expected, actual = reference.state_dict(), model.state_dict()
+    assert list(actual) == list(expected)
+    assert "model.layers.3.self_attn.q_proj.weight" in actual
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+    names = dict(model.named_parameters())
+    assert names["model.layers.stacked.self_attn.q_proj.weight"].shape == (4, 32, 32)
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for p in reference.parameters())
+    layer = model.model.layers[3]
+    assert type(layer) is type(reference.model.layers[3])
+    assert torch.equal(layer.mlp.up_proj.weight, reference.model.layers[3].mlp.up_proj.weight)
+    assert [type(m) for m in model.model.layers] == [type(m) for m in reference.model.layers]
+
+
+def test_save_pretrained_loads_as_an_unconverted_model(device, tmp_path):
+    _, model = converted_pair()
+    model.to(device).train()
+    ids, mask = batch(device)
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    torch_xla.sync()
+    # safetensors reads tensors' host storage, which XLA tensors lack (the same for an
+    # unconverted model): transformers users save from the CPU.
+    model.cpu()
+    expected = {key: value.clone() for key, value in model.state_dict().items()}
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded.model.layers) is nn.ModuleList
+    actual = loaded.state_dict()
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+
+
+def test_converted_model_loads_an_unconverted_checkpoint(tmp_path):
+    reference = make_model(seed=0)
+    reference.save_pretrained(tmp_path)
+    model = stack_layers(make_model(seed=1))
+    result = model.load_state_dict(load_file(os.path.join(tmp_path, "model.safetensors")))
+    assert not result.missing_keys and not result.unexpected_keys
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    loaded = stack_layers(transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
+    for key, value in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+# ---------------------------------------------------------------------------
+# Generation with a key/value cache
+
+
+def generate(model, ids, mask):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                          use_cache=True, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_with_a_cache_gives_the_unconverted_tokens(family):
+    reference, model = converted_pair(family)
+    ids, mask = batch("cpu")
+    with torch.no_grad():
+        expected = generate(reference.eval(), ids, mask)
+        actual = generate(model.eval(), ids, mask)
+    assert expected.shape == (BATCH, SEQ + 8)
+    assert torch.equal(actual, expected)
+
+
+def test_training_with_a_cache_warns_and_matches(device):
+    reference, model = converted_pair(use_cache=True)
+    ids, mask = batch(device)
+    results = []
+    for which in (reference, model):
+        which.to(device).train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = which(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        torch_xla.sync()
+        results.append((loss, per_layer_grads(which), caught))
+    (reference_loss, reference_grads, quiet), (loss, grads, caught) = results
+    assert not [w for w in quiet if "stack_layers" in str(w.message)]
+    assert any("use_cache=False" in str(w.message) for w in caught)
+    close(loss, reference_loss)
+    for name, grad in reference_grads.items():
+        close(grads[name], grad)
+
+
+# ---------------------------------------------------------------------------
+# What is refused
+
+
+def test_layers_that_differ_are_refused_and_the_model_is_unchanged():
+    # Qwen2 with a sliding window from layer 2 on.
+    qwen = make_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    before = {k: v.clone() for k, v in qwen.state_dict().items()}
+    with pytest.raises(ValueError, match=r"layer 2 differs .*layer_types\[2\] is "
+                                         r"'sliding_attention'"):
+        stack_layers(qwen)
+    assert type(qwen.model.layers) is nn.ModuleList
+    assert all(torch.equal(v, before[k]) for k, v in qwen.state_dict().items())
+
+    # A setting changed on one layer only.
+    llama = make_model()
+    llama.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-3
+    with pytest.raises(ValueError, match=r"[Ll]ayer 1 setting "
+                                         r"'post_attention_layernorm\.variance_epsilon'"):
+        stack_layers(llama)
+    assert type(llama.model.layers) is nn.ModuleList
+
+    # A submodule of another type on one layer.
+    llama = make_model()
+    llama.model.layers[3].mlp.act_fn = nn.GELU()
+    with pytest.raises(TypeError, match=r"[Ll]ayer 3 submodule 'mlp\.act_fn' is a GELU"):
+        stack_layers(llama)
+    assert type(llama.model.layers) is nn.ModuleList
+
+
+def test_hooks_and_gradient_checkpointing_on_the_layers_are_refused():
+    model = make_model()
+    model.model.layers[2].self_attn.register_forward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn has a hook"):
+        stack_layers(model)
+    # transformers' own output-capturing hooks, installed by a call that asked for hidden
+    # states, are no obstacle: the converted model refuses such calls itself.
+    model = make_model()
+    model(batch("cpu")[0], output_hidden_states=True)
+    assert stack_layers(model) is model and type(model.model.layers) is StackedLayers
+
+    model = make_model()
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"model\.layers\.0 has gradient checkpointing"):
+        stack_layers(model)
+    assert type(model.model.layers) is nn.ModuleList
+
+
+@pytest.mark.parametrize("request_outputs", [
+    lambda model, ids: model(ids, output_hidden_states=True),
+    lambda model, ids: model(ids, output_attentions=True),
+    lambda model, ids: (setattr(model.config, "output_hidden_states", True), model(ids)),
+], ids=["hidden-states", "attentions", "config-hidden-states"])
+def test_per_layer_outputs_are_refused(request_outputs):
+    model = stack_layers(make_model())
+    ids, _ = batch("cpu")
+    with pytest.raises(ValueError, match="output_(hidden_states|attentions) asks for every"):
+        request_outputs(model, ids)
+
+
+def test_the_layer_list_is_found_or_named():
+    model = make_model()
+    assert stack_layers(model, path="model.layers") is model
+    assert type(model.model.layers) is StackedLayers
+    stacked = model.model.layers
+    assert stack_layers(model) is model and model.model.layers is stacked  # converted already
+
+    base = make_model().model  # a LlamaModel: its layers are `layers`
+    stack_layers(base)
+    assert type(base.layers) is StackedLayers
+
+    with pytest.raises(ValueError, match="has no submodule 'model.blocks'"):
+        stack_layers(make_model(), path="model.blocks")
+    with pytest.raises(TypeError, match="'model.norm' is a LlamaRMSNorm, not the nn.ModuleList"
+                       ):
+        stack_layers(make_model(), path="model.norm")
+
+
+class LoopsWithoutSlicing(nn.Module):
+    _no_split_modules = ["Linear"]
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_forward_that_does_not_slice_the_layers_is_refused():
+    with pytest.raises(ValueError, match=r"LoopsWithoutSlicing\.forward does not loop over a "
+                                         r"slice `self\.blocks\[\.\.\.\]`"):
+        stack_layers(LoopsWithoutSlicing())
+
+
+def test_config_changes_reach_the_layers():
+    model = stack_layers(make_model())
+    model.config._attn_implementation = "eager"
+    assert model.model.layers[1].self_attn.config._attn_implementation == "eager"
+
+
+# ---------------------------------------------------------------------------
+# SPMD
+
+FSDP_TRAINING_STEP = """
+import copy, re
+import numpy as np, torch, torch_xla
+import torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+import transformers
+from torch_xla_ext import stack_layers
+
+xr.use_spmd()
+mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4,), ("fsdp",))
+device = torch_xla.device()
+config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, use_cache=False)
+torch.manual_seed(0)
+reference = transformers.LlamaForCausalLM(config)
+model = stack_layers(copy.deepcopy(reference))
+reference.to(device).train()
+model.to(device).train()
+for param in model.model.layers.parameters():
+    # FSDP style: each stacked weight split along its first dimension after the layers'.
+    xs.mark_sharding(param, mesh, (None, "fsdp") + (None,) * (param.dim() - 2))
+ids = torch.randint(0, 128, (2, 8)).to(device)
+results = []
+for which in (reference, model):
+    optimizer = torch.optim.AdamW(which.parameters(), lr=1e-2)
+    loss = which(ids, labels=ids).loss
+    loss.backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss, *(p.grad for p in which.parameters())])
+    optimizer.step()
+    torch_xla.sync()
+    results.append((loss.cpu(), {k: v.cpu() for k, v in which.state_dict().items()}, hlo))
+(reference_loss, reference_state, _), (loss, state, hlo) = results
+assert "while" in hlo, "no while loop in the sharded step"
+assert "sharding={devices=[1,4,1]" in hlo, "the stacked weights are not sharded in the step"
+assert "devices=[1,4,1]" in torch_xla._XLAC._get_xla_sharding_spec(
+    model.model.layers.stacked.self_attn.q_proj.weight)
+torch.testing.assert_close(loss, reference_loss, rtol=1e-4, atol=1e-4)
+assert list(state) == list(reference_state)
+for key, value in reference_state.items():
+    torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-4)
+print("matched")
+"""
+
+
+def test_fsdp_sharded_stacked_weights_train_like_the_unsharded_model(run_isolated):
+    result = run_isolated(FSDP_TRAINING_STEP, env={"CPU_NUM_DEVICES": "4"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "matched" in result.stdout
