@@ -43,7 +43,7 @@ from torch_xla_ext.placeholders import mark_derived, placeholder_sources
 from torch_xla_ext.scan.avals import Aval, avals, empty_stack, flatten_inputs, scan_length
 from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, fingerprint
 from torch_xla_ext.scan.traced import Traced
-from torch_xla_ext.scan.tracing import trace
+from torch_xla_ext.scan.tracing import autocast_state, trace
 
 __all__ = ["scan", "cache_info", "cache_clear", "CacheInfo", "default_partition"]
 
@@ -104,7 +104,8 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
         cacheable = fn_key is not None and partition_key is not None
     key = CacheKey(
         fn_key, partition_key, carry_tree, xs_tree, avals(carry_leaves),
-        tuple(Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in xs_leaves))
+        tuple(Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in xs_leaves),
+        autocast_state())
     found = CACHE.lookup(key, fn) if cacheable else None
     if found is None:
         new_trace = trace(key, fn)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch_xla
 from functorch.compile import aot_function, make_boxed_func
 
-from torch_xla_ext.placeholders import tracing
+from torch_xla_ext.placeholders import placeholder_sources, tracing
 from torch_xla_ext.scan import passes
 from torch_xla_ext.scan.avals import avals, flatten
 from torch_xla_ext.scan.loop import Loop, Slot, lower_body
 from torch_xla_ext.scan.sharding import as_fn_arguments, functional_mark_sharding
-from torch_xla_ext.scan.tracing import LiftCaptures, call_body, new_stand_in, stand_in
+from torch_xla_ext.scan.tracing import LiftCaptures, call_body, internal, new_stand_in, stand_in
 
 
 
@@ -90,7 +91,9 @@ class TrainingPlan:
                                 partition_fn=partition_fn)
         primals = [new_stand_in(a.shape, a.dtype, a.requires_grad, guarded=False)
                    for a in self.input_avals]
-        with torch.enable_grad(), tracing("scan's fn (differentiated)"), functional_mark_sharding():
+        # AOTAutograd traces fn again: under the autocast state of the first trace.
+        with (torch.enable_grad(), internal(self.traced.key.autocast),
+              tracing("scan's fn (differentiated)"), functional_mark_sharding()):
             outputs = compiled(*primals)
             differentiable = [o.requires_grad for o in outputs]
             roots = [o for o in outputs if o.requires_grad]
@@ -121,7 +124,8 @@ class TrainingPlan:
             slots[id(t)] = (t, Slot("sliced", i))
         for i, t in enumerate(invariants_in):
             slots[id(t)] = (t, Slot("invariant", i))
-        with torch.no_grad(), tracing("scan's forward step"):
+        # The graph's ops already carry autocast's casts: replayed without autocast.
+        with torch.no_grad(), internal(), tracing("scan's forward step"):
             fw_outputs = fw_graph(*stand_ins)
         outputs, saved = list(fw_outputs[:n_out]), list(fw_outputs[n_out:])
 
@@ -178,7 +182,7 @@ class TrainingPlan:
             saved_in.append(x_in[what] if kind == "x" else what if kind == "recomputed"
                             else activation_in[what])
         tangents = carry_tangent_in + y_tangent_in
-        with torch.no_grad(), tracing("scan's backward step"):
+        with torch.no_grad(), internal(), tracing("scan's backward step"):
             grads = list(bw_graph(*saved_in, *tangents))
         grads = [g if g is not None else torch.zeros(a.shape, dtype=a.dtype, device=x_in[0].device)
                  for g, a in zip(grads, self.input_avals)]
@@ -238,11 +242,26 @@ class TrainingPlan:
         return grads
 
 
+def _sync_only(tensors: list) -> None:
+    """Runs the pending computations of `tensors` (and no other), without
+    waiting. torch_xla's own entry point, not the placeholder guard around it:
+    the guard would discard, with a warning, what this call's trace still
+    holds, though only `tensors` run."""
+    sync_multi = torch_xla._XLAC._xla_sync_multi
+    getattr(sync_multi, "__wrapped__", sync_multi)(tensors, devices=[], wait=False)
+
+
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: TrainingPlan, reverse: bool, *inputs):
         outputs, activations = plan.forward(inputs, reverse)
         ctx.plan, ctx.reverse = plan, reverse
+        if (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+                and not placeholder_sources(inputs)):
+            # The caller's saved-tensor hooks may read what is saved (save_on_cpu
+            # copies it to the host): the loop runs once for all its results,
+            # not once for each tensor a hook reads.
+            _sync_only([*outputs, *activations])
         ctx.save_for_backward(*inputs, *activations)
         ctx.input_count = len(inputs)
         ctx.mark_non_differentiable(*[o for o in outputs if not o.dtype.is_floating_point])

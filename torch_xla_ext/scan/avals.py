@@ -94,9 +94,13 @@ def check_carry_types(init_structure: Structure, init_avals, out_carry) -> list:
                             f"{init_structure.leaf_path('carry', i)}, which init has as a "
                             f"tensor {aval}")
         if tuple(leaf.shape) != aval.shape or leaf.dtype != aval.dtype:
+            cast = (f" (cast it back with .to({aval.dtype}); under torch.autocast, linear "
+                    f"layers and matmuls return the autocast dtype)"
+                    if leaf.dtype != aval.dtype else "")
             raise TypeError(f"scan: fn changed the type of carry leaf "
                             f"{init_structure.leaf_path('carry', i)}: init has {aval} but fn "
-                            f"returned {Aval.of(leaf)}; the carry must keep its shape and dtype")
+                            f"returned {Aval.of(leaf)}; the carry must keep its shape and "
+                            f"dtype{cast}")
     return out_leaves
 
 

@@ -43,6 +43,7 @@ class CacheKey(NamedTuple):
     xs_tree: Structure
     carry_avals: tuple
     x_avals: tuple
+    autocast: tuple  # the caller's autocast state, see tracing.autocast_state
 
 
 class WeakIdentity:

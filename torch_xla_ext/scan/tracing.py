@@ -5,6 +5,7 @@ receiving it (closures, module parameters, buffers) for a placeholder of its
 own; those captures become loop-invariant inputs, bound at every call."""
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Sequence
 
 import torch
@@ -103,15 +104,58 @@ class Trace(NamedTuple):
     y_tree: Structure
 
 
+def autocast_state() -> tuple:
+    """The caller's autocast state as `(device_type, dtype)` for each device
+    type with autocast enabled: part of a trace's cache key, since it decides
+    the dtypes of fn's ops."""
+    return tuple((device, torch.get_autocast_dtype(device))
+                 for device in torch._C._autocast_supported_devices()
+                 if torch.is_autocast_enabled(device))
+
+
+@contextlib.contextmanager
+def internal(autocast: tuple = ()):
+    """Runs one of scan's own traces or lowerings of fn: under exactly the
+    autocast state `autocast` (see `autocast_state`), and invisible to the
+    caller's saved-tensor hooks.
+
+    Autocast's cache of casts is off: it would keep the casts of stand-ins
+    (which read placeholders) until the caller's autocast region ends, and a
+    sync inside the region would run them. The caller's saved-tensor hooks are
+    deferred, as AOTAutograd defers them while it traces: what the trace saves
+    reads placeholders and is not the caller's; what scan's backward keeps
+    goes through the hooks when scan runs."""
+    devices = torch._C._autocast_supported_devices()
+    previous = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+    previous_cache = torch.is_autocast_cache_enabled()
+    enabled = dict(autocast)
+    hooks_were_deferred = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
+    try:
+        for device in devices:
+            torch.set_autocast_enabled(device, device in enabled)
+            if device in enabled:
+                torch.set_autocast_dtype(device, enabled[device])
+        torch.set_autocast_cache_enabled(False)
+        yield
+    finally:
+        torch._C._autograd._saved_tensors_hooks_set_tracing(hooks_were_deferred)
+        for device, was_enabled, dtype in previous:
+            torch.set_autocast_enabled(device, was_enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(previous_cache)
+
+
 def trace(key, fn) -> Trace:
-    """Runs `fn` once on placeholders of `key`'s avals."""
-    carry_in = [stand_in(a) for a in key.carry_avals]
-    x_in = [stand_in(a) for a in key.x_avals]
-    carry_arg, x_arg = as_fn_arguments(carry_in), as_fn_arguments(x_in)
-    lifter = LiftCaptures(carry_in + x_in + carry_arg + x_arg)
-    with tracing(f"scan's fn {getattr(fn, '__qualname__', fn)!r}"), lifter:
-        carry_out, y_out = call_body(fn, key.carry_tree.unflatten(carry_arg),
-                                     key.xs_tree.unflatten(x_arg))
+    """Runs `fn` once on placeholders of `key`'s avals, under the autocast
+    state of `key`."""
+    with internal(key.autocast):
+        carry_in = [stand_in(a) for a in key.carry_avals]
+        x_in = [stand_in(a) for a in key.x_avals]
+        carry_arg, x_arg = as_fn_arguments(carry_in), as_fn_arguments(x_in)
+        lifter = LiftCaptures(carry_in + x_in + carry_arg + x_arg)
+        with tracing(f"scan's fn {getattr(fn, '__qualname__', fn)!r}"), lifter:
+            carry_out, y_out = call_body(fn, key.carry_tree.unflatten(carry_arg),
+                                         key.xs_tree.unflatten(x_arg))
     carry_out = check_carry_types(key.carry_tree, key.carry_avals, carry_out)
     y_leaves, y_tree = flatten(y_out)
     for i, leaf in enumerate(y_leaves):
