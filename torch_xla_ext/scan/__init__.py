@@ -89,6 +89,14 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
     Pass `is_fn_pure=False` for an `fn` whose traced program can change for the
     same key (it reads a global flag, say): it is then traced at every call and
     nothing is cached.
+
+    Saved-tensor hooks around the call (`torch.autograd.graph.save_on_cpu`,
+    `saved_tensors_hooks`) receive what scan keeps for its backward: its input
+    tensors themselves and the activations the forward loop stacks, never a
+    tensor of `fn`'s trace; hooks `fn` sets in its own body do not run. Under
+    `torch.autocast`, `fn` is traced with the caller's autocast state; a carry
+    whose dtype autocast changes (a linear layer's bf16 output) raises a
+    TypeError: cast it back to the dtype of `init`.
     """
     if not callable(fn):
         raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
