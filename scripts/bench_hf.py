@@ -1,0 +1,263 @@
+#!/usr/bin/env python
+"""Benchmark a training step of transformers' LlamaForCausalLM three ways.
+
+* loop:            the model as transformers builds it (its forward's for loop
+                   over the decoder layers),
+* stack_layers:    the same model after `torch_xla_ext.stack_layers(model)`
+                   (its own forward, the layers as one scan, stacked weights),
+* torch-xla-scan:  the layers run by torch_xla's `scan_layers`, through a small
+                   wrapper module put in place of `model.model.layers` that
+                   broadcasts the extra arguments (rotary embeddings, mask) to
+                   every layer through the carry, as users do today.
+
+Each (mode, L) runs in a fresh process (scripts/harness.py, within --timeout
+seconds) on the device PJRT_DEVICE names, CPU if it is not set: build the model
+from a config with random weights (hidden 256, 4 heads, 2 key/value heads,
+intermediate 512, vocab 1024, use_cache=False), then run `--steps` training
+steps (forward with labels, the model's loss, backward, SGD) on a batch of 8
+sequences of 128 tokens. The columns are those of bench_layers.py:
+
+* python ms:  Python time of a steady step until just before `torch_xla.sync()`,
+* compile s:  XLA compile time over all steps, compiles: their number (one
+              of them, in every mode, is of the small graph that transformers'
+              mask preparation runs to read the position ids; the ratios count
+              the compilations of the step's graph alone),
+* exec ms:    wall time of `torch_xla.sync()` + `wait_device_ops()` of a steady step,
+* peak RSS:   peak resident memory during the last steady step.
+
+Steady steps are the ones after the first two; figures are their medians. The
+summary prints the ratios the issue asks for at L=32 and between L=64 and L=8.
+
+  python scripts/bench_hf.py              # L = 8, 32, 64
+  python scripts/bench_hf.py --quick      # L = 2, 4: a quick check
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import harness  # first: it sets the default device before torch_xla is imported
+from bench_layers import print_table
+
+MODES = ("loop", "stack_layers", "torch-xla-scan")
+WARMUP_STEPS = 2
+# Seconds one (mode, L) may take: the for loop at L=64 compiles for minutes.
+DEFAULT_TIMEOUT = 1800
+
+
+def make_model(args):
+    """The model of `args.mode`, with weights that depend only on the sizes."""
+    import torch
+    import transformers
+
+    from torch_xla_ext import stack_layers
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if args.mode == "stack_layers":
+        stack_layers(model)
+    elif args.mode == "torch-xla-scan":
+        model.model.layers = torch_xla_scan_layers_wrapper(model.model.layers)
+    return model
+
+
+def torch_xla_scan_layers_wrapper(layers):
+    """A module in place of the decoder-layer list that runs the layers with
+    torch_xla's scan_layers, which passes a layer nothing but its carry: each
+    layer is wrapped to take the extra arguments from the carry and return
+    them with the new hidden state."""
+    from torch import nn
+    from torch_xla.experimental.scan_layers import scan_layers
+
+    class BroadcastArguments(nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, hidden_states, cos, sin, *attention_mask):
+            hidden_states = self.layer(hidden_states, position_embeddings=(cos, sin),
+                                       attention_mask=attention_mask[0] if attention_mask else None)
+            return (hidden_states, cos, sin, *attention_mask)
+
+    class ScannedLayers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(BroadcastArguments(layer) for layer in layers)
+
+        def __getitem__(self, index):
+            # The model's `for decoder_layer in self.layers[: n]` gets this one callable.
+            return [self]
+
+        def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **_):
+            carry = (hidden_states, *position_embeddings,
+                     *(() if attention_mask is None else (attention_mask,)))
+            # Pure layers let torch_xla cache its trace across steps, its fastest setting.
+            return scan_layers(self.layers, carry, is_layer_pure=True)[0]
+
+    return ScannedLayers()
+
+
+def run_worker(args) -> dict:
+    """One (mode, L) measurement in this process; returns the figures."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    from torch_xla_ext.metrics import peak_rss_bytes, reset_peak_rss
+
+    device = torch_xla.device()
+    model = make_model(args).to(device).train()
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    met.clear_all()
+
+    def compilations() -> int:
+        return (met.metric_data("CompileTime") or (0,))[0]
+
+    python_seconds, execute_seconds = [], []
+    step_compiles = 0
+    peak_reset = False
+    for step in range(args.steps):
+        if step == args.steps - 1:
+            peak_reset = reset_peak_rss()
+        # Released before the timer starts: freeing large buffers is allocator time.
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        built = time.perf_counter()
+        compiles_before_sync = compilations()
+        torch_xla.sync()
+        xm.wait_device_ops()
+        python_seconds.append(built - start)
+        execute_seconds.append(time.perf_counter() - built)
+        step_compiles += compilations() - compiles_before_sync
+
+    compiles, compile_ns, _ = met.metric_data("CompileTime") or (0, 0, None)
+    steady = slice(WARMUP_STEPS, None)
+    return {
+        "python_ms": 1e3 * statistics.median(python_seconds[steady]),
+        "compile_s": compile_ns / 1e9,
+        "compiles": compiles,
+        # Compilations of the step's graph; the others are of graphs that the model's
+        # forward runs to read values (transformers' mask preparation checks the
+        # position ids), the same in every mode.
+        "step_compiles": step_compiles,
+        "execute_ms": 1e3 * statistics.median(execute_seconds[steady]),
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+        "peak_is_steady": peak_reset,
+        "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+    }
+
+
+def measure(mode: str, layers: int, args) -> harness.Outcome:
+    """Runs one (mode, L) in a fresh process within the time limit."""
+    arguments = ["--worker", "--mode", mode, "--layers", str(layers)]
+    for option in ("steps", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seq",
+                   "batch"):
+        arguments += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+    outcome = harness.run_worker(os.path.abspath(__file__), arguments, args.timeout)
+    if not outcome.ok:
+        print(outcome.failure_report(f"  {mode} L={layers}"), flush=True)
+    return outcome
+
+
+def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
+                 steps: int) -> None:
+    middle = 32 if 32 in layer_counts else max(layer_counts)
+    smallest, largest = min(layer_counts), max(layer_counts)
+
+    def check(label, value, goal):
+        if value is None:
+            print(f"  {label:<52} n/a (missing run)")
+        else:
+            print(f"  {label:<52} {value:6.3f}   goal <= {goal:<5} "
+                  f"{'ok' if value <= goal else 'MISSED'}")
+
+    def ratio(label, numerator, denominator, figure, goal):
+        a, b = by_key.get(numerator), by_key.get(denominator)
+        check(label, a[figure] / b[figure] if a and b and b[figure] else None, goal)
+
+    converted = ("stack_layers", middle)
+    print("\nRatios:")
+    ratio(f"python time stack_layers/loop at L={middle}", converted, ("loop", middle),
+          "python_ms", 0.1)
+    ratio(f"compile time stack_layers/loop at L={middle}", converted, ("loop", middle),
+          "compile_s", 0.3)
+    ratio(f"execution stack_layers/loop at L={middle}", converted, ("loop", middle),
+          "execute_ms", 1.15)
+    ratio(f"compile time stack_layers L={largest}/L={smallest}", ("stack_layers", largest),
+          ("stack_layers", smallest), "compile_s", 1.3)
+    check(f"compilations of the step's graph, stack_layers, {steps} steps, L={middle}",
+          by_key[converted]["step_compiles"] if converted in by_key else None, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default=None,
+                        help="comma-separated layer counts (default 8,32,64; one int in --worker)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    parser.add_argument("--quick", action="store_true", help="layer counts 2,4 only")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--timeout", type=harness.time_limit, default=DEFAULT_TIMEOUT,
+                        metavar="SECONDS",
+                        help=f"time limit of each run's process (default {DEFAULT_TIMEOUT}); "
+                             "a run that exceeds it is reported as timed out")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        args.layers = int(args.layers)
+        harness.report_result(run_worker(args))
+        return
+
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
+    default_layers = "2,4" if args.quick else "8,32,64"
+    layer_counts = [int(n) for n in (args.layers or default_layers).split(",")]
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+
+    print(f"PJRT {harness.device_name()}, LlamaForCausalLM hidden {args.hidden}, {args.heads} "
+          f"heads, {args.kv_heads} key/value heads, intermediate {args.intermediate}, vocab "
+          f"{args.vocab}, seq {args.seq}, batch {args.batch}, SGD, {args.steps} steps (first "
+          f"{WARMUP_STEPS} not steady)", flush=True)
+    outcomes = {}
+    for layers in layer_counts:
+        for mode in modes:
+            outcome = outcomes[mode, layers] = measure(mode, layers, args)
+            print(f"  ran {mode} L={layers} in {outcome.seconds:.0f} s", flush=True)
+    print()
+    print_table(outcomes)
+    print_ratios({key: outcome.figures for key, outcome in outcomes.items() if outcome.ok},
+                 layer_counts, args.steps)
+    failures = harness.failure_summary(
+        {f"{mode} L={layers}": outcome for (mode, layers), outcome in outcomes.items()})
+    if failures:
+        sys.exit(f"bench_hf.py: error: {failures}")
+
+
+if __name__ == "__main__":
+    main()
