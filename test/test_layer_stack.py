@@ -446,10 +446,14 @@ def config(theta):
     ([Offset(torch.zeros(4)), Offset(torch.zeros(4))],
      r"Layer 1 setting 'offset' is the Tensor object at .*very same object in every layer"),
     ([ClosesOverItself(), ClosesOverItself()],
-     r"Layer 0 setting 'act' holds a function whose closure or defaults refer to the layer's "
-     r"own module ''"),
+     r"Layer 0 setting 'act' refers to the layer's own module '' through a function's closure "
+     r"or defaults, which the stack's copy of layer 0 shares rather than copies"),
+    # An RNN keeps weak references to its own weights, which functional_call cannot swap.
+    ([nn.GRU(4, 4), nn.GRU(4, 4)],
+     r"Layer 0 setting '_flat_weight_refs' refers to the layer's own tensor 'weight_ih_l0' "
+     r"through a weak reference"),
 ], ids=["lambda-closure", "function-default", "partial", "bound-method", "config-object",
-        "builtin", "unregistered-tensor", "closure-over-layer"])
+        "builtin", "unregistered-tensor", "closure-over-layer", "rnn-weak-references"])
 def test_layers_that_compute_differently_are_refused(layers, pattern):
     with pytest.raises(ValueError, match=pattern):
         LayerStack(layers)
@@ -479,6 +483,29 @@ def test_layers_built_alike_run_as_the_loop(device):
         close(drop_in, expected)
         with torch.no_grad():
             shared_offset.add_(1.0)
+
+
+def test_torch_transformer_encoder_layers_match_the_loop(device):
+    """torch's own layer: its activation is a function attribute, its mask a keyword."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.TransformerEncoderLayer(HIDDEN, HEADS, 2 * HIDDEN, dropout=0.0,
+                                                      batch_first=True)
+                           for _ in range(3)).to(device)
+    stack = LayerStack(copy.deepcopy(layers))
+    hidden, _ = make_batch(BATCH, SEQ, HIDDEN, device=device)
+    mask = nn.Transformer.generate_square_subsequent_mask(SEQ, device=device)
+    expected = loop(layers, hidden, src_mask=mask, is_causal=True)
+    actual = stack(hidden, src_mask=mask, is_causal=True)
+    expected.sum().backward()
+    actual.sum().backward()
+    layers.eval()
+    with torch.no_grad():
+        expected_eval, actual_eval = loop(layers, hidden), stack.eval()(hidden)
+    torch_xla.sync()
+    close(actual, expected)
+    close(actual_eval, expected_eval)
+    for index, layer in enumerate(layers):
+        close(stack.stacked.linear1.weight.grad[index], layer.linear1.weight.grad)
 
 
 # ---------------------------------------------------------------------------

@@ -118,7 +118,8 @@ def _by_identity(form) -> bool:
 
 
 class _LayerReference(Exception):
-    """A function's closure or defaults refer to a module or tensor of the layer."""
+    """A value that copies of the layer share refers to a module or tensor of the
+    layer: `args` are the layer's module or tensor and the sharing holder."""
 
 
 @functools.cache
@@ -148,9 +149,10 @@ class _FormBuilder:
         self._seen: dict[tuple[int, bool], _Composite] = {}
         self._cycles = 0
 
-    def form(self, value, by_reference: bool = False):
-        """`by_reference`: `value` is reached through a function's closure or
-        defaults, which a deep copy of the layer shares instead of copying."""
+    def form(self, value, by_reference: str | None = None):
+        """`by_reference`: what `value` is reached through, if a deep copy of the
+        layer shares it instead of copying it (a function's closure or defaults,
+        a weak reference)."""
         # type() rather than isinstance(): configs make reading __class__ slow.
         kind = type(value)
         if issubclass(kind, float) and math.isnan(value):
@@ -160,7 +162,7 @@ class _FormBuilder:
         if issubclass(kind, (nn.Module, torch.Tensor)) and id(value) in self._places:
             place = self._places[id(value)]
             if by_reference:
-                raise _LayerReference(place)
+                raise _LayerReference(place, by_reference)
             return _Mark(("in layer", place), f"the layer's {place}")
         if id(value) in self._ancestors:
             self._cycles += 1
@@ -188,10 +190,10 @@ class _FormBuilder:
             shown = f"the {type(value).__qualname__} object at {id(value):#x}"
         return _Mark(("identity", id(value)), shown)
 
-    def _parts(self, labelled, by_reference: bool) -> tuple:
+    def _parts(self, labelled, by_reference: str | None) -> tuple:
         return tuple((label, self.form(part, by_reference)) for label, part in labelled)
 
-    def _composite(self, value, kind: type, by_reference: bool) -> _Composite | None:
+    def _composite(self, value, kind: type, by_reference: str | None) -> _Composite | None:
         """`value`'s form from its parts, or None if it is compared by identity."""
         if issubclass(kind, (tuple, list)):
             parts = self._parts(((f"item [{i}]", item) for i, item in enumerate(value)),
@@ -215,6 +217,14 @@ class _FormBuilder:
                  *((f"keyword {key!r} of the partial", arg)
                    for key, arg in value.keywords.items())), by_reference)
             return _Composite((kind,), parts, f"a partial of {value.func!r}")
+        if issubclass(kind, weakref.ref):
+            # A copy of the layer shares the weak reference, and so its referent.
+            referent = value()
+            if referent is None:
+                return _Composite((kind, None), (), "a dead weak reference")
+            parts = self._parts((("referent of the weak reference", referent),),
+                                "a weak reference")
+            return _Composite((kind,), parts, "a weak reference")
         if issubclass(kind, types.MethodType):
             parts = self._parts((("function of the method", value.__func__),
                                  ("self of the method", value.__self__)), by_reference)
@@ -247,7 +257,7 @@ class _FormBuilder:
                      for name, default in (function.__kwdefaults__ or {}).items()]
         shown = f"function {function.__qualname__} ({code.co_filename}:{code.co_firstlineno})"
         return _Composite((types.FunctionType, code, id(function.__globals__)),
-                          self._parts(labelled, by_reference=True), shown)
+                          self._parts(labelled, "a function's closure or defaults"), shown)
 
 
 def _first_difference(reference, other) -> tuple[tuple, Any, Any] | None:
@@ -315,12 +325,12 @@ def _layout(layer: nn.Module, index: int) -> _LayerLayout:
             try:
                 settings[name] = forms.form(value)
             except _LayerReference as reference:
+                place, holder = reference.args
                 raise ValueError(
-                    f"Layer {index} setting '{name}' holds a function whose closure or defaults "
-                    f"refer to the layer's own {reference}; the stack calls layer 0's function "
-                    f"for every layer, which would keep using layer 0's {reference} instead of "
-                    f"each layer's own. Make the function a method of the module, or pass "
-                    f"what it needs as an argument.") from None
+                    f"Layer {index} setting '{name}' refers to the layer's own {place} through "
+                    f"{holder}, which the stack's copy of layer 0 shares rather than copies: "
+                    f"every layer would use layer 0's {place}, not its own. Reach it through "
+                    f"`self` instead (in a method of the module), or pass it as an argument.") from None
             values[name] = value
         for name, param in module._parameters.items():
             if param is not None:
