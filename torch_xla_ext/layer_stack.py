@@ -59,6 +59,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from torch_xla_ext.scan import scan
+from torch_xla_ext.scan.mutation import Writes
 
 __all__ = ["LayerStack", "LayerByLayerWarning", "scan_layers"]
 
@@ -693,10 +694,25 @@ def scan_layers(layers: Iterable[nn.Module], input_data, partition_fn=default_pa
     per_layer = [_layer_tensors(layer, layout.tensors) for layer in layers]
     stacked = {name: torch.stack([tensors[name] for tensors in per_layer])
                for name in layout.tensors}
-    return _run_layers(layers[0], layout, stacked, input_data, (), {},
-                       per_layer_paths=tuple(per_layer_values), layer_at=layers.__getitem__,
-                       num_layers=len(layers), drop_in=True, partition_fn=partition_fn,
-                       is_layer_pure=is_layer_pure)
+    buffers = {name: stacked[name] for name, spec in layout.tensors.items()
+               if not spec.is_parameter}
+    writes = Writes(buffers.values())
+    output = _run_layers(layers[0], layout, stacked, input_data, (), {},
+                         per_layer_paths=tuple(per_layer_values), layer_at=layers.__getitem__,
+                         num_layers=len(layers), drop_in=True, partition_fn=partition_fn,
+                         is_layer_pure=is_layer_pure)
+    _write_back_buffers(layers, buffers, writes)
+    return output
+
+
+def _write_back_buffers(layers: list, stacked_buffers: dict, writes: Writes) -> None:
+    """Gives each layer its slice of the stacked buffer copies that the scan
+    wrote (as the layers' in-place updates, BatchNorm's running statistics)."""
+    with torch.no_grad():
+        for name, stacked in stacked_buffers.items():
+            if writes.written(stacked):
+                for index, layer in enumerate(layers):
+                    layer.get_buffer(name).copy_(stacked[index])
 
 
 class _StackedTensors(nn.Module):

@@ -22,6 +22,8 @@ How one call runs, one module a stage:
 2. `tracing`: `fn` runs once on placeholders; every XLA tensor it reads without
    receiving it (closures, module parameters, buffers) is lifted into a
    loop-invariant input, bound to its current value at every call.
+   `mutation`: what `fn` wrote in place is carried (captures) or stacked
+   (`xs` slices), and written back after the loop.
 3. `passes`: read-only carries leave the loop (their output is `init` itself),
    `xs` slices returned unchanged as `ys` are not copied, and saved values that
    are cheap to recompute are not stacked.
@@ -89,6 +91,14 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
     Pass `is_fn_pure=False` for an `fn` whose traced program can change for the
     same key (it reads a global flag, say): it is then traced at every call and
     nothing is cached.
+
+    In-place writes end as in the for loop. A captured tensor `fn` writes (a
+    counter, an average, a BatchNorm's running statistics in training mode) is
+    carried from step to step and holds its final value after the call; an `x`
+    slice `fn` writes is written into `xs`. Both are carried without gradients:
+    writing to a tensor that requires grad, or a value that requires grad,
+    raises, as do resizing and writing a tensor that shares memory with another
+    input. A write to the carry counts within its step; `init` is never written.
 
     Saved-tensor hooks around the call (`torch.autograd.graph.save_on_cpu`,
     `saved_tensors_hooks`) receive what scan keeps for its backward: its input

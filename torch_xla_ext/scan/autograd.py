@@ -9,7 +9,7 @@ import torch_xla
 from functorch.compile import aot_function, make_boxed_func
 
 from torch_xla_ext.placeholders import placeholder_sources, tracing
-from torch_xla_ext.scan import passes
+from torch_xla_ext.scan import mutation, passes
 from torch_xla_ext.scan.avals import avals, flatten
 from torch_xla_ext.scan.loop import Loop, Slot, lower_body
 from torch_xla_ext.scan.sharding import as_fn_arguments, functional_mark_sharding
@@ -25,8 +25,9 @@ def output_nodes(graph_module) -> list:
 class TrainingPlan:
     """Forward and backward loops from AOTAutograd's partitioned graphs.
 
-    Inputs of one step: looped carries, x slices and invariants (read-only
-    carries, then captures). The forward loop also stacks the activations the
+    Inputs of one step: looped carries (then the captures fn writes, carried
+    without gradients), x slices and invariants (read-only carries, then the
+    other captures); see `Traced`. The forward loop also stacks the activations the
     backward graph needs, except those it can get for free: slices of `xs` are
     read from `xs` itself, and values computed from invariants alone or from an
     x slice by layout ops alone (a weight's transpose) are recomputed in the
@@ -38,12 +39,12 @@ class TrainingPlan:
         call's; the plan does not keep them."""
         self.traced = traced
         key = traced.key
-        carry_avals = [key.carry_avals[i] for i in traced.looped_carry]
-        invariant_avals = ([key.carry_avals[i] for i in traced.read_only_carry]
-                           + list(traced.capture_avals))
+        carry_avals, invariant_avals = traced.loop_carry_avals, traced.loop_invariant_avals
         any_grad = any(a.requires_grad for a in (*key.carry_avals, *key.x_avals, *invariant_avals))
-        # Gradients flow through every floating carry, whichever input asked for them.
-        carry_grad = [a.dtype.is_floating_point and any_grad for a in carry_avals]
+        # Gradients flow through every floating carry, whichever input asked for
+        # them, but not through the captures fn writes.
+        carry_grad = [a.dtype.is_floating_point and any_grad and i < len(traced.looped_carry)
+                      for i, a in enumerate(carry_avals)]
         self.input_avals = ([a._replace(requires_grad=g) for a, g in zip(carry_avals, carry_grad)]
                             + list(key.x_avals) + invariant_avals)
         self.sizes = (len(carry_avals), len(key.x_avals), len(invariant_avals))
@@ -51,27 +52,45 @@ class TrainingPlan:
         self._build_loops(fw_graph, bw_graph, differentiable)
 
     def _step(self, fn, captured, *primals):
-        """One step as a flat function of (looped carries, x, invariants) for
-        AOTAutograd, returning (looped carry outs, stacked ys)."""
+        """One step as a flat function of (loop carries, x, invariants) for
+        AOTAutograd, returning (loop carry outs, stacked outputs)."""
         traced, key = self.traced, self.traced.key
+        written = traced.written
         n_carry, n_x, _ = self.sizes
-        carry = list(primals[:n_carry])
+        n_looped, n_read_only = len(traced.looped_carry), len(traced.read_only_carry)
         x, invariants = primals[n_carry:n_carry + n_x], primals[n_carry + n_x:]
         full_carry = [None] * len(key.carry_avals)
-        for i, value in zip(traced.looped_carry, carry):
+        for i, value in zip(traced.looped_carry, primals[:n_looped]):
             full_carry[i] = value
         for i, value in zip(traced.read_only_carry, invariants):
             full_carry[i] = value
-        captures = invariants[len(traced.read_only_carry):]
-        stand_ins = {id(c): v for c, v in zip(captured, captures)}
+        captures = [None] * len(captured)
+        for i, value in zip(written.captures, primals[n_looped:n_carry]):
+            captures[i] = value
+        for i, value in zip(traced.invariant_captures, invariants[n_read_only:]):
+            captures[i] = value
         full_carry, x = as_fn_arguments(full_carry), as_fn_arguments(x)
+        # fn writes to copies of its inputs: AOTAutograd would make writes to
+        # its own inputs outputs of its graphs.
+        full_carry = [t.clone() if w else t for t, w in zip(full_carry, written.carry)]
+        x = [t.clone() if i in written.x else t for i, t in enumerate(x)]
+        captures = [t.clone() if i in written.captures else t for i, t in enumerate(captures)]
+        stand_ins = {id(c): v for c, v in zip(captured, captures)}
         with LiftCaptures(list(primals) + full_carry + x, stand_ins):
             carry_out, y_out = call_body(fn, key.carry_tree.unflatten(full_carry),
                                           key.xs_tree.unflatten(x))
         carry_out = flatten(carry_out)[0]
         y_out = flatten(y_out)[0]
+        for i in written.captures:
+            mutation.check_written(captures[i], traced.capture_avals[i], False,
+                                   mutation.describe_capture(fn, captured, i))
+        for i in written.x:
+            mutation.check_written(x[i], key.x_avals[i], False,
+                                   mutation.describe_x(key.xs_tree, i))
         outputs = ([carry_out[i] for i in traced.looped_carry]
-                   + [y_out[i] for i in traced.stacked_y])
+                   + [captures[i] for i in written.captures]
+                   + [y_out[i] for i in traced.stacked_y]
+                   + [x[i] for i in written.x])
         # AOTAutograd keeps outputs that alias inputs out of its graphs; copies
         # keep them in (XLA removes the copy).
         return tuple(o.clone() if o._is_view() or any(o is p for p in primals) else o
@@ -114,7 +133,8 @@ class TrainingPlan:
         """Lowers the forward graph; returns its lazy outputs, the activations it
         stacks, and where the backward step gets each saved value."""
         n_carry, n_x, n_inv = self.sizes
-        n_out = n_carry + len(self.traced.stacked_y)
+        n_stacked = len(self.traced.loop_stacked_avals)
+        n_out = n_carry + n_stacked
         carry_in, x_in = stand_ins[:n_carry], stand_ins[n_carry:n_carry + n_x]
         invariants_in = stand_ins[n_carry + n_x:]
         slots = {}
@@ -135,8 +155,7 @@ class TrainingPlan:
         forward_body = lower_body("scan_forward_step", outputs + activations, slots, n_inv)
         self.forward_constants = forward_body.constants
         out_slots = ([Slot("carry", i) for i in range(n_carry)]
-                     + [Slot("stacked", i)
-                        for i in range(len(self.traced.stacked_y) + len(activations))])
+                     + [Slot("stacked", i) for i in range(n_stacked + len(activations))])
         self.activation_count = len(activations)
         self.forward_loop = Loop(
             "scan_forward", forward_body, out_slots, self.input_avals[:n_carry],
@@ -153,7 +172,7 @@ class TrainingPlan:
         n_carry, n_x, n_inv = self.sizes
         x_in, invariants_in = stand_ins[n_carry:n_carry + n_x], stand_ins[n_carry + n_x:]
         self.carry_tangents = [i for i in range(n_carry) if differentiable[i]]
-        self.y_tangents = [i for i in range(len(self.traced.stacked_y))
+        self.y_tangents = [i for i in range(len(self.traced.loop_stacked_avals))
                            if differentiable[n_carry + i]]
         self.grad_x = [i for i in range(n_x) if self.input_avals[n_carry + i].requires_grad]
         self.grad_invariants = [i for i in range(n_inv)
@@ -207,12 +226,10 @@ class TrainingPlan:
             list(invariant_avals) + list(avals(backward_body.constants)))
 
     def __call__(self, carry, xs, captures, reverse):
-        traced = self.traced
-        inputs = ([carry[i] for i in traced.looped_carry] + list(xs)
-                  + [carry[i] for i in traced.read_only_carry] + list(captures))
-        results = _ScanFunction.apply(self, reverse, *inputs)
+        carries, sliced, invariants = self.traced.loop_inputs(carry, xs, captures)
+        results = _ScanFunction.apply(self, reverse, *carries, *sliced, *invariants)
         n_carry = self.sizes[0]
-        return traced.assemble(carry, xs, results[:n_carry], results[n_carry:])
+        return self.traced.assemble(carry, xs, captures, results[:n_carry], results[n_carry:])
 
     def forward(self, inputs, reverse):
         n_carry, n_x, _ = self.sizes

@@ -10,16 +10,20 @@ import torch_xla
 _XLAC = torch_xla._XLAC
 
 
-def read_only_carries(carry_out: Sequence[torch.Tensor], carry_arg: Sequence[torch.Tensor]) -> list:
-    """A carry `fn` returns unchanged is read-only: it leaves the loop (as a
-    loop invariant) and its output is `init` itself."""
-    return [out is arg for out, arg in zip(carry_out, carry_arg)]
+def read_only_carries(carry_out: Sequence[torch.Tensor], carry_arg: Sequence[torch.Tensor],
+                      written: Sequence[bool]) -> list:
+    """A carry `fn` returns unchanged (the tensor it received, not written in
+    place) is read-only: it leaves the loop (as a loop invariant) and its
+    output is `init` itself."""
+    return [out is arg and not w for out, arg, w in zip(carry_out, carry_arg, written)]
 
 
-def ys_passed_from_xs(y_out: Sequence[torch.Tensor], x_arg: Sequence[torch.Tensor]) -> list:
-    """For each y, the index of the x slice `fn` returned as it unchanged (that
-    ys leaf is then the xs leaf, not a stacked copy), or None."""
-    x_index = {id(x): i for i, x in enumerate(x_arg)}
+def ys_passed_from_xs(y_out: Sequence[torch.Tensor], x_arg: Sequence[torch.Tensor],
+                      written: Sequence[int]) -> list:
+    """For each y, the index of the x slice `fn` returned as it unchanged (not
+    written in place; that ys leaf is then the xs leaf, not a stacked copy), or
+    None."""
+    x_index = {id(x): i for i, x in enumerate(x_arg) if i not in written}
     return [x_index.get(id(y)) for y in y_out]
 
 

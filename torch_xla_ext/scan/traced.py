@@ -6,7 +6,8 @@ import weakref
 
 import torch
 
-from torch_xla_ext.scan import passes
+from torch_xla_ext.placeholders import placeholder_sources
+from torch_xla_ext.scan import mutation, passes
 from torch_xla_ext.scan.autograd import TrainingPlan
 from torch_xla_ext.scan.avals import Aval, avals
 from torch_xla_ext.scan.cache import CacheKey
@@ -31,16 +32,33 @@ class Traced:
         self.capture_avals = avals(captured)
         self.y_tree = trace.y_tree
         self.y_avals = avals(trace.y_out)
-        self.read_only = passes.read_only_carries(trace.carry_out, trace.carry_arg)
-        self.y_from_x = passes.ys_passed_from_xs(trace.y_out, trace.x_arg)
+        capture_in = [trace.lifter.stand_ins[id(t)] for t in captured]
+        self.written = mutation.find_writes(
+            trace.lifter.writes, trace.carry_arg, trace.x_arg, key.x_avals, capture_in, captured,
+            lambda i: mutation.describe_x(key.xs_tree, i),
+            lambda i: mutation.describe_capture(fn, captured, i))
+        self.read_only = passes.read_only_carries(trace.carry_out, trace.carry_arg,
+                                                  self.written.carry)
+        self.y_from_x = passes.ys_passed_from_xs(trace.y_out, trace.x_arg, self.written.x)
         self.looped_carry = [i for i, ro in enumerate(self.read_only) if not ro]
         self.read_only_carry = [i for i, ro in enumerate(self.read_only) if ro]
         self.stacked_y = [i for i, source in enumerate(self.y_from_x) if source is None]
-        capture_in = [trace.lifter.stand_ins[id(t)] for t in trace.lifter.captured]
+        self.invariant_captures = [i for i in range(len(captured))
+                                   if i not in self.written.captures]
+        # A loop carries the looped carries, then the captures fn writes; it
+        # stacks the ys, then the x slices fn writes; its invariants are the
+        # read-only carries, then the other captures.
+        self.loop_carry_avals = (
+            [key.carry_avals[i] for i in self.looped_carry]
+            + [self.capture_avals[i] for i in self.written.captures])
+        self.loop_stacked_avals = (
+            [self.y_avals[i] for i in self.stacked_y] + [key.x_avals[i] for i in self.written.x])
+        self.loop_invariant_avals = (
+            [key.carry_avals[i] for i in self.read_only_carry]
+            + [self.capture_avals[i] for i in self.invariant_captures])
         # Lowered now, so that the cache keeps no lazy tensors (pending work
         # that reads placeholders) once tracing is over.
-        self._inference = InferencePlan(self, trace.carry_in, trace.x_in, capture_in,
-                                        trace.carry_out, trace.y_out)
+        self._inference = InferencePlan(self, trace, capture_in)
         self._training = None
         self._lock = threading.Lock()
 
@@ -60,6 +78,8 @@ class Traced:
     def run(self, fn, partition_fn, carry, xs, captures, reverse, needs_grad):
         """One call; `fn` and `partition_fn` are this call's, used (not kept) if
         the training plan is built now."""
+        if self.written.any_written_back():
+            self._check_written_unaliased(fn, carry, xs, captures)
         if not needs_grad:
             return self._inference(carry, xs, captures, reverse)
         with self._lock:
@@ -67,49 +87,86 @@ class Traced:
                 self._training = TrainingPlan(self, fn, partition_fn, captures)
         return self._training(carry, xs, captures, reverse)
 
-    def assemble(self, carry, xs, looped_carry_out, stacked_ys):
+    def _check_written_unaliased(self, fn, carry, xs, captures):
+        inputs = [*carry, *xs, *captures]
+        n_carry, n_x = len(carry), len(xs)
+
+        def describe(position):
+            if position < n_carry:
+                return f"{self.key.carry_tree.leaf_path('init', position)}"
+            if position < n_carry + n_x:
+                return mutation.describe_x(self.key.xs_tree, position - n_carry)
+            return mutation.describe_capture(fn, captures, position - n_carry - n_x)
+
+        mutation.check_unaliased(
+            inputs, [n_carry + i for i in self.written.x]
+            + [n_carry + n_x + i for i in self.written.captures], describe)
+
+    def loop_inputs(self, carry, xs, captures) -> tuple[list, list, list]:
+        """A loop's carries, sliced inputs and invariants for this call. The
+        tensors fn writes go in as `mutation.unaliased` values, which the
+        write-back after the loop leaves as they are (autograd may keep them)."""
+        carries = ([carry[i] for i in self.looped_carry]
+                   + [mutation.unaliased(captures[i]) for i in self.written.captures])
+        sliced = [mutation.unaliased(x) if i in self.written.x else x for i, x in enumerate(xs)]
+        invariants = ([carry[i] for i in self.read_only_carry]
+                      + [captures[i] for i in self.invariant_captures])
+        return carries, sliced, invariants
+
+    def assemble(self, carry, xs, captures, loop_carry_out, loop_stacked):
         """The full carry and ys from what a loop computed and what the passes
-        kept out of it."""
+        kept out of it; writes the new values of the tensors fn writes in place
+        into them."""
+        n_looped, n_stacked_y = len(self.looped_carry), len(self.stacked_y)
         carry_out = list(carry)
-        for i, value in zip(self.looped_carry, looped_carry_out):
+        for i, value in zip(self.looped_carry, loop_carry_out):
             carry_out[i] = value
         ys = [None] * len(self.y_avals)
-        for i, value in zip(self.stacked_y, stacked_ys):
+        for i, value in zip(self.stacked_y, loop_stacked):
             ys[i] = value
         for i, source in enumerate(self.y_from_x):
             if source is not None:
                 ys[i] = xs[source]
+        if self.written.any_written_back():
+            mutation.write_back(
+                [captures[i] for i in self.written.captures] + [xs[i] for i in self.written.x],
+                list(loop_carry_out[n_looped:]) + list(loop_stacked[n_stacked_y:]),
+                placeholder_sources((carry, xs, captures)))
         return carry_out, ys
 
 
 class InferencePlan:
     """Forward only: the trace itself, lowered once."""
 
-    def __init__(self, traced: Traced, carry_in, x_in, capture_in, carry_out, y_out):
+    def __init__(self, traced: Traced, trace: Trace, capture_in):
         self.traced = traced
+        written = traced.written
+        outputs = ([trace.carry_out[i] for i in traced.looped_carry]
+                   + [capture_in[i] for i in written.captures]
+                   + [trace.y_out[i] for i in traced.stacked_y]
+                   + [trace.x_arg[i] for i in written.x])
+        # Inputs by their values before fn ran (fn may have written them).
+        n_x = len(trace.x_in)
+        originals = trace.lifter.writes.originals(
+            [trace.carry_in[i] for i in traced.looped_carry]
+            + [capture_in[i] for i in written.captures] + list(trace.x_in), outputs)
+        given = ([trace.carry_in[i] for i in traced.read_only_carry]
+                 + [capture_in[i] for i in traced.invariant_captures])
         slots = {}
-        for position, i in enumerate(traced.looped_carry):
-            slots[id(carry_in[i])] = (carry_in[i], Slot("carry", position))
-        for i, x in enumerate(x_in):
-            slots[id(x)] = (x, Slot("sliced", i))
-        given = [carry_in[i] for i in traced.read_only_carry] + list(capture_in)
-        for k, t in enumerate(given):
-            slots[id(t)] = (t, Slot("invariant", k))
-        outputs = ([carry_out[i] for i in traced.looped_carry]
-                   + [y_out[i] for i in traced.stacked_y])
+        for tensors, kind in ((originals[:-n_x], "carry"), (originals[-n_x:], "sliced"),
+                              (given, "invariant")):
+            for position, t in enumerate(tensors):
+                if t is not None:  # None: an input fn overwrote without reading it
+                    slots[id(t)] = (t, Slot(kind, position))
         body = lower_body("scan_step", outputs, slots, len(given))
         self.constants = body.constants
-        out_slots = ([Slot("carry", p) for p in range(len(traced.looped_carry))]
-                     + [Slot("stacked", p) for p in range(len(traced.stacked_y))])
-        self.loop = Loop("scan", body, out_slots,
-                         [traced.key.carry_avals[i] for i in traced.looped_carry],
-                         traced.key.x_avals, [traced.y_avals[i] for i in traced.stacked_y],
-                         avals(given) + avals(body.constants))
+        out_slots = ([Slot("carry", p) for p in range(len(traced.loop_carry_avals))]
+                     + [Slot("stacked", p) for p in range(len(traced.loop_stacked_avals))])
+        self.loop = Loop("scan", body, out_slots, traced.loop_carry_avals, traced.key.x_avals,
+                         traced.loop_stacked_avals,
+                         traced.loop_invariant_avals + list(avals(body.constants)))
 
     def __call__(self, carry, xs, captures, reverse):
-        traced = self.traced
-        invariants = [carry[i] for i in traced.read_only_carry] + list(captures) + self.constants
-        carry_out, stacked = self.loop([carry[i] for i in traced.looped_carry], xs, invariants,
-                                       reverse)
-        return traced.assemble(carry, xs, carry_out, stacked)
-
+        carries, sliced, invariants = self.traced.loop_inputs(carry, xs, captures)
+        carry_out, stacked = self.loop(carries, sliced, invariants + self.constants, reverse)
+        return self.traced.assemble(carry, xs, captures, carry_out, stacked)

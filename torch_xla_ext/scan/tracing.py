@@ -14,8 +14,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from torch_xla_ext.placeholders import (
-    PlaceholderTensor, placeholder, tracing, unguarded_placeholder)
+    PlaceholderTensor, _mutates_arguments, placeholder, tracing, unguarded_placeholder)
 from torch_xla_ext.scan.avals import Aval, Structure, check_carry_types, flatten
+from torch_xla_ext.scan.mutation import Writes
 from torch_xla_ext.scan.sharding import as_fn_arguments
 
 _CAPTURABLE = (torch.nn.Parameter, PlaceholderTensor)
@@ -40,16 +41,27 @@ class LiftCaptures(TorchFunctionMode):
     """Swaps every XLA tensor that `fn` reads without having received or made it
     for a stand-in, so that the trace reads no data and the capture becomes an
     explicit input. `stand_ins` maps id(captured tensor) to its stand-in; new
-    captures get a fresh placeholder unless the map is frozen."""
+    captures get a fresh placeholder unless the map is frozen. `writes`, if
+    given, watches each new stand-in for in-place writes (see `mutation`)."""
 
-    def __init__(self, arguments: Sequence[torch.Tensor], stand_ins: dict | None = None):
+    def __init__(self, arguments: Sequence[torch.Tensor], stand_ins: dict | None = None,
+                 writes: Writes | None = None):
         super().__init__()
         self._known = {id(t): t for t in arguments}
         self.stand_ins = {} if stand_ins is None else stand_ins
         self._frozen = stand_ins is not None
+        self.writes = writes
         self.captured: list[torch.Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (_mutates_arguments(func) and args and isinstance(args[0], torch.Tensor)
+                and args[0].device.type != "xla" and id(args[0]) not in self._known):
+            raise TypeError(
+                f"scan: fn writes in place ({getattr(func, '__name__', func)}) to a "
+                f"{Aval.of(args[0])} tensor on {args[0].device} that it captures; scan runs "
+                f"fn's Python body once, while tracing, not at every step, so the write would "
+                f"happen once. Keep the tensor on the XLA device (scan then carries it) or "
+                f"return the value in the carry")
         args, kwargs = tree_map_only(torch.Tensor, self._lift, (args, kwargs or {}))
         result = func(*args, **kwargs)
         for leaf in tree_flatten(result)[0]:
@@ -70,6 +82,8 @@ class LiftCaptures(TorchFunctionMode):
             stand_in = new_stand_in(tensor.shape, tensor.dtype, tensor.requires_grad)
             self.stand_ins[id(tensor)] = stand_in
             self.captured.append(tensor)
+            if self.writes is not None:
+                self.writes.watch(stand_in)
         return stand_in
 
 
@@ -152,7 +166,8 @@ def trace(key, fn) -> Trace:
         carry_in = [stand_in(a) for a in key.carry_avals]
         x_in = [stand_in(a) for a in key.x_avals]
         carry_arg, x_arg = as_fn_arguments(carry_in), as_fn_arguments(x_in)
-        lifter = LiftCaptures(carry_in + x_in + carry_arg + x_arg)
+        lifter = LiftCaptures(carry_in + x_in + carry_arg + x_arg,
+                              writes=Writes(carry_in + x_in + carry_arg + x_arg))
         with tracing(f"scan's fn {getattr(fn, '__qualname__', fn)!r}"), lifter:
             carry_out, y_out = call_body(fn, key.carry_tree.unflatten(carry_arg),
                                          key.xs_tree.unflatten(x_arg))

@@ -1,0 +1,94 @@
+"""Layers that update buffers in place (BatchNorm in training mode) in a
+LayerStack or scan_layers end with each layer's statistics the ModuleList loop
+leaves, and the same outputs and gradients."""
+import copy
+
+import torch
+import torch_xla
+from torch import nn
+
+import torch_xla_ext as tx
+
+DEV = torch_xla.device()
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-5,
+                               atol=1e-5, msg=lambda message: f"{what}: {message}")
+
+
+def make_layers(count=3, width=4):
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh())
+        for _ in range(count)).to(DEV)
+
+
+def run_loop(layers, hidden):
+    for layer in layers:
+        hidden = layer(hidden)
+    return hidden
+
+
+def test_layer_stack_of_batchnorm_layers_keeps_each_layers_statistics():
+    layers = make_layers()
+    reference = copy.deepcopy(layers)
+    stack = tx.LayerStack(layers)
+    stack_optimizer = torch.optim.SGD(stack.parameters(), lr=0.1)
+    loop_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):  # the second step reuses the trace and reads the updated stats
+        hidden = torch.randn(5, 4, device=DEV, requires_grad=True)
+        out = stack(hidden)
+        out.pow(2).sum().backward()
+        stack_hidden_grad, hidden.grad = hidden.grad, None
+        loop_out = run_loop(reference, hidden)
+        loop_out.pow(2).sum().backward()
+        close(out, loop_out, f"step {step} output")
+        close(stack_hidden_grad, hidden.grad, f"step {step} input gradient")
+        for name, stacked in stack.stacked.named_parameters():
+            per_layer = torch.stack([layer.get_parameter(name).grad for layer in reference])
+            close(stacked.grad, per_layer, f"step {step} gradient of {name}")
+        stack_optimizer.step()
+        loop_optimizer.step()
+        stack_optimizer.zero_grad()
+        loop_optimizer.zero_grad()
+        torch_xla.sync()
+    stacked_state = stack.state_dict()
+    for name, expected in reference.state_dict().items():
+        close(stacked_state[name], expected, name)  # '1.1.running_mean': layer 1's own
+    assert [int(stacked_state[f"{i}.1.num_batches_tracked"]) for i in range(3)] == [2, 2, 2]
+    # The layers' statistics differ: each layer updated its own slice.
+    assert not torch.allclose(stacked_state["0.1.running_mean"].cpu(),
+                              stacked_state["2.1.running_mean"].cpu())
+
+
+def test_layer_stack_of_batchnorm_layers_in_eval_mode_reads_the_statistics():
+    layers = make_layers()
+    with torch.no_grad():
+        for layer in layers:
+            layer[1].running_mean.uniform_(-1, 1)
+            layer[1].running_var.uniform_(0.5, 2)
+    stack = tx.LayerStack(layers).eval()
+    layers.eval()
+    hidden = torch.randn(5, 4, device=DEV)
+    before = {name: t.clone() for name, t in stack.state_dict().items()}
+    with torch.no_grad():
+        close(stack(hidden), run_loop(layers, hidden), "eval output")
+    for name, value in stack.state_dict().items():
+        close(value, before[name], f"{name} unchanged in eval mode")
+
+
+def test_scan_layers_of_batchnorm_layers_updates_the_layers_own_buffers():
+    layers = make_layers()
+    reference = copy.deepcopy(layers)
+    hidden = torch.randn(5, 4, device=DEV, requires_grad=True)
+    out = tx.scan_layers(layers, hidden)
+    out.sum().backward()
+    loop_out = run_loop(reference, hidden)
+    loop_out.sum().backward()
+    close(out, loop_out, "output")
+    for (name, value), expected in zip(layers.state_dict().items(),
+                                       reference.state_dict().values()):
+        close(value, expected, name)
+    for (name, param), expected in zip(layers.named_parameters(), reference.parameters()):
+        close(param.grad, expected.grad, f"gradient of {name}")
