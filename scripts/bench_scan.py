@@ -1,9 +1,9 @@
 """Python time of cached scan calls: against the equivalent for loop, and with a
 lambda made afresh at every call against a module-level function.
 
-PJRT CPU; each measurement builds the forward and backward graph (no execution
-is timed), after warm-up calls that fill the caches; the two runs of a pair
-alternate, so drift affects both alike. Times are CPU time of the calling
+On PJRT's CPU backend unless PJRT_DEVICE names another device. Each
+measurement builds the forward and backward graph (no execution is timed),
+after warm-up calls that fill the caches; the two runs of a pair alternate, so drift affects both alike. Times are CPU time of the calling
 thread, which builds the graphs, so that other processes sharing the machine
 do not blur them. Prints medians and their ratios.
 
@@ -16,13 +16,17 @@ do not blur them. Prints medians and their ratios.
     .venv/bin/python scripts/bench_scan.py [--iterations 32] [--width 256] [--repeats 20]
 """
 import argparse
+import os
 import statistics
 import time
 
-import torch
-import torch_xla
+# PJRT's CPU backend unless the user chose a device.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-import torch_xla_ext as tx
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+
+import torch_xla_ext as tx  # noqa: E402
 
 
 def graph_building_seconds(run, tensors) -> float:
