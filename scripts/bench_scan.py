@@ -3,9 +3,10 @@ lambda made afresh at every call against a module-level function.
 
 On PJRT's CPU backend unless PJRT_DEVICE names another device. Each
 measurement builds the forward and backward graph (no execution is timed),
-after warm-up calls that fill the caches; the two runs of a pair alternate, so drift affects both alike. Times are CPU time of the calling
-thread, which builds the graphs, so that other processes sharing the machine
-do not blur them. Prints medians and their ratios.
+after warm-up calls that fill the caches; the two runs of a pair alternate,
+so drift affects both alike. Times are CPU time of the calling thread, which
+builds the graphs, so that other processes sharing the machine do not blur
+them. Prints medians and their ratios.
 
 1. scan against the for loop: `--iterations` steps of a `--width`-wide MLP block.
 2. the per-call lambda: an RNN module whose forward calls
