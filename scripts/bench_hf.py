@@ -199,7 +199,7 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
           "execute_ms", 1.15)
     ratio(f"compile time stack_layers L={largest}/L={smallest}", ("stack_layers", largest),
           ("stack_layers", smallest), "compile_s", 1.3)
-    check(f"compilations of the step's graph, stack_layers, {steps} steps, L={middle}",
+    check(f"step graph compilations in {steps} steps, stack_layers L={middle}",
           by_key[converted]["step_compiles"] if converted in by_key else None, 1)
 
 
