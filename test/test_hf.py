@@ -305,7 +305,8 @@ def test_hooks_and_gradient_checkpointing_on_the_layers_are_refused():
 def test_per_layer_outputs_are_refused(request_outputs):
     model = stack_layers(make_model())
     ids, _ = batch("cpu")
-    with pytest.raises(ValueError, match="output_(hidden_states|attentions) asks for every"):
+    with pytest.raises(ValueError, match=r"asks for every decoder layer's output "
+                                         r"\(output_(hidden_states|attentions)\)"):
         request_outputs(model, ids)
 
 

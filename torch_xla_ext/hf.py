@@ -75,8 +75,8 @@ class StackedLayers(LayerStack):
         if requested:
             flags = ", ".join(f"output_{name}" for name in requested)
             raise ValueError(
-                f"stack_layers: {flags} asks for every decoder layer's output, but the "
-                f"stacked layers run as one scan, which has none. Call the model without "
+                f"stack_layers: the call asks for every decoder layer's output ({flags}), "
+                f"but the stacked layers run as one scan, which has none. Call the model without "
                 f"{flags} (and set it to False in model.config), or use a model that "
                 f"stack_layers did not convert for this call.")
         if kwargs.get("past_key_values") is not None:
