@@ -21,6 +21,9 @@ def run_isolated():
         given, is the whole environment instead."""
         environment = clean_env if clean_env is not None else {
             **os.environ, "PJRT_DEVICE": "CPU", **(env or {})}
+        # The shared reference (reference.py) is importable in the subprocess too.
+        environment["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [os.path.dirname(__file__), environment.get("PYTHONPATH")]))
         return subprocess.run(
             [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
             timeout=timeout, env=environment)

@@ -60,6 +60,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from torch_xla_ext import is_placeholder, placeholder, placeholder_id, scan_layers
 from torch_xla_ext.scan import scan
 from torch_xla_ext.scan.avals import flatten
+from reference import scan_loop
 
 DEV = torch_xla.device()
 
@@ -76,15 +77,6 @@ def case(group: str):
 
 # ---------------------------------------------------------------------------
 # Helpers, as torch_xla's test base classes provide them
-
-def loopy_scan(fn, init, xs):
-    """The reference: scan as a Python for loop, `None` ys staying None."""
-    carry, ys = init, []
-    for i in range(tree_leaves(xs)[0].shape[0]):
-        carry, y = fn(carry, tree_map(lambda v: v[i], xs))
-        ys.append(y)
-    return carry, tree_map(lambda *steps: None if steps[0] is None else torch.stack(steps), *ys)
-
 
 def compare_pytree(expected, actual, rtol=None, atol=None):
     """Same structure, `None` at the same places, leaves close (dtype defaults
@@ -120,7 +112,7 @@ def run_test(fn, init, xs, partition_fn=default_partition):
     torch_xla.sync()
 
     init_loop, xs_loop = fresh_copy(init), fresh_copy(xs)
-    expected_carry, expected_ys = loopy_scan(fn, init_loop, xs_loop)
+    expected_carry, expected_ys = scan_loop(fn, init_loop, xs_loop)
     total((expected_carry, expected_ys)).backward()
     torch_xla.sync()
 
@@ -271,7 +263,7 @@ def input_in_place_mutation_without_grad():
     except (RuntimeError, TypeError, ValueError) as error:
         assert re.search("(?i)in-place", str(error)), f"unclear error: {error!r}"
         return
-    compare_pytree(loopy_scan(mutate_carry, init.clone(), xs), got)
+    compare_pytree(scan_loop(mutate_carry, init.clone(), xs), got)
 
 
 @case("scan")
@@ -287,7 +279,7 @@ def external_in_place_mutation():
     xs = tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
     scanned_global, looped_global = tensor([0.0, 0.0]), tensor([0.0, 0.0])
     got = scan(make_step(scanned_global), init, xs)
-    expected = loopy_scan(make_step(looped_global), init, xs)
+    expected = scan_loop(make_step(looped_global), init, xs)
     compare_pytree(expected, got)
     compare_pytree(looped_global, scanned_global)
 

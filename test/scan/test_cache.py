@@ -12,6 +12,7 @@ import torch
 import torch_xla
 
 import torch_xla_ext as tx
+from reference import scan_loop
 from torch_xla_ext.scan.cache import WeakIdentity
 from torch_xla_ext.scan.traced import Traced
 
@@ -20,14 +21,6 @@ DEV = torch_xla.device()
 
 def randn(*shape, grad=False):
     return torch.randn(*shape, device=DEV).requires_grad_(grad)
-
-
-def loop_scan(fn, init, xs):
-    carry, ys = init, []
-    for x in xs:
-        carry, y = fn(carry, x)
-        ys.append(y)
-    return carry, None if ys[0] is None else torch.stack(ys)
 
 
 def assert_close(actual, expected):
@@ -59,7 +52,7 @@ class RNN(torch.nn.Module):
 
 class LoopRNN(RNN):
     def forward(self, h, xs):
-        return loop_scan(lambda c, x: (torch.tanh(self.cell(c) + x), c.sum()), h, xs)
+        return scan_loop(lambda c, x: (torch.tanh(self.cell(c) + x), c.sum()), h, xs)
 
 
 def test_fresh_lambda_per_call_over_the_same_module_traces_once():
@@ -144,7 +137,7 @@ def test_fresh_closure_over_a_new_tensor_hits_and_reads_it(make_fn):
     for w in (first, second):
         fn = make_fn(w)
         results.append(tx.scan(fn, h, xs)[0])
-        assert_close(results[-1], loop_scan(fn, h, xs)[0])
+        assert_close(results[-1], scan_loop(fn, h, xs)[0])
     assert traces_and_hits() == (1, 1)
     assert not torch.allclose(results[0].cpu(), results[1].cpu())
 
@@ -153,7 +146,7 @@ def test_new_tensor_of_another_aval_traces_again():
     h, xs = randn(3), randn(2, 3)
     tx.scan(with_tensor_in_cell(randn(3, 3)), h, xs)
     fn = with_tensor_in_cell(randn(3, 3, grad=True))
-    assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+    assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     assert traces_and_hits() == (2, 0)
 
 
@@ -171,7 +164,7 @@ def test_bound_methods_and_partials_made_afresh_hit():
     module = Scaled().to(DEV)
     h, xs = randn(3), randn(2, 3)
     for _ in range(3):
-        assert_close(tx.scan(module.step, h, xs)[0], loop_scan(module.step, h, xs)[0])
+        assert_close(tx.scan(module.step, h, xs)[0], scan_loop(module.step, h, xs)[0])
     assert traces_and_hits() == (1, 2)
 
     def step(scale, c, x, *, shift):
@@ -179,10 +172,10 @@ def test_bound_methods_and_partials_made_afresh_hit():
 
     for _ in range(3):
         fn = functools.partial(step, 0.5, shift=1.0)
-        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     assert traces_and_hits() == (2, 4)
     other = Scaled().to(DEV)  # another object bound: another trace, its own weights
-    assert_close(tx.scan(other.step, h, xs)[0], loop_scan(other.step, h, xs)[0])
+    assert_close(tx.scan(other.step, h, xs)[0], scan_loop(other.step, h, xs)[0])
     assert traces_and_hits() == (3, 4)
 
 
@@ -194,7 +187,7 @@ def test_what_changes_the_program_changes_the_key():
     h, xs = randn(3), randn(2, 3)
     for scale in (2.0, 3.0, 2.0):
         fn = scaled_by(scale)
-        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     assert traces_and_hits() == (2, 1)
     for scale in (True, 1, 1.0):  # equal in Python, but each traces its own program
         tx.scan(scaled_by(scale), h, xs)
@@ -206,7 +199,7 @@ def test_what_changes_the_program_changes_the_key():
     first = tx.scan(shifted, h, xs)[0]
     shifted.__defaults__ = (5.0,)
     second = tx.scan(shifted, h, xs)[0]
-    assert_close(second, loop_scan(shifted, h, xs)[0])
+    assert_close(second, scan_loop(shifted, h, xs)[0])
     assert_close(second - first, torch.full((3,), 8.0))  # 2 steps, each 4.0 more
     assert traces_and_hits() == (7, 1)
 
@@ -215,7 +208,7 @@ def test_what_changes_the_program_changes_the_key():
 
     tx.scan(keyword_shifted, h, xs)
     keyword_shifted.__kwdefaults__ = {"shift": -1.0}
-    assert_close(tx.scan(keyword_shifted, h, xs)[0], loop_scan(keyword_shifted, h, xs)[0])
+    assert_close(tx.scan(keyword_shifted, h, xs)[0], scan_loop(keyword_shifted, h, xs)[0])
     assert traces_and_hits() == (9, 1)
 
     def factors(values):
@@ -223,7 +216,7 @@ def test_what_changes_the_program_changes_the_key():
 
     for values in ([1.0, 2.0], [1.0, 3.0], [1.0, 2.0]):
         fn = factors(values)
-        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     assert traces_and_hits() == (11, 2)
 
 
@@ -247,7 +240,7 @@ def test_settings_that_cannot_be_referenced_weakly_count_by_their_attributes(set
 
     for scale in (2.0, 2.0, 3.0):
         fn = scaled(settings_of(scale=scale))
-        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     assert traces_and_hits() == (2, 1)
 
 
@@ -256,9 +249,9 @@ def test_other_objects_count_by_identity():
     settings = Settings(2.0)
     for _ in range(2):
         fn = (lambda s: lambda c, x: (c * s.scale + x, None))(settings)
-        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     fn = (lambda s: lambda c, x: (c * s.scale + x, None))(Settings(3.0))
-    assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+    assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     assert traces_and_hits() == (2, 1)
 
 
@@ -271,7 +264,7 @@ def test_nonlocal_rebinding_of_a_constant_traces_again():
 
     tx.scan(fn, h, xs)
     scale = 4.0
-    assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+    assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     assert traces_and_hits() == (2, 0)
 
 
@@ -286,7 +279,7 @@ def test_train_and_eval_modes_trace_apart():
     run()
     model.eval()
     with torch.no_grad():
-        assert_close(run(), loop_scan(lambda c, x: (model(c) + x, None), h, xs)[0])
+        assert_close(run(), scan_loop(lambda c, x: (model(c) + x, None), h, xs)[0])
     assert traces_and_hits() == (2, 0)
 
 
@@ -295,7 +288,7 @@ def test_replaced_parameter_is_read_through_the_module():
     h, xs = randn(3), randn(2, 3)
     for _ in range(2):
         fn = lambda c, x: (lin(c), None)  # noqa: E731
-        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
         lin.weight = torch.nn.Parameter(randn(3, 3))
     assert traces_and_hits() == (1, 1)
 
@@ -310,12 +303,12 @@ def test_capture_no_path_reaches_is_bound_to_the_tensor_itself():
     try:
         for _ in range(2):
             fn = lambda c, x: (c @ GLOBAL_WEIGHT + x, None)  # noqa: E731
-            assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+            assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
             with torch.no_grad():
                 GLOBAL_WEIGHT.mul_(2)
         assert traces_and_hits() == (1, 1)
         GLOBAL_WEIGHT = randn(3, 3)  # a new global: the old binding is gone, so a new trace
-        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
         assert traces_and_hits() == (2, 1)
     finally:
         GLOBAL_WEIGHT = None
@@ -370,7 +363,7 @@ def test_is_fn_pure_false_traces_every_call_and_stores_nothing():
     assert len(calls) == 3
     assert tx.cache_info() == (0, 0, 0, tx.cache_info().maxsize)
     for result in results:
-        assert_close(result, loop_scan(fn, h, xs)[0])
+        assert_close(result, scan_loop(fn, h, xs)[0])
 
 
 class Slotted:
@@ -393,7 +386,7 @@ def test_an_unkeyable_closure_traces_every_call_with_a_warning():
         tx.scan(fn, h, xs)
     settings.scale = 3.0
     with pytest.warns(UserWarning):
-        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     assert len(traces) == 2 + 2 and tx.cache_info().size == 0
 
 
@@ -415,5 +408,5 @@ def test_host_tensors_are_baked_in_so_count_by_identity():
     h, xs = randn(3), randn(2, 3)
     for scale in (torch.tensor(2.0), torch.tensor(3.0)):  # 0-d host tensors, as constants
         fn = scaled_by(scale)
-        assert_close(tx.scan(fn, h, xs)[0], loop_scan(fn, h, xs)[0])
+        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
     assert traces_and_hits() == (2, 0)

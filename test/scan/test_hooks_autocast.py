@@ -11,6 +11,7 @@ import torch_xla
 
 import torch_xla_ext as tx
 from torch_xla_ext.workloads import DecoderBlock
+from reference import scan_loop
 
 DEV = torch_xla.device()
 
@@ -32,12 +33,7 @@ def step(c, x):
     h = torch.tanh(lin(c) + x)
     return h, h.sum()
 
-def loop(fn, c, xs):
-    ys = []
-    for x in xs:
-        c, y = fn(c, x)
-        ys.append(y)
-    return c, torch.stack(ys)
+from reference import scan_loop
 
 def grads(result):
     c, ys = result
@@ -80,7 +76,7 @@ with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
 scan_grads = grads((final, ys))
 inner_grads = grads((inner_final, inner_ys))
 torch_xla.sync()
-expected = loop(step, c0, xs)
+expected = scan_loop(step, c0, xs)
 loop_grads = grads(expected)
 torch_xla.sync()
 print(json.dumps({
@@ -125,7 +121,7 @@ with hooks:
 executions = met.metric_data("ExecuteTime")[0]
 scan_grads = grads((final, ys))
 torch_xla.sync()
-expected = loop(step, c0, xs)
+expected = scan_loop(step, c0, xs)
 loop_grads = grads(expected)
 torch_xla.sync()
 print(json.dumps({
@@ -161,7 +157,7 @@ with torch.autocast("xla", dtype=torch.bfloat16):
     except TypeError as error:
         carry_error = str(error)
     torch_xla.sync()  # inside the region, while autocast's cast cache is live
-    expected = loop(issue_step, torch.zeros(2, 16, device=dev), xs)
+    expected = scan_loop(issue_step, torch.zeros(2, 16, device=dev), xs)
 scan_grads = grads((c, ys))
 loop_grads = grads(expected)
 torch_xla.sync()
@@ -195,14 +191,6 @@ def assert_close_bf16(actual, expected):
     error = (actual.float() - expected.float()).abs().max().item()
     scale = expected.float().abs().max().item()
     assert scale > 0 and error <= 2 ** -6 * scale, (error, scale)
-
-
-def loop(fn, carry, xs):
-    ys = []
-    for x in xs:
-        carry, y = fn(carry, x)
-        ys.append(y)
-    return carry, torch.stack(ys)
 
 
 def gradients(result, params):
@@ -246,9 +234,9 @@ def test_autocast_scan_matches_the_loop(fn, carry_dtype):
     params = [c0, xs, CAST_LIN.weight, CAST_LIN.bias]
     with torch.autocast("xla", dtype=torch.bfloat16):
         got = tx.scan(fn, c0, xs)
-        expected = loop(fn, c0, xs)
+        expected = scan_loop(fn, c0, xs)
     with torch.autocast("xla", dtype=torch.bfloat16, cache_enabled=False):
-        uncached = loop(fn, c0, xs)
+        uncached = scan_loop(fn, c0, xs)
     assert got[1].dtype == torch.bfloat16  # fn's ops ran under autocast
     got = [*got, *gradients(got, params)]
     expected = [*expected, *gradients(expected, params)]
@@ -276,9 +264,9 @@ def test_autocast_state_is_part_of_the_cache_key():
     with torch.no_grad():
         with torch.autocast("xla", dtype=torch.bfloat16):
             mixed = tx.scan(step, init, xs)
-            mixed_loop = loop(step, init, xs)
+            mixed_loop = scan_loop(step, init, xs)
         plain = tx.scan(step, init, xs)
-        plain_loop = loop(step, init, xs)
+        plain_loop = scan_loop(step, init, xs)
         with torch.autocast("xla", dtype=torch.bfloat16):
             again = tx.scan(step, init, xs)
     torch_xla.sync()

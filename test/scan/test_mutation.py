@@ -9,18 +9,9 @@ import torch_xla
 from torch import nn
 
 import torch_xla_ext as tx
+from reference import scan_loop
 
 DEV = torch_xla.device()
-
-
-def loop_scan(fn, init, xs):
-    """The reference: the for loop, on xs slices that are views of xs (so that
-    writes to a slice reach xs, as they do in the loop)."""
-    carry, ys = init, []
-    for i in range(xs.shape[0]):
-        carry, y = fn(carry, xs[i])
-        ys.append(y)
-    return carry, ys
 
 
 def close(actual, expected, what=""):
@@ -94,10 +85,10 @@ def test_capture_written_and_read_in_the_same_step():
     scan_average = average.clone()
     init.grad = lin.weight.grad = lin.bias.grad = None
     average.zero_()
-    loop_carry, loop_ys = loop_scan(fn, init, xs)
-    (loop_carry.sum() + torch.stack(loop_ys).sum()).backward()
+    loop_carry, loop_ys = scan_loop(fn, init, xs)
+    (loop_carry.sum() + loop_ys.sum()).backward()
     close(carry, loop_carry)
-    close(ys, torch.stack(loop_ys))
+    close(ys, loop_ys)
     close(scan_average, average)
     for scanned, looped in zip(scan_grads, [init.grad, lin.weight.grad]):
         close(scanned, looped)
@@ -122,7 +113,7 @@ def test_each_kind_of_write_to_a_capture(write):
     carry, _ = tx.scan(fn, init, xs)
     scanned = buf.clone()
     buf.copy_(start)
-    close(carry, loop_scan(fn, init, xs)[0])
+    close(carry, scan_loop(fn, init, xs)[0])
     close(scanned, buf)
 
 
@@ -141,9 +132,9 @@ def test_capture_overwritten_whole(read_before):
     carry, ys = tx.scan(fn, init, xs)
     scanned = buf.clone()
     buf.copy_(torch.tensor([1.0, 2.0]))
-    loop_carry, loop_ys = loop_scan(fn, init, xs)
+    loop_carry, loop_ys = scan_loop(fn, init, xs)
     close(carry, loop_carry)
-    close(ys, torch.stack(loop_ys))
+    close(ys, loop_ys)
     close(scanned, buf)
 
 
@@ -160,10 +151,10 @@ def test_batchnorm_in_fn_updates_its_running_statistics_as_the_loop():
     carry, ys = tx.scan(step(block), init, xs)
     (carry.sum() + ys.sum()).backward()
     scan_init_grad, init.grad = init.grad, None
-    loop_carry, loop_ys = loop_scan(step(reference), init, xs)
-    (loop_carry.sum() + torch.stack(loop_ys).sum()).backward()
+    loop_carry, loop_ys = scan_loop(step(reference), init, xs)
+    (loop_carry.sum() + loop_ys.sum()).backward()
     close(carry, loop_carry)
-    close(ys, torch.stack(loop_ys))
+    close(ys, loop_ys)
     close(scan_init_grad, init.grad)
     for (name, scanned), looped in zip(block.state_dict().items(), reference.state_dict().values()):
         close(scanned, looped, name)
@@ -183,12 +174,9 @@ def test_x_slices_written_in_place_are_written_into_xs(reverse):
     xs = torch.arange(8.0, device=DEV).reshape(4, 2)
     looped_xs = xs.clone()
     carry, ys = tx.scan(fn, init, xs, reverse=reverse)
-    order = range(3, -1, -1) if reverse else range(4)
-    loop_carry, loop_ys = init, [None] * 4
-    for i in order:
-        loop_carry, loop_ys[i] = fn(loop_carry, looped_xs[i])
+    loop_carry, loop_ys = scan_loop(fn, init, looped_xs, reverse=reverse)
     close(carry, loop_carry)
-    close(ys, torch.stack(loop_ys))
+    close(ys, loop_ys)
     close(xs, looped_xs)
 
 
@@ -207,10 +195,10 @@ def test_carry_written_in_place_counts_within_its_step_and_init_is_kept():
     carry, ys = tx.scan(fn, init, xs)
     (carry.sum() + ys.sum()).backward()
     scan_grad, weight.grad = weight.grad, None
-    loop_carry, loop_ys = loop_scan(fn, init.clone(), xs)
-    (loop_carry.sum() + torch.stack(loop_ys).sum()).backward()
+    loop_carry, loop_ys = scan_loop(fn, init.clone(), xs)
+    (loop_carry.sum() + loop_ys.sum()).backward()
     close(carry, loop_carry)
-    close(ys, torch.stack(loop_ys))
+    close(ys, loop_ys)
     close(scan_grad, weight.grad)
     close(init, torch.ones(2))
 
@@ -225,7 +213,7 @@ def test_writing_a_carry_that_requires_grad_raises_as_the_loop():
     init = torch.zeros(2, device=DEV, requires_grad=True)
     xs = torch.ones(3, 2, device=DEV, requires_grad=True)
     with pytest.raises(RuntimeError, match="in-place operation"):
-        loop_scan(fn, init, xs)
+        scan_loop(fn, init, xs)
     with pytest.raises(RuntimeError, match="in-place operation"):
         tx.scan(fn, init, xs)
 

@@ -6,19 +6,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torch_xla_ext as tx
+from reference import scan_loop
 
 DEV = torch_xla.device()
-
-
-def loop_scan(fn, init, xs, reverse=False):
-    """The reference: scan's contract as a Python for loop."""
-    leaves = tree_flatten(xs)[0]
-    order = range(leaves[0].shape[0])
-    carry, ys = init, [None] * len(order)
-    for i in (reversed(order) if reverse else order):
-        carry, ys[i] = fn(carry, tree_map(lambda v: v[i], xs))
-    stacked = tree_map(lambda *vs: None if vs[0] is None else torch.stack(vs), *ys) if ys else ys
-    return carry, stacked
 
 
 def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
@@ -43,7 +33,7 @@ def grads_of(tensors):
 def check_parity(fn, init, xs, params=(), reverse=False, rtol=1e-5):
     leaves = [t for t in tree_flatten((init, xs))[0] + list(params) if t.requires_grad]
     got = tx.scan(fn, init, xs, reverse=reverse)
-    expected = loop_scan(fn, init, xs, reverse=reverse)
+    expected = scan_loop(fn, init, xs, reverse=reverse)
     assert_trees_close(got, expected, rtol=rtol)
     if leaves:
         def total(result):
@@ -97,7 +87,7 @@ def test_min_cut_partition_gives_the_same_gradients():
     carry, ys = tx.scan(fn, init, xs, partition_fn=min_cut_rematerialization_partition)
     (carry.sum() + ys.sum()).backward()
     min_cut = grads_of(params)
-    carry, ys = loop_scan(fn, init, xs)
+    carry, ys = scan_loop(fn, init, xs)
     (carry.sum() + ys.sum()).backward()
     for a, e in zip(min_cut, grads_of(params)):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
@@ -109,7 +99,7 @@ def test_ys_with_none_and_passthrough():
     assert ys[0] is None and ys[1] is xs  # an x returned as y is not copied
     init = randn(2)
     assert_trees_close(tx.scan(lambda c, x: (c * x, (None, x, c)), init, xs),
-                       loop_scan(lambda c, x: (c * x, (None, x, c)), init, xs))
+                       scan_loop(lambda c, x: (c * x, (None, x, c)), init, xs))
 
 
 def test_read_only_carry_keeps_init():
@@ -170,7 +160,7 @@ def test_matches_for_loop_on_random_pytrees(length, widths, as_dict, dtype):
         new = tree_map(lambda c, v: c * 2 - v, carry, x)
         return new, tree_map(lambda c: c + 1, carry)
 
-    assert_trees_close(tx.scan(fn, init, xs), loop_scan(fn, init, xs))
+    assert_trees_close(tx.scan(fn, init, xs), scan_loop(fn, init, xs))
 
 
 def test_traces_once_per_avals():
@@ -201,7 +191,7 @@ def test_fresh_captures_after_in_place_update():
         lin.weight.mul_(2)
         lin.bias.add_(1)
     after = tx.scan(fn, init, xs)[0].cpu()
-    torch.testing.assert_close(after, loop_scan(fn, init, xs)[0].cpu())
+    torch.testing.assert_close(after, scan_loop(fn, init, xs)[0].cpu())
     assert not torch.allclose(before, after)
 
 
@@ -225,7 +215,7 @@ def test_no_transfers_beyond_the_for_loop():
             torch_xla.sync()
         return transfers()
 
-    loop = measure(loop_scan)
+    loop = measure(scan_loop)
     scanned = measure(tx.scan)
     assert scanned <= loop, f"scan made {scanned} transfers, the for loop {loop}"
 
@@ -302,57 +292,6 @@ def test_while_bodies_copy_no_stacked_buffer(run_isolated, tmp_path):
         text = hlo[start:hlo.index("\n}\n", start)]
         stacked_copies = re.findall(r"= \w+\[7,[\d,]*\]\S* copy\(", text)
         assert not stacked_copies, f"{body} copies a stacked buffer each step: {stacked_copies}"
-
-
-SPMD_SCENARIO = """
-import numpy as np, torch, torch_xla
-import torch_xla.runtime as xr
-import torch_xla.distributed.spmd as xs
-import torch_xla_ext as tx
-xr.use_spmd()
-mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4, 1), ("data", "model"))
-dev = torch_xla.device()
-torch.manual_seed(0)
-lin = torch.nn.Linear(8, 8).to(dev)
-
-def fn(carry, x):
-    xs.mark_sharding(carry, mesh, ("data", None))   # an input
-    h = lin(carry) + x
-    xs.mark_sharding(h, mesh, ("data", None))       # an intermediate
-    h = torch.tanh(h)
-    return h, h.sum(0)
-
-init = torch.randn(8, 8, device=dev, requires_grad=True)
-xs_ = torch.randn(3, 8, 8, device=dev)
-
-def run(scanner):
-    carry, ys = scanner(fn, init, xs_)
-    hlo = torch_xla._XLAC._get_xla_tensors_hlo([carry])
-    (carry.sum() + ys.sum()).backward()
-    grads = [init.grad.cpu(), lin.weight.grad.cpu()]
-    init.grad = lin.weight.grad = None
-    return carry.cpu(), ys.cpu(), grads, hlo
-
-def loop(fn, init, xs_):
-    carry, ys = init, []
-    for x in xs_:
-        carry, y = fn(carry, x)
-        ys.append(y)
-    return carry, torch.stack(ys)
-
-c, ys, grads, hlo = run(tx.scan)
-rc, rys, rgrads, _ = run(loop)
-assert "sharding={devices=[4,1]" in hlo, "no sharding annotation in the scan's HLO"
-for a, b in zip([c, ys, *grads], [rc, rys, *rgrads]):
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-print("matched")
-"""
-
-
-def test_mark_sharding_inside_fn_under_spmd(run_isolated):
-    result = run_isolated(SPMD_SCENARIO, env={"CPU_NUM_DEVICES": "4"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "matched" in result.stdout
 
 
 def test_same_results_as_torch_xla_scan():

@@ -1,4 +1,5 @@
-"""scan under SPMD: the mark_sharding redirect is installed lazily, once, and
+"""scan under SPMD: mark_sharding inside fn annotates the loop and gives the
+for loop's results; the mark_sharding redirect is installed lazily, once, and
 per thread, and the shardings registry stays bounded. Each scenario runs in a
 fresh process with 4 CPU devices (SPMD must be chosen before any XLA work)."""
 
@@ -10,6 +11,7 @@ import torch_xla.distributed.spmd as xs
 from torch._subclasses.functional_tensor import FunctionalTensor
 import torch_xla_ext as tx
 from torch_xla_ext.scan import sharding
+from reference import scan_loop
 
 xr.use_spmd()
 mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4, 1), ("data", "model"))
@@ -29,28 +31,38 @@ def make_fn(wait_for=None, waiting=None):
         return h, h.sum(0)
     return fn
 
-def loop(fn, init, xs_):
-    carry, ys = init, []
-    for x in xs_:
-        carry, y = fn(carry, x)
-        ys.append(y)
-    return carry, torch.stack(ys)
 
 def step(scanner, fn):
     init = torch.ones(8, 8, device=dev, requires_grad=True)
     carry, ys = scanner(fn, init, torch.ones(3, 8, 8, device=dev) * 0.1)
     (carry.sum() + ys.sum()).backward()
-    return [carry.cpu(), ys.cpu(), init.grad.cpu()]
+    weight_grad, lin.weight.grad = lin.weight.grad.cpu(), None
+    return [carry.cpu(), ys.cpu(), init.grad.cpu(), weight_grad]
 
 def check_matches(got):
-    expected = step(loop, make_fn())
+    expected = step(scan_loop, make_fn())
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 """
 
+MARK_SHARDING_IN_FN = SPMD_PRELUDE + """
+carry, _ = tx.scan(make_fn(), torch.ones(8, 8, device=dev), torch.ones(3, 8, 8, device=dev))
+hlo = torch_xla._XLAC._get_xla_tensors_hlo([carry])
+assert "sharding={devices=[4,1]" in hlo, "no sharding annotation in the scan's HLO"
+check_matches(step(tx.scan, make_fn()))
+print("matched")
+"""
+
+
+def test_mark_sharding_inside_fn_annotates_and_matches_the_loop(run_isolated):
+    result = run_isolated(MARK_SHARDING_IN_FN, env={"CPU_NUM_DEVICES": "4"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "matched" in result.stdout
+
+
 REPEATED_TRACES = SPMD_PRELUDE + """
 torch_xla_mark_sharding = torch_xla._XLAC._xla_mark_sharding
-step(loop, make_fn())
+step(scan_loop, make_fn())
 assert torch_xla._XLAC._xla_mark_sharding is torch_xla_mark_sharding, "installed without a scan"
 sizes = []
 for _ in range(4):
