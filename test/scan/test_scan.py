@@ -145,6 +145,19 @@ def test_dropout_gradients_follow_each_steps_mask():
     torch.testing.assert_close(weight.grad.cpu(), 2 * kept.sum(0))
 
 
+def test_a_mask_drawn_from_the_seed_alone_is_kept_for_the_backward():
+    # dropout(ones) reads nothing but the RNG seed: computed again in the
+    # backward step, it would be drawn again and differ from the forward's.
+    weight = torch.full((16,), 3.0, device=DEV, requires_grad=True)
+    xs = torch.ones(5, 16, device=DEV)
+    _, ys = tx.scan(lambda c, x: (c, torch.nn.functional.dropout(torch.ones_like(x), 0.5)
+                                  * weight), randn(1), xs)
+    ys.sum().backward()
+    kept = (ys.detach().cpu() != 0).float()
+    assert 0 < kept.sum() < kept.numel()
+    torch.testing.assert_close(weight.grad.cpu(), 2 * kept.sum(0))
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(length=st.integers(1, 6), widths=st.lists(st.integers(1, 3), min_size=1, max_size=3),
        as_dict=st.booleans(), dtype=st.sampled_from([torch.float32, torch.int32]))

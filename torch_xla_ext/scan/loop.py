@@ -111,6 +111,13 @@ def _seed_parameter(context, outputs) -> int | None:
     return context.tensor_parameter_id(data[ids.index(seed_id)])
 
 
+def reads_random_seed(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` comes from a random op of the current trace (a dropout
+    mask): computed again, it would be drawn again, and differ."""
+    ids, data = _XLAC._get_tensors_xla_device_data_node([tensor])
+    return any(_may_be_seed(d) for d in data) and _current_seed_id(tensor.device) in ids
+
+
 def _may_be_seed(data: torch.Tensor) -> bool:
     return data.dtype == torch.int64 and data.dim() == 0
 

@@ -7,6 +7,8 @@ from typing import Sequence
 import torch
 import torch_xla
 
+from torch_xla_ext.scan.loop import reads_random_seed
+
 _XLAC = torch_xla._XLAC
 
 
@@ -33,7 +35,8 @@ def classify_saved(saved: Sequence[torch.Tensor], saved_nodes: Sequence, fw_grap
 
     An x slice is read from xs (`("x", i)`); a value computed from invariants
     alone, or from an x slice by layout ops alone (a layer weight's transpose),
-    is recomputed in the backward step (`("recomputed", value)`); anything else
+    is recomputed in the backward step (`("recomputed", value)`), unless a
+    random op made it (a dropout mask drawn again would differ); anything else
     is an activation, stacked by the forward loop (`("stacked", i)`). Returns
     the sources and the activations."""
     n_carry = len(carry_in)
@@ -47,7 +50,7 @@ def classify_saved(saved: Sequence[torch.Tensor], saved_nodes: Sequence, fw_grap
         reads = set(_XLAC._get_tensors_xla_device_data_node([value])[0])
         if id(value) in x_index:
             sources.append(("x", x_index[id(value)]))
-        elif carry_ids.isdisjoint(reads) and (
+        elif carry_ids.isdisjoint(reads) and not reads_random_seed(value) and (
                 x_ids.isdisjoint(reads) or _is_layout_of(node, free_inputs)):
             sources.append(("recomputed", value))
         else:
