@@ -54,11 +54,12 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
-from functorch.compile import default_partition
+import torch_xla.runtime
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from torch_xla_ext.scan import scan
+from torch_xla_ext.policies import save_everything
+from torch_xla_ext.scan import Lowered, lower, scan
 from torch_xla_ext.scan.mutation import Writes
 
 __all__ = ["LayerStack", "LayerByLayerWarning", "scan_layers"]
@@ -618,7 +619,11 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
 
 
 def _run_layer_by_layer(layer_at: Callable[[int], nn.Module], num_layers: int, hidden,
-                        args: tuple, kwargs: dict, drop_in: bool, reason: str):
+                        args: tuple, kwargs: dict, drop_in: bool, reason: str,
+                        lower_on: str | None = None):
+    if lower_on is not None:
+        raise ValueError(f"lower: this call would run the {num_layers} layers one by one, not "
+                         f"as one scan, so there is no scan to lower: {reason}")
     warnings.warn(f"The {num_layers} layers ran one by one, as the for loop does, instead "
                   f"of as one scan: {reason}.", LayerByLayerWarning, stacklevel=3)
     for index in range(num_layers):
@@ -630,20 +635,22 @@ def _run_layers(template: nn.Module, layout: _LayerLayout,
                 stacked_tensors: dict[str, torch.Tensor], hidden, args: tuple,
                 kwargs: dict, *, per_layer_paths: tuple[str, ...],
                 layer_at: Callable[[int], nn.Module], num_layers: int, drop_in: bool,
-                partition_fn, is_layer_pure) -> Any:
+                partition_fn, is_layer_pure, lower_on: str | None = None) -> Any:
     """Runs `template` once per layer slice of `stacked_tensors`, threading `hidden`.
 
     `args`/`kwargs` go to every layer; their tensors ride along in the carry
     unchanged, so they reach the layers as loop inputs and gradients flow back to
     them. `layout` is the template's current layout. When the scan cannot stand
     for the loop (see the module docstring), the layers `layer_at(i)` run one by one.
+    With `lower_on` (a device kind), nothing runs: the scan is staged and its
+    `Lowered` HLO returned.
     """
     try:
         _check_carried(hidden, "input_data" if drop_in else "hidden")
         tensor_arguments, arguments = _split_arguments(args, kwargs)
     except _NotTraceable as reason:
         return _run_layer_by_layer(layer_at, num_layers, hidden, args, kwargs, drop_in,
-                                   str(reason))
+                                   str(reason), lower_on)
     key = (layout.trace_key(), arguments, drop_in)
     steps = _STEPS.setdefault(template, {})
     if key not in steps:
@@ -653,6 +660,10 @@ def _run_layers(template: nn.Module, layout: _LayerLayout,
     if not reads:
         try:
             with _per_layer_reads_watched(template, per_layer_paths):
+                if lower_on is not None:
+                    return lower(step, (hidden, tensor_arguments), stacked_tensors,
+                                 partition_fn=partition_fn, is_fn_pure=is_layer_pure,
+                                 device_kind=lower_on)
                 (last_hidden, _), _ = scan(step, (hidden, tensor_arguments), stacked_tensors,
                                            partition_fn=partition_fn, is_fn_pure=is_layer_pure)
             return last_hidden
@@ -662,10 +673,10 @@ def _run_layers(template: nn.Module, layout: _LayerLayout,
     return _run_layer_by_layer(
         layer_at, num_layers, hidden, args, kwargs, drop_in,
         f"the layer reads {read}, which differ between layers, so one trace cannot stand for "
-        f"all of them (a key/value cache passed to the layers reads its layer index)")
+        f"all of them (a key/value cache passed to the layers reads its layer index)", lower_on)
 
 
-def scan_layers(layers: Iterable[nn.Module], input_data, partition_fn=default_partition,
+def scan_layers(layers: Iterable[nn.Module], input_data, partition_fn=save_everything,
                 is_layer_pure=None, *,
                 per_layer_attributes: Iterable[str] = _DEFAULT_PER_LAYER_ATTRIBUTES):
     """Runs `layers` in sequence on `input_data` as one scan; returns the last output.
@@ -678,8 +689,10 @@ def scan_layers(layers: Iterable[nn.Module], input_data, partition_fn=default_pa
     a tuple is passed as the layer's positional arguments, and a layer's whole
     output is the next layer's input (so it must have the input's structure,
     shapes and dtypes). The layers must be alike (see the module docstring);
-    attributes named in `per_layer_attributes` may differ. `partition_fn` and
-    `is_layer_pure` go to `scan` as `partition_fn` and `is_fn_pure` (None, the
+    attributes named in `per_layer_attributes` may differ. `partition_fn` (a
+    policy of `torch_xla_ext.policies` or its name, or an AOTAutograd
+    partitioner) and `is_layer_pure` go to `scan` as `partition_fn` and
+    `is_fn_pure` (None, the
     default, caches the trace as for a pure layer; False traces at every call,
     as torch_xla's default does).
 
@@ -784,8 +797,10 @@ class LayerStack(nn.Module):
       layers: the layers, identical in submodule types and names, parameter and
         buffer shapes and dtypes, and settings (dropout `p`, `eps`, `training`,
         activation functions, configs, ...; see the module docstring).
-      partition_fn, is_layer_pure: passed to `scan` as `partition_fn` and
-        `is_fn_pure`.
+      partition_fn: what the forward loop keeps for the backward loop: a
+        policy of `torch_xla_ext.policies` (`save_nothing`, `offload("x")`,
+        ...), its name, or an AOTAutograd partitioner; passed to `scan`.
+      is_layer_pure: passed to `scan` as `is_fn_pure`.
       per_layer_attributes: names of attributes that may differ between layers,
         each layer keeping its own value; calls whose traced computation reads
         one run layer by layer (see the module docstring).
@@ -793,7 +808,7 @@ class LayerStack(nn.Module):
         former name).
     """
 
-    def __init__(self, layers: Iterable[nn.Module], *, partition_fn=default_partition,
+    def __init__(self, layers: Iterable[nn.Module], *, partition_fn=save_everything,
                  is_layer_pure=None,
                  per_layer_attributes: Iterable[str] = _DEFAULT_PER_LAYER_ATTRIBUTES,
                  ignored_attributes: Iterable[str] = ()):
@@ -876,10 +891,26 @@ class LayerStack(nn.Module):
     def forward(self, hidden, *args, **kwargs):
         if self._template is None:
             return hidden
+        return self._run(hidden, args, kwargs)
+
+    def lower(self, hidden, *args, device_kind: str | None = None, **kwargs) -> Lowered:
+        """Stages `self(hidden, *args, **kwargs)` without running it: the HLO of
+        its forward and backward loops as they would run on `device_kind`
+        (default: the current device's kind), as `torch_xla_ext.lower` gives.
+        `hidden` and tensor arguments may be placeholders; nothing is
+        transferred or executed."""
+        if self._template is None:
+            raise ValueError("lower: an empty LayerStack runs no scan")
+        if device_kind is None:
+            device_kind = torch_xla.runtime.device_type()
+        return self._run(hidden, args, kwargs, lower_on=device_kind)
+
+    def _run(self, hidden, args, kwargs, lower_on=None):
         return _run_layers(self._template, _layout(self._template, 0), self._stacked_tensors(),
                            hidden, args, kwargs, per_layer_paths=tuple(self.per_layer_values),
                            layer_at=self.__getitem__, num_layers=len(self), drop_in=False,
-                           partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure)
+                           partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
+                           lower_on=lower_on)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):

@@ -191,6 +191,11 @@ def tracing(what: str):
         _tracing_state.what = previous
 
 
+def is_tracing() -> bool:
+    """Whether this thread is inside `tracing` (scan is tracing a function)."""
+    return getattr(_tracing_state, "what", None) is not None
+
+
 # ---------------------------------------------------------------------------
 # Argument checks
 

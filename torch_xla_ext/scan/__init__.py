@@ -34,32 +34,40 @@ How one call runs, one module a stage:
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from typing import Callable
 
 import torch
+import torch_xla.runtime
 from functorch.compile import default_partition
 
+from torch_xla_ext import policies
 from torch_xla_ext.placeholders import mark_derived, placeholder_sources
-from torch_xla_ext.scan.avals import Aval, avals, empty_stack, flatten_inputs, scan_length
+from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack, flatten_inputs,
+                                      scan_length)
+from torch_xla_ext.scan.loop import hlo_text
 from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, fingerprint
 from torch_xla_ext.scan.traced import Traced
 from torch_xla_ext.scan.tracing import autocast_state, trace
 
-__all__ = ["scan", "cache_info", "cache_clear", "CacheInfo", "default_partition"]
+__all__ = ["scan", "lower", "Lowered", "cache_info", "cache_clear", "CacheInfo",
+           "default_partition"]
 
 
-def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
+def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everything,
          is_fn_pure: bool | None = None, *, reverse: bool = False):
     """Loops `fn(carry, x) -> (carry, y)` over the leading dim of `xs`.
 
     Returns `(carry, ys)` where each `ys` leaf stacks the per-step `y` leaves on a
     new dim 0; `reverse=True` runs from the last slice to the first (`ys` stays in
     `xs` order). Gradients flow to `init`, `xs` and every tensor `fn` reads from
-    its closure or its module; `partition_fn` (an AOTAutograd partitioner such as
-    `functorch.compile.min_cut_rematerialization_partition`) chooses what the
-    forward loop saves for the backward loop.
+    its closure or its module. `partition_fn` chooses what the forward loop
+    keeps for the backward loop: a policy of `torch_xla_ext.policies`
+    (`save_everything`, the default; `save_nothing`, `save_dots`,
+    `save_only(*names)`, `offload(*names)` with names given by
+    `checkpoint_name`), a policy's name, or any AOTAutograd partitioner.
 
     `fn` is assumed pure: traced once per cache key, then replayed from the
     cache without running its Python body. The key is what can change the
@@ -108,40 +116,89 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = default_partition,
     whose dtype autocast changes (a linear layer's bf16 output) raises a
     TypeError: cast it back to the dtype of `init`.
     """
-    if not callable(fn):
-        raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
-    if is_fn_pure not in (None, True, False):
-        raise TypeError(f"scan: is_fn_pure must be None, True or False, got {is_fn_pure!r}")
-    carry_leaves, carry_tree = flatten_inputs(init, "init")
-    xs_leaves, xs_tree = flatten_inputs(xs, "xs")
-    length = scan_length(xs_leaves, xs_tree)
-    cacheable = is_fn_pure is not False
-    fn_key = partition_key = None
-    if cacheable:
-        fn_key, partition_key = fingerprint(fn, "fn"), fingerprint(partition_fn, "partition_fn")
-        cacheable = fn_key is not None and partition_key is not None
-    key = CacheKey(
-        fn_key, partition_key, carry_tree, xs_tree, avals(carry_leaves),
-        tuple(Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in xs_leaves),
-        autocast_state())
-    found = CACHE.lookup(key, fn) if cacheable else None
-    if found is None:
-        new_trace = trace(key, fn)
-        traced, captures = Traced(key, new_trace, fn), new_trace.lifter.captured
-        if cacheable:
-            CACHE.store(key, traced, fn)
-    else:
-        traced, captures = found
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (*carry_leaves, *xs_leaves, *captures))
-    if length == 0:
-        return init, traced.y_tree.unflatten(
-            [empty_stack(a, carry_leaves + xs_leaves) for a in traced.y_avals])
-    carry_out, ys = traced.run(fn, partition_fn, carry_leaves, xs_leaves, captures, reverse,
-                               needs_grad)
+    partition_fn = policies.resolve(partition_fn)
+    call = _Call(fn, init, xs, partition_fn, is_fn_pure)
+    if call.length == 0:
+        return init, call.traced.y_tree.unflatten(
+            [empty_stack(a, call.carry_leaves + call.xs_leaves) for a in call.traced.y_avals])
+    carry_out, ys = call.traced.run(fn, partition_fn, call.carry_leaves, call.xs_leaves,
+                                    call.captures, reverse, call.needs_grad)
     # Scanning placeholders stages out HLO; its results must then guard reads like them.
-    mark_derived((carry_out, ys), placeholder_sources((carry_leaves, xs_leaves, captures)))
-    return carry_tree.unflatten(carry_out), traced.y_tree.unflatten(ys)
+    mark_derived((carry_out, ys),
+                 placeholder_sources((call.carry_leaves, call.xs_leaves, call.captures)))
+    return call.carry_tree.unflatten(carry_out), call.traced.y_tree.unflatten(ys)
+
+
+class _Call:
+    """One call's inputs and its trace: from the cache, else traced now."""
+
+    def __init__(self, fn, init, xs, partition_fn, is_fn_pure):
+        if not callable(fn):
+            raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
+        if is_fn_pure not in (None, True, False):
+            raise TypeError(f"scan: is_fn_pure must be None, True or False, got {is_fn_pure!r}")
+        self.carry_leaves, self.carry_tree = flatten_inputs(init, "init")
+        self.xs_leaves, xs_tree = flatten_inputs(xs, "xs")
+        self.length = scan_length(self.xs_leaves, xs_tree)
+        cacheable = is_fn_pure is not False
+        fn_key = partition_key = None
+        if cacheable:
+            fn_key = fingerprint(fn, "fn")
+            partition_key = fingerprint(partition_fn, "partition_fn")
+            cacheable = fn_key is not None and partition_key is not None
+        key = CacheKey(
+            fn_key, partition_key, self.carry_tree, xs_tree, avals(self.carry_leaves),
+            tuple(Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in self.xs_leaves),
+            autocast_state())
+        found = CACHE.lookup(key, fn) if cacheable else None
+        if found is None:
+            new_trace = trace(key, fn)
+            self.traced, self.captures = Traced(key, new_trace, fn), new_trace.lifter.captured
+            if cacheable:
+                CACHE.store(key, self.traced, fn)
+        else:
+            self.traced, self.captures = found
+        self.needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (*self.carry_leaves, *self.xs_leaves, *self.captures))
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """The HLO a scan would run: its forward loop, and its backward loop when
+    the call would need gradients (else None)."""
+    forward_hlo: str
+    backward_hlo: str | None
+    device_kind: str
+
+
+def lower(fn: Callable, init, xs, partition_fn: Callable = policies.save_everything,
+          is_fn_pure: bool | None = None, *, reverse: bool = False,
+          device_kind: str | None = None) -> Lowered:
+    """Stages `scan(fn, init, xs, ...)` without running it and returns the HLO
+    text of its loops as they would run on `device_kind` ("TPU", "CPU", ...;
+    default: the current device's kind).
+
+    Nothing is transferred or executed: `init` and `xs` may be placeholders or
+    real tensors, of which only shapes, dtypes and `requires_grad` count, and
+    tensors `fn` captures are read only for their avals. This is how to see what
+    a TPU would run (an `offload` policy's host placements, say) on a machine
+    without one."""
+    partition_fn = policies.resolve(partition_fn, "lower")
+    if device_kind is None:
+        device_kind = torch_xla.runtime.device_type()
+    if not isinstance(device_kind, str) or not device_kind:
+        raise TypeError(f"lower: device_kind must be a str such as 'TPU' or 'CPU', "
+                        f"got {device_kind!r}")
+    init, xs = as_placeholders(init, "init"), as_placeholders(xs, "xs")
+    call = _Call(fn, init, xs, partition_fn, is_fn_pure)
+    if call.length == 0:
+        raise ValueError("lower: xs has 0 steps; a scan of no steps runs no loop")
+    forward, backward = call.traced.loops(fn, partition_fn, call.captures, call.needs_grad,
+                                          device_kind.upper())
+    return Lowered(hlo_text(forward.computation(call.length, reverse)),
+                   None if backward is None
+                   else hlo_text(backward.computation(call.length, not reverse)),
+                   device_kind.upper())
 
 
 def cache_info() -> CacheInfo:

@@ -7,7 +7,9 @@ import functools
 import torch
 import torch_xla
 from functorch.compile import aot_function, make_boxed_func
+from torch_xla.experimental.stablehlo_custom_call import place_to_device, place_to_host
 
+from torch_xla_ext import policies
 from torch_xla_ext.placeholders import placeholder_sources, tracing
 from torch_xla_ext.scan import mutation, passes
 from torch_xla_ext.scan.avals import avals, flatten
@@ -15,6 +17,9 @@ from torch_xla_ext.scan.loop import Loop, Slot, lower_body
 from torch_xla_ext.scan.sharding import as_fn_arguments, functional_mark_sharding
 from torch_xla_ext.scan.tracing import LiftCaptures, call_body, internal, new_stand_in, stand_in
 
+# Device kinds with a host memory apart from the device's, where offloaded
+# activations go (annotate_device_placement kills a PJRT CPU process).
+HOST_MEMORY_KINDS = frozenset(["TPU", "CUDA", "GPU"])
 
 
 def output_nodes(graph_module) -> list:
@@ -31,13 +36,18 @@ class TrainingPlan:
     backward graph needs, except those it can get for free: slices of `xs` are
     read from `xs` itself, and values computed from invariants alone or from an
     x slice by layout ops alone (a weight's transpose) are recomputed in the
-    backward step instead of stacked.
+    backward step instead of stacked. Activations an `offload` policy names
+    go to host memory on `device_kind`s that have one.
     """
 
-    def __init__(self, traced, fn, partition_fn, captured):
+    def __init__(self, traced, fn, partition_fn, captured, device_kind: str):
         """`fn`, `partition_fn` and the tensors `fn` captures are the building
         call's; the plan does not keep them."""
         self.traced = traced
+        offloaded = getattr(partition_fn, "offloaded", ())
+        if offloaded and device_kind not in HOST_MEMORY_KINDS:
+            policies.warn_no_host_memory(partition_fn, device_kind)
+            offloaded = ()
         key = traced.key
         carry_avals, invariant_avals = traced.loop_carry_avals, traced.loop_invariant_avals
         any_grad = any(a.requires_grad for a in (*key.carry_avals, *key.x_avals, *invariant_avals))
@@ -49,7 +59,7 @@ class TrainingPlan:
                             + list(key.x_avals) + invariant_avals)
         self.sizes = (len(carry_avals), len(key.x_avals), len(invariant_avals))
         fw_graph, bw_graph, differentiable = self._partition(fn, partition_fn, captured)
-        self._build_loops(fw_graph, bw_graph, differentiable)
+        self._build_loops(fw_graph, bw_graph, differentiable, offloaded)
 
     def _step(self, fn, captured, *primals):
         """One step as a flat function of (loop carries, x, invariants) for
@@ -123,15 +133,18 @@ class TrainingPlan:
             raise ValueError("scan: none of fn's outputs depends on an input that requires grad")
         return graphs["forward"], graphs["backward"], differentiable
 
-    def _build_loops(self, fw_graph, bw_graph, differentiable):
+    def _build_loops(self, fw_graph, bw_graph, differentiable, offloaded):
         stand_ins = [stand_in(a, requires_grad=False) for a in self.input_avals]
-        outputs, activations, saved_sources = self._build_forward_loop(fw_graph, stand_ins)
+        outputs, activations, saved_sources = self._build_forward_loop(fw_graph, stand_ins,
+                                                                       offloaded)
         self._build_backward_loop(bw_graph, differentiable, stand_ins, outputs, activations,
                                   saved_sources)
 
-    def _build_forward_loop(self, fw_graph, stand_ins):
+    def _build_forward_loop(self, fw_graph, stand_ins, offloaded):
         """Lowers the forward graph; returns its lazy outputs, the activations it
-        stacks, and where the backward step gets each saved value."""
+        stacks, and where the backward step gets each saved value. The
+        activations `checkpoint_name` named in `offloaded` are placed in host
+        memory as they are stacked."""
         n_carry, n_x, n_inv = self.sizes
         n_stacked = len(self.traced.loop_stacked_avals)
         n_out = n_carry + n_stacked
@@ -149,8 +162,15 @@ class TrainingPlan:
             fw_outputs = fw_graph(*stand_ins)
         outputs, saved = list(fw_outputs[:n_out]), list(fw_outputs[n_out:])
 
+        saved_nodes = output_nodes(fw_graph)[n_out:]
         saved_sources, activations = passes.classify_saved(
-            saved, output_nodes(fw_graph)[n_out:], fw_graph, carry_in, x_in)
+            saved, saved_nodes, fw_graph, carry_in, x_in)
+        self.offloaded = [what for (kind, what), node in zip(saved_sources, saved_nodes)
+                          if kind == "stacked" and node.target is policies.NAMED_OP
+                          and node.args[1] in offloaded]
+        with torch.no_grad():
+            activations = [place_to_host(a) if i in self.offloaded else a
+                           for i, a in enumerate(activations)]
 
         forward_body = lower_body("scan_forward_step", outputs + activations, slots, n_inv)
         self.forward_constants = forward_body.constants
@@ -181,6 +201,9 @@ class TrainingPlan:
         activation_in = [stand_in(a, False) for a in avals(activations)]
         for i, t in enumerate(activation_in):
             bw_slots[id(t)] = (t, Slot("sliced", i))
+        with torch.no_grad():  # offloaded activations come back just before use
+            activation_in = [place_to_device(t) if i in self.offloaded else t
+                             for i, t in enumerate(activation_in)]
         y_tangent_in = []
         for position, i in enumerate(self.y_tangents):
             t = stand_in(avals(outputs)[n_carry + i], False)

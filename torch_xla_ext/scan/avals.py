@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch.utils._pytree import (
-    TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten)
+    TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten)
 
 
 class Aval(NamedTuple):
@@ -49,6 +49,20 @@ def flatten(tree) -> tuple[list, Structure]:
     leaves, spec = tree_flatten(tree)
     return [leaf for leaf in leaves if leaf is not None], Structure(
         spec, tuple(leaf is None for leaf in leaves))
+
+
+def as_placeholders(tree, name: str):
+    """`tree` with each tensor leaf that is not a placeholder replaced by a
+    placeholder of its aval: for staging a scan from shapes and dtypes alone."""
+    from torch_xla_ext.placeholders import is_placeholder, placeholder
+
+    def convert(leaf):
+        if not isinstance(leaf, torch.Tensor) or (leaf.device.type == "xla"
+                                                  and is_placeholder(leaf)):
+            return leaf  # non-tensors are refused by flatten_inputs, naming the leaf
+        return placeholder(tuple(leaf.shape), leaf.dtype).requires_grad_(leaf.requires_grad)
+
+    return tree_map(convert, tree)
 
 
 def flatten_inputs(tree, name: str) -> tuple[list, Structure]:

@@ -157,11 +157,7 @@ class Loop:
 
     def __call__(self, carries, sliced, invariants, reverse: bool):
         length = sliced[0].shape[0]
-        with self._lock:
-            computation = self._computations.get((length, reverse))
-            if computation is None:
-                computation = self._build(length, reverse)
-                self._computations[(length, reverse)] = computation
+        computation = self.computation(length, reverse)
         operands = [*carries, *sliced, *invariants]
         if self.uses_seed:
             # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
@@ -169,6 +165,15 @@ class Loop:
             operands.append(seeds.to(sliced[0].device))
         results = _XLAC._xla_user_computation(f"xla::{self.name}", operands, computation)
         return results[:len(self.carry_avals)], results[len(self.carry_avals):]
+
+    def computation(self, length: int, reverse: bool):
+        """The loop's XLA computation for `length` steps (built once)."""
+        with self._lock:
+            computation = self._computations.get((length, reverse))
+            if computation is None:
+                computation = self._build(length, reverse)
+                self._computations[(length, reverse)] = computation
+        return computation
 
     def _build(self, length: int, reverse: bool):
         body, outputs = self.body, self.outputs
@@ -227,6 +232,11 @@ class Loop:
         results = [loop.get_tuple_element(1 + i) for i in range(n_carry)]
         results += [loop.get_tuple_element(1 + n_carry + n_sliced + i) for i in range(n_stacked)]
         return xb.Op.tuple(results).build(self.name)
+
+
+def hlo_text(computation) -> str:
+    """The HLO text of an XLA computation (of a loop, with the step it calls)."""
+    return xb.get_computation_hlo(computation)
 
 
 def _xla_type(dtype: torch.dtype):

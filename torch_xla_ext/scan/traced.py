@@ -5,6 +5,7 @@ import threading
 import weakref
 
 import torch
+import torch_xla.runtime
 
 from torch_xla_ext.placeholders import placeholder_sources
 from torch_xla_ext.scan import mutation, passes
@@ -84,8 +85,17 @@ class Traced:
             return self._inference(carry, xs, captures, reverse)
         with self._lock:
             if self._training is None:
-                self._training = TrainingPlan(self, fn, partition_fn, captures)
+                self._training = TrainingPlan(self, fn, partition_fn, captures,
+                                              torch_xla.runtime.device_type())
         return self._training(carry, xs, captures, reverse)
+
+    def loops(self, fn, partition_fn, captures, needs_grad, device_kind) -> tuple:
+        """The loops a call would run on `device_kind`: (forward, backward or
+        None), built afresh (for looking at their HLO, not kept)."""
+        if not needs_grad:
+            return self._inference.loop, None
+        plan = TrainingPlan(self, fn, partition_fn, captures, device_kind)
+        return plan.forward_loop, plan.backward_loop
 
     def _check_written_unaliased(self, fn, carry, xs, captures):
         inputs = [*carry, *xs, *captures]
