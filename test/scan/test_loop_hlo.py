@@ -1,0 +1,151 @@
+"""XLA's optimized HLO of a LayerStack training step: no copy of a whole
+stacked buffer ([L, ...]: sliced inputs, stacked outputs) inside a while body,
+where it would run once per step of the scan."""
+import glob
+import os
+import re
+
+LAYERS = 3  # a size no other dimension of the step below has
+
+# Forward, loss, backward and an SGD update (which writes the weights in place,
+# as the benchmark's step does), compiled as one graph.
+TRAINING_STEP = f"""
+import torch, torch_xla
+from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
+
+device = torch_xla.device()
+model = make_decoder_stack({LAYERS}, hidden=32, heads=2, mode="scan", device=device)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+batch = make_batch(2, 8, 32, device=device)
+torch_xla.sync()
+training_step(model, batch, optimizer)
+torch_xla.sync()
+"""
+
+_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply)=%([\w.\-]+)"
+                      r"|\bbranch_computations=\{([^}]*)\}")
+_ARRAY = r"(\w+)\[([\d,]*)\]"
+_RESULT_SHAPE = re.compile(r"= \(?" + _ARRAY)
+_COPY = re.compile(r" copy(?:-start)?\(")
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    """The instruction lines of each computation of an HLO module's text, by name."""
+    found, current = {}, None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = found[header.group(1)] = []
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line.strip())
+    return found
+
+
+def callees(instruction: str) -> list[str]:
+    names = []
+    for single, branches in _CALLEES.findall(instruction):
+        names += [single] if single else [b.strip().lstrip("%") for b in branches.split(",")]
+    return names
+
+
+def while_loops(hlo: str, length: int) -> list[tuple[str, set]]:
+    """Per while loop: its body's name and the (dtype, dims) of its stacked
+    buffers, the elements of its state whose leading dimension is `length`."""
+    loops = []
+    for instruction in (i for lines in computations(hlo).values() for i in lines):
+        if " while(" not in instruction:
+            continue
+        state = instruction.split(" while(")[0]
+        stacked = {(dtype, dims) for dtype, dims in re.findall(_ARRAY, state)
+                   if dims.split(",")[0] == str(length)}
+        body, = re.findall(r"\bbody=%([\w.\-]+)", instruction)
+        loops.append((body, stacked))
+    return loops
+
+
+def stacked_copies_in_loops(hlo: str, length: int) -> list[str]:
+    """The copies run by a while body (in it or in a computation it calls,
+    such as a fusion) whose shape is one of that loop's stacked buffers."""
+    found = computations(hlo)
+    copies = []
+    for body, stacked in while_loops(hlo, length):
+        reached, pending = set(), [body]
+        while pending:
+            name = pending.pop()
+            if name in reached:
+                continue
+            reached.add(name)
+            for instruction in found[name]:
+                pending += callees(instruction)
+                shape = _RESULT_SHAPE.search(instruction)
+                if _COPY.search(instruction) and shape and shape.groups() in stacked:
+                    copies.append(f"{name}: {instruction}")
+    return copies
+
+
+# A loop over 3 steps whose step writes slice i of a [3,4] stacked output
+# through a fusion that copies the whole buffer first.
+LOOP_WITH_A_STACKED_COPY = """HloModule example
+
+%fused_update (param_0: f32[3,4], param_1: f32[4], param_2: s64[]) -> f32[3,4] {
+  %param_0 = f32[3,4]{1,0} parameter(0)
+  %copy.1 = f32[3,4]{1,0} copy(%param_0)
+  %param_1 = f32[4]{0} parameter(1)
+  %bitcast = f32[1,4]{1,0} bitcast(%param_1)
+  %param_2 = s64[] parameter(2)
+  %zero = s64[] constant(0)
+  ROOT %dynamic-update-slice = f32[3,4]{1,0} dynamic-update-slice(%copy.1, %bitcast, %param_2, %zero)
+}
+
+%body (state: (s64[], f32[4], f32[3,4])) -> (s64[], f32[4], f32[3,4]) {
+  %state = (s64[], f32[4]{0}, f32[3,4]{1,0}) parameter(0)
+  %step = s64[] get-tuple-element(%state), index=0
+  %carry = f32[4]{0} get-tuple-element(%state), index=1
+  %copy.2 = f32[4]{0} copy(%carry)
+  %stacked = f32[3,4]{1,0} get-tuple-element(%state), index=2
+  %update = f32[3,4]{1,0} fusion(%stacked, %copy.2, %step), kind=kLoop, calls=%fused_update
+  %one = s64[] constant(1)
+  %next = s64[] add(%step, %one)
+  ROOT %tuple = (s64[], f32[4]{0}, f32[3,4]{1,0}) tuple(%next, %copy.2, %update)
+}
+
+%condition (state: (s64[], f32[4], f32[3,4])) -> pred[] {
+  %state = (s64[], f32[4]{0}, f32[3,4]{1,0}) parameter(0)
+  %step = s64[] get-tuple-element(%state), index=0
+  %three = s64[] constant(3)
+  ROOT %less = pred[] compare(%step, %three), direction=LT
+}
+
+ENTRY %main (carry: f32[4], stacked: f32[3,4]) -> (s64[], f32[4], f32[3,4]) {
+  %carry = f32[4]{0} parameter(0)
+  %stacked = f32[3,4]{1,0} parameter(1)
+  %copy.3 = f32[3,4]{1,0} copy(%stacked)
+  %zero = s64[] constant(0)
+  %init = (s64[], f32[4]{0}, f32[3,4]{1,0}) tuple(%zero, %carry, %copy.3)
+  ROOT %while = (s64[], f32[4]{0}, f32[3,4]{1,0}) while(%init), condition=%condition, body=%body
+}
+"""
+
+
+def test_the_parser_finds_a_stacked_copy_inside_a_loop_only():
+    # copy.1 (in the fusion the body calls) counts; copy.2 (a carry) and
+    # copy.3 (before the loop, once per call) do not.
+    assert while_loops(LOOP_WITH_A_STACKED_COPY, 3) == [("body", {("f32", "3,4")})]
+    copies = stacked_copies_in_loops(LOOP_WITH_A_STACKED_COPY, 3)
+    assert copies == ["fused_update: %copy.1 = f32[3,4]{1,0} copy(%param_0)"]
+
+
+def test_layer_stack_training_step_copies_no_stacked_buffer_inside_its_loops(
+        run_isolated, tmp_path):
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    result = run_isolated(TRAINING_STEP, env={"XLA_FLAGS": flags.strip()})
+    assert result.returncode == 0, result.stderr[-3000:]
+    dumps = [open(path).read() for path in glob.glob(f"{tmp_path}/*after_optimizations.txt")]
+    step, = [hlo for hlo in dumps if " while(" in hlo]
+    loops = while_loops(step, LAYERS)
+    # The forward loop and the backward loop, each with stacked buffers.
+    assert len(loops) == 2 and all(stacked for _, stacked in loops), loops
+    assert stacked_copies_in_loops(step, LAYERS) == []
