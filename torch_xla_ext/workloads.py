@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_xla_ext.layer_stack import LayerStack
+from torch_xla_ext.policies import checkpoint_name
 
 MODES = ("loop", "scan", "torch-xla-scan")
 
@@ -76,7 +77,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        hidden = checkpoint_name(F.silu(self.gate_proj(x)) * self.up_proj(x), "mlp_hidden")
+        return self.down_proj(hidden)
 
 
 class DecoderBlock(nn.Module):
@@ -91,8 +93,10 @@ class DecoderBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), attention_mask)
+        # Names for the memory policies (torch_xla_ext.policies.save_only, offload).
+        attn_out = checkpoint_name(
+            self.self_attn(self.input_layernorm(hidden_states), attention_mask), "attn_out")
+        hidden_states = hidden_states + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
