@@ -135,14 +135,17 @@ def test_dropout_differs_per_step_and_repeats_under_manual_seed():
     assert len(set(masks)) == 4
 
 
-def test_dropout_gradients_follow_each_steps_mask():
+@pytest.mark.parametrize("p", [0.5, 0.1])
+def test_dropout_gradients_follow_each_steps_mask(p):
+    # p = 0.1 tells 1 / (1 - p) from 1 / p, which torch_xla's own native_dropout scales by.
     weight = torch.full((16,), 3.0, device=DEV, requires_grad=True)
-    xs = torch.ones(5, 16, device=DEV)
-    _, ys = tx.scan(lambda c, x: (c, torch.nn.functional.dropout(x * weight, 0.5)), randn(1), xs)
+    xs = torch.ones(8, 16, device=DEV)
+    _, ys = tx.scan(lambda c, x: (c, torch.nn.functional.dropout(x * weight, p)), randn(1), xs)
     ys.sum().backward()
-    kept = (ys.detach().cpu() != 0).float()  # y = 2 * weight * x where kept, else 0
+    kept = (ys.detach().cpu() != 0).float()  # y = weight * x / (1 - p) where kept, else 0
     assert 0 < kept.sum() < kept.numel()
-    torch.testing.assert_close(weight.grad.cpu(), 2 * kept.sum(0))
+    torch.testing.assert_close(ys.detach().cpu(), kept * 3.0 / (1 - p))
+    torch.testing.assert_close(weight.grad.cpu(), kept.sum(0) / (1 - p))
 
 
 def test_a_mask_drawn_from_the_seed_alone_is_kept_for_the_backward():

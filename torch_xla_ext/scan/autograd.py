@@ -7,6 +7,7 @@ import functools
 import torch
 import torch_xla
 from functorch.compile import aot_function, make_boxed_func
+from torch._decomp import get_decompositions
 from torch_xla.experimental.stablehlo_custom_call import place_to_device, place_to_host
 
 from torch_xla_ext import policies
@@ -16,6 +17,11 @@ from torch_xla_ext.scan.avals import avals, flatten
 from torch_xla_ext.scan.loop import Loop, Slot, lower_body
 from torch_xla_ext.scan.sharding import as_fn_arguments, functional_mark_sharding
 from torch_xla_ext.scan.tracing import LiftCaptures, call_body, internal, new_stand_in, stand_in
+
+# torch_xla 2.9's native_dropout scales kept values by 1 / p instead of
+# 1 / (1 - p) (its eager dropout is right): traced graphs use torch's
+# decomposition, a comparison of uniform draws with p.
+_DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_dropout])
 
 # Device kinds with a host memory apart from the device's, where offloaded
 # activations go (annotate_device_placement kills a PJRT CPU process).
@@ -117,7 +123,7 @@ class TrainingPlan:
 
         compiled = aot_function(functools.partial(self._step, fn, captured),
                                 fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                                partition_fn=partition_fn)
+                                partition_fn=partition_fn, decompositions=_DECOMPOSITIONS)
         primals = [new_stand_in(a.shape, a.dtype, a.requires_grad, guarded=False)
                    for a in self.input_avals]
         # AOTAutograd traces fn again: under the autocast state of the first trace.
