@@ -20,7 +20,9 @@ backward loop reads it) or the backward step recomputes it from what is kept:
 
 Whatever the policy, the step's inputs are always available (the carry is
 stacked, `xs` and captured weights are read where they are), and random ops
-(dropout masks) are never recomputed, since a second draw would differ.
+(dropout masks) are never recomputed, since a second draw would differ. What
+fn runs under `torch_xla.utils.checkpoint.checkpoint` is recomputed whatever
+the policy, as that checkpoint asks.
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ import operator
 import warnings
 
 import torch
-from functorch.compile import default_partition
 from torch._functorch import partitioners
 
 __all__ = ["checkpoint_name", "Policy", "save_everything", "save_nothing", "save_dots",
@@ -69,9 +70,15 @@ def checkpoint_name(tensor: torch.Tensor, name: str) -> torch.Tensor:
     return _named(tensor, name) if is_tracing() else tensor
 
 
+# Names that mark the inputs and outputs of a region torch_xla's checkpoint
+# wraps inside fn (see scan/regions.py): "<prefix><number> in" / "... out".
+REGION_PREFIX = "torch_xla_ext:checkpoint region "
+
+
 def names_in(graph: torch.fx.Graph) -> list[str]:
     """The names `checkpoint_name` gave in `graph`, in order."""
-    return list(dict.fromkeys(node.args[1] for node in graph.nodes if node.target is NAMED_OP))
+    return list(dict.fromkeys(node.args[1] for node in graph.nodes if node.target is NAMED_OP
+                              and not node.args[1].startswith(REGION_PREFIX)))
 
 
 # ---------------------------------------------------------------------------
@@ -100,9 +107,8 @@ class Policy:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _SaveEverything(Policy):
-    def __call__(self, joint_module, joint_inputs, *, num_fwd_outputs, **options):
-        return default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                 **options)
+    def saves(self, node):
+        return True
 
     def __repr__(self):
         return "save_everything"
@@ -232,14 +238,15 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
     _read_names_in_backward(graph, forward)
 
     needed = _backward_needs(bwd_outputs, forward)
+    checkpointed = _checkpointed(forward)
     saved, seen = [], set()
     while needed:
         node = needed.pop()
         if node in seen:
             continue
         seen.add(node)
-        if _is_tensor(node) and (node.op == "placeholder" or _is_random(node)
-                                 or policy.saves(node)):
+        if _is_tensor(node) and (node.op == "placeholder" or _is_random(node) or (
+                node not in checkpointed and policy.saves(node))):
             saved.append(node)
         else:  # recomputed by the backward step from what it reads
             needed.extend(n for n in node.all_input_nodes if n in forward)
@@ -262,17 +269,37 @@ def _read_names_in_backward(graph: torch.fx.Graph, forward: set) -> None:
 
 def _backward_needs(bwd_outputs, forward: set) -> list:
     """The forward values the backward ops read."""
-    needs, seen, stack = [], set(), [o for o in bwd_outputs if isinstance(o, torch.fx.Node)]
+    backward = _reachable({o for o in bwd_outputs if isinstance(o, torch.fx.Node)},
+                          lambda n: () if n in forward else n.all_input_nodes)
+    return [n for n in backward if n in forward]
+
+
+def _checkpointed(forward: set) -> set:
+    """The forward nodes strictly inside a checkpoint region: computed from one
+    of its inputs on the way to one of its outputs. Never saved."""
+    ends = {}
+    for node in forward:
+        if node.target is NAMED_OP and node.args[1].startswith(REGION_PREFIX):
+            region, _, end = node.args[1].rpartition(" ")
+            ends.setdefault((region, end), set()).add(node)
+    inside = set()
+    for (region, end), outputs in ends.items():
+        if end == "out":
+            inputs = ends.get((region, "in"), set())
+            after_inputs = _reachable(inputs, lambda n: [u for u in n.users if u in forward])
+            before_outputs = _reachable(outputs, lambda n: n.all_input_nodes)
+            inside |= (after_inputs & before_outputs) - inputs - outputs
+    return inside
+
+
+def _reachable(starts: set, step) -> set:
+    seen, stack = set(), list(starts)
     while stack:
         node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in forward:
-            needs.append(node)
-        else:
-            stack.extend(node.all_input_nodes)
-    return needs
+        if node not in seen:
+            seen.add(node)
+            stack.extend(step(node))
+    return seen
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:

@@ -23,14 +23,16 @@ How one call runs, one module a stage:
    receiving it (closures, module parameters, buffers) is lifted into a
    loop-invariant input, bound to its current value at every call.
    `mutation`: what `fn` wrote in place is carried (captures) or stacked
-   (`xs` slices), and written back after the loop.
+   (`xs` slices), and written back after the loop. `regions`: torch_xla's
+   checkpoint inside `fn` runs as a region the backward step recomputes.
 3. `passes`: read-only carries leave the loop (their output is `init` itself),
    `xs` slices returned unchanged as `ys` are not copied, and saved values that
    are cheap to recompute are not stacked.
 4. `loop`: the step is lowered once to HLO and run as an XLA While loop;
    `autograd`: with gradients, AOTAutograd splits `fn` into forward and
-   backward graphs (`partition_fn` deciding what is saved), both run as While
-   loops (the backward in reverse). `traced` holds a trace and its loops.
+   backward graphs (`partition_fn`, a policy of `torch_xla_ext.policies`,
+   deciding what is saved), both run as While loops (the backward in reverse).
+   `traced` holds a trace and its loops; `lower` returns their HLO unrun.
 """
 from __future__ import annotations
 

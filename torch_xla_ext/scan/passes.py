@@ -61,9 +61,10 @@ def classify_saved(saved: Sequence[torch.Tensor], saved_nodes: Sequence, fw_grap
 
 # Ops that move no data but only reinterpret its layout: recomputing them in the
 # backward step costs nothing, stacking their results costs a copy per step.
+# (checkpoint_name is an identity that names a value.)
 _LAYOUT_OPS = frozenset(["t", "transpose", "permute", "view", "_unsafe_view", "reshape",
                          "expand", "slice", "select", "unsqueeze", "squeeze", "alias",
-                         "detach", "clone"])
+                         "detach", "clone", "checkpoint_name"])
 
 
 def _is_layout_of(node, inputs: set) -> bool:

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from torch_xla_ext.placeholders import (
     PlaceholderTensor, _mutates_arguments, placeholder, tracing, unguarded_placeholder)
+from torch_xla_ext.scan import regions
 from torch_xla_ext.scan.avals import Aval, Structure, check_carry_types, flatten
 from torch_xla_ext.scan.mutation import Writes
 from torch_xla_ext.scan.sharding import as_fn_arguments
@@ -162,6 +163,7 @@ def internal(autocast: tuple = ()):
 def trace(key, fn) -> Trace:
     """Runs `fn` once on placeholders of `key`'s avals, under the autocast
     state of `key`."""
+    regions.install()
     with internal(key.autocast):
         carry_in = [stand_in(a) for a in key.carry_avals]
         x_in = [stand_in(a) for a in key.x_avals]
