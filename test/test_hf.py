@@ -118,6 +118,23 @@ def test_training_matches_the_unconverted_model(device, family):
         close(model.state_dict()[key], value)
 
 
+def test_a_policy_given_to_stack_layers_gives_the_unconverted_gradients(device):
+    reference = make_model("llama", layers=2)
+    model = stack_layers(copy.deepcopy(reference), partition_fn="save_nothing")
+    assert model.model.layers.partition_fn is tx.policies.save_nothing
+    ids, mask = batch(device)
+    grads = []
+    for which in (reference, model):
+        which.to(device).train()
+        loss = which(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), per_layer_grads(which)))
+    close(grads[1][0], grads[0][0])
+    assert grads[1][1].keys() == grads[0][1].keys()
+    for name, grad in grads[0][1].items():
+        close(grads[1][1][name], grad)
+
+
 def training_step_hlo(model, device) -> tuple[str, torch.Tensor]:
     """The HLO of a training step's loss and gradients (not run), and the loss."""
     model.to(device).train()

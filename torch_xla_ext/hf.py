@@ -140,8 +140,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         "model.layers"; by default the one `nn.ModuleList` of the model whose
         layers are all of a class the model names in `_no_split_modules`.
       options: passed to `LayerStack`: `partition_fn` (what the forward loop
-        saves for the backward, such as functorch's
-        `min_cut_rematerialization_partition` to save memory),
+        keeps for the backward: a policy of `torch_xla_ext.policies` or its
+        name, `"save_nothing"` to recompute each layer in the backward),
         `is_layer_pure`, `per_layer_attributes` (default `("layer_idx",)`).
     """
     if not isinstance(model, nn.Module):

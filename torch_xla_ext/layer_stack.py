@@ -58,7 +58,7 @@ import torch_xla.runtime
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from torch_xla_ext.policies import save_everything
+from torch_xla_ext.policies import resolve as resolve_policy, save_everything
 from torch_xla_ext.scan import Lowered, lower, scan
 from torch_xla_ext.scan.mutation import Writes
 
@@ -814,7 +814,7 @@ class LayerStack(nn.Module):
                  ignored_attributes: Iterable[str] = ()):
         super().__init__()
         layers = list(layers)
-        self.partition_fn = partition_fn
+        self.partition_fn = resolve_policy(partition_fn, "LayerStack")
         self.is_layer_pure = is_layer_pure
         self.per_layer_attributes = frozenset(per_layer_attributes) | frozenset(ignored_attributes)
         self.num_layers = len(layers)
