@@ -142,7 +142,7 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int]) -
     ratio(f"compile time scan L={largest}/L={smallest}", ("scan", largest), ("scan", smallest),
           "compile_s", 1.3)
     ratio(f"execution scan/loop at L={middle}", ("scan", middle), ("loop", middle),
-          "execute_ms", 1.15)
+          "execute_ms", 1.10)
 
 
 def print_memory(by_key: dict[tuple[str, int], dict]) -> None:

@@ -228,3 +228,14 @@ def test_checkpoint_name_outside_a_scan_is_the_tensor_itself():
     assert tx.checkpoint_name(t, "h") is t
     cpu = torch.ones(2)
     assert tx.checkpoint_name(cpu, "h") is cpu
+
+
+def test_layer_stack_lower_places_a_named_activation_on_the_host_for_tpu():
+    from torch_xla_ext.workloads import DecoderBlock
+    stack = tx.LayerStack([DecoderBlock(hidden=16, heads=2) for _ in range(3)],
+                          partition_fn=policies.offload("attn_out")).to(DEV)
+    hidden = tx.placeholder((2, 4, 16), torch.float32)
+    lowered = stack.lower(hidden, device_kind="TPU")
+    assert placements(lowered.forward_hlo) == ["pinned_host"]
+    assert placements(lowered.backward_hlo) == ["device"]
+    assert "f32[3,2,4,16]" in stacked_buffers(lowered.forward_hlo, 3)
