@@ -1,17 +1,13 @@
 """The C++ core: its plain C++ unit tests in test/csrc, and its work seen from
 Python (the registry of live placeholders, the parameter plans of scan).
 
-Each test/csrc/*_test.cc becomes one binary, linked with the csrc sources and
-torch's libc10/libtorch_cpu, built with g++ in a pytest temporary directory.
-All translation units compile in parallel (one job per core), once per session.
+Each test/csrc/*_test.cc is a Bazel cc_test (BUILD). Bazel builds them once
+(`scripts/test.sh` runs `bazel test //...` first, so here the build is cached);
+these tests run the built binaries and check that none is left out of BUILD.
 """
 import gc
-import os
-import shutil
+import re
 import subprocess
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,73 +19,36 @@ from torch_xla_ext.scan.loop import Slot, lower_body
 
 DEV = torch_xla.device()
 ROOT = Path(__file__).resolve().parent.parent
-CSRC = ROOT / "csrc"
-TEST_CSRC = ROOT / "test" / "csrc"
-CORE_SOURCES = ["placeholder_data.cc", "parameter_table.cc"]
-TEST_SOURCES = sorted(p.name for p in TEST_CSRC.glob("*_test.cc"))
-CXX = os.environ.get("CXX", "g++")
+TEST_SOURCES = sorted(p.name for p in (ROOT / "test" / "csrc").glob("*_test.cc"))
+BAZEL = ["bash", str(ROOT / "scripts" / "bazel.sh")]
 
 
-def _torch_build_flags():
-    import torch
-    from torch.utils import cpp_extension
-
-    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
-    compile_flags = ["-std=c++17", "-O1", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                     f"-I{CSRC}", f"-I{TEST_CSRC}"]
-    compile_flags += [f"-I{path}" for path in cpp_extension.include_paths()]
-    link_flags = []
-    for path in cpp_extension.library_paths():
-        link_flags += [f"-L{path}", f"-Wl,-rpath,{path}"]
-    link_flags += ["-lc10", "-ltorch_cpu", "-pthread"]
-    return compile_flags, link_flags
-
-
-def _run(cmd, timeout=300):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def _check_built(proc, what):
-    if proc.returncode != 0:
-        pytest.fail(f"{what} failed (exit {proc.returncode}):\n$ {' '.join(proc.args)}\n"
-                    f"{proc.stdout}{proc.stderr}", pytrace=False)
+def _bazel(*arguments: str) -> subprocess.CompletedProcess:
+    completed = subprocess.run([*BAZEL, *arguments], capture_output=True, text=True,
+                               timeout=1800, cwd=ROOT)
+    if completed.returncode != 0:
+        pytest.fail(f"bazel {' '.join(arguments)} failed (exit {completed.returncode}):\n"
+                    f"{completed.stdout}{completed.stderr[-5000:]}", pytrace=False)
+    return completed
 
 
 @pytest.fixture(scope="session")
-def csrc_test_binaries(tmp_path_factory):
-    """Compiles every translation unit in parallel, then links one binary per
-    test file. Returns {test source name: binary path}."""
-    if shutil.which(CXX) is None:
-        pytest.skip(f"no C++ compiler ({CXX}) on PATH")
-    out = tmp_path_factory.mktemp("csrc_tests")
-    compile_flags, link_flags = _torch_build_flags()
-    sources = [CSRC / name for name in CORE_SOURCES] + [TEST_CSRC / name for name in TEST_SOURCES]
-    objects = {src: out / (src.stem + ".o") for src in sources}
-
-    start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(
-            lambda src: _run([CXX, *compile_flags, "-c", str(src), "-o", str(objects[src])]),
-            sources))
-    for src, proc in zip(sources, results):
-        _check_built(proc, f"compiling {src.relative_to(ROOT)}")
-
-    core_objects = [str(objects[CSRC / name]) for name in CORE_SOURCES]
-    binaries = {}
-    for name in TEST_SOURCES:
-        binary = out / Path(name).stem
-        proc = _run([CXX, str(objects[TEST_CSRC / name]), *core_objects, *link_flags,
-                     "-o", str(binary)])
-        _check_built(proc, f"linking {name}")
-        binaries[name] = binary
-    print(f"[test_csrc] built {len(binaries)} C++ test binaries in "
-          f"{time.monotonic() - start:.1f}s", file=sys.stderr)
-    return binaries
+def csrc_test_binaries():
+    """{test source name: the binary Bazel built from it}."""
+    targets = [f"//:{Path(name).stem}" for name in TEST_SOURCES]
+    _bazel("build", *targets)
+    bin_directory = Path(_bazel("info", "bazel-bin").stdout.strip())
+    return {name: bin_directory / Path(name).stem for name in TEST_SOURCES}
 
 
-def test_csrc_tests_exist():
+def test_every_csrc_test_is_a_bazel_test():
     assert "placeholder_data_test.cc" in TEST_SOURCES
     assert "parameter_table_test.cc" in TEST_SOURCES
+    build = (ROOT / "BUILD").read_text()
+    declared = re.findall(r'"test/csrc/(\w+_test\.cc)"', build)
+    assert sorted(declared) == TEST_SOURCES, "each test/csrc/*_test.cc needs a cc_test in BUILD"
+    for name in TEST_SOURCES:
+        assert f'name = "{Path(name).stem}"' in build
 
 
 @pytest.mark.parametrize("source", TEST_SOURCES)
@@ -154,12 +113,12 @@ def test_cached_scan_calls_leave_no_placeholder_alive():
         tx.scan(block, init, xs)  # the inference loop
     issued_by_trace = tx._C.ids_issued() - issued_before
     assert issued_by_trace > 0 and _new_live_ids(before) == set()
-    for _ in range(50):
+    for _ in range(10):
         train_step()
         with torch.no_grad():
             tx.scan(block, init, xs)
     torch_xla.sync()
-    assert tx.cache_info().misses == 1 and tx.cache_info().hits == 101
+    assert tx.cache_info().misses == 1 and tx.cache_info().hits == 21
     assert tx._C.ids_issued() - issued_before == issued_by_trace  # no stand-in per call
     assert _new_live_ids(before) == set()
     tx.cache_clear()
