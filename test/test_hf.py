@@ -128,6 +128,7 @@ def test_a_policy_given_to_stack_layers_gives_the_unconverted_gradients(device):
         which.to(device).train()
         loss = which(ids, attention_mask=mask, labels=ids).loss
         loss.backward()
+        torch_xla.sync()  # one execution; reading each gradient alone would compile each
         grads.append((loss.detach(), per_layer_grads(which)))
     close(grads[1][0], grads[0][0])
     assert grads[1][1].keys() == grads[0][1].keys()
@@ -149,22 +150,22 @@ def instruction_count(hlo: str) -> int:
     return len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", hlo, re.MULTILINE))
 
 
-def test_64_layers_train_as_one_while_loop_like_the_unconverted_model(device):
+def test_16_layers_train_as_one_while_loop_like_the_unconverted_model(device):
     sizes, results = {}, []
-    for layers in (4, 64):
+    for layers in (4, 16):
         for which in converted_pair(layers=layers):
             converted = isinstance(which.model.layers, StackedLayers)
             hlo, loss = training_step_hlo(which, device)
             sizes[layers, converted] = instruction_count(hlo)
             assert bool(re.search(r"\bwhile\(", hlo)) == converted
-            if layers == 64:
+            if layers == 16:
                 torch_xla.sync()
                 results.append((loss, per_layer_grads(which)))
             else:
                 which.zero_grad(set_to_none=True)  # drops the step unrun
     # The converted step does not grow with the layers; the for loop's copies of the layer do.
-    assert sizes[64, True] == sizes[4, True]
-    assert sizes[64, False] > 8 * sizes[4, False]
+    assert sizes[16, True] == sizes[4, True]
+    assert sizes[16, False] > 3 * sizes[4, False]
     (reference_loss, reference_grads), (loss, grads) = results
     close(loss, reference_loss)
     for name, grad in reference_grads.items():
