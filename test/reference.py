@@ -12,3 +12,11 @@ def scan_loop(fn, init, xs, reverse=False):
     for i in (reversed(order) if reverse else order):
         carry, ys[i] = fn(carry, tree_map(lambda v: v[i], xs))
     return carry, tree_map(lambda *steps: None if steps[0] is None else torch.stack(steps), *ys)
+
+
+def host_copies(tensors) -> list:
+    """Host copies of lazy tensors from one execution: reading them one by one
+    would compile and run the graph behind each in turn."""
+    import torch_xla
+    torch_xla.sync()
+    return [t.cpu() for t in tensors]

@@ -12,7 +12,7 @@ from torch import nn
 
 import torch_xla_ext as tx
 from torch_xla_ext import policies
-from reference import scan_loop
+from reference import host_copies, scan_loop
 
 DEV = torch_xla.device()
 POLICIES = [policies.save_everything, policies.save_nothing, policies.save_dots,
@@ -59,14 +59,14 @@ def test_every_policy_gives_the_loops_gradients(policy):
     init, xs = inputs()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", policies.OffloadWarning)
-        scanned = [t.cpu() for t in gradients(step, policy, init, xs)]
+        scanned = host_copies(gradients(step, policy, init, xs))
     for p in [init, *step.parameters()]:
         p.grad = None
     carry, ys = scan_loop(step, init, xs)
     (carry.sum() + ys.sum()).backward()
-    looped = [carry, ys] + [p.grad for p in [init, *step.parameters()]]
+    looped = host_copies([carry, ys] + [p.grad for p in [init, *step.parameters()]])
     for s, l in zip(scanned, looped):
-        torch.testing.assert_close(s, l.cpu(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s, l, rtol=1e-5, atol=1e-5)
 
 
 def test_random_ops_are_kept_not_drawn_again_in_the_backward():
@@ -87,14 +87,14 @@ def test_random_ops_are_kept_not_drawn_again_in_the_backward():
             p.grad = None
         carry, masks = tx.scan(fn, init, xs, partition_fn=policy)
         carry.sum().backward()
-        scanned = [p.grad.cpu() for p in params]
+        scanned = host_copies([p.grad for p in params])
         masks = masks.detach()
         assert 0 < (masks == 0).sum() < masks.numel()
         for p in params:
             p.grad = None
         scan_loop(lambda c, xm: fn(c, *xm), init, (xs, masks))[0].sum().backward()
-        for s, l in zip(scanned, params):
-            torch.testing.assert_close(s, l.grad.cpu(), rtol=1e-5, atol=1e-5)
+        for s, l in zip(scanned, host_copies([p.grad for p in params])):
+            torch.testing.assert_close(s, l, rtol=1e-5, atol=1e-5)
 
 
 def stacked_buffers(hlo: str, length: int) -> list[str]:
@@ -134,10 +134,10 @@ def test_a_policy_made_afresh_shares_the_trace():
 def test_offload_without_host_memory_warns_once_and_keeps_the_tensors():
     step = Step().to(DEV)
     init, xs = inputs()
-    expected = [t.cpu() for t in gradients(step, policies.save_everything, init, xs)]
+    expected = host_copies(gradients(step, policies.save_everything, init, xs))
     with pytest.warns(policies.OffloadWarning, match=r"offload\('h'\): CPU devices have no "
                                                      r"host memory"):
-        offloaded = [t.cpu() for t in gradients(step, policies.offload("h"), init, xs)]
+        offloaded = host_copies(gradients(step, policies.offload("h"), init, xs))
     with warnings.catch_warnings():
         warnings.simplefilter("error", policies.OffloadWarning)
         gradients(step, policies.offload("a", "h"), init, xs)  # warned once per process
@@ -189,7 +189,7 @@ def test_policies_reach_layer_stacks_and_stack_lower():
     for policy in ("save_everything", policies.save_nothing):
         stack = tx.LayerStack([l for l in layers], partition_fn=policy).to(DEV)
         stack(hidden).sum().backward()
-        results[repr(policy)] = [p.grad.cpu() for p in stack.parameters()]
+        results[repr(policy)] = host_copies([p.grad for p in stack.parameters()])
         lowered = stack.lower(hidden, device_kind="TPU")
         results[repr(policy) + " stacked"] = stacked_buffers(lowered.forward_hlo, 3)
     for a, b in zip(results["'save_everything'"], results["save_nothing"]):
