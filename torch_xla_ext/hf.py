@@ -19,7 +19,8 @@ from typing import Iterable
 
 from torch import nn
 
-from torch_xla_ext.layer_stack import LayerStack, _run_layer_by_layer
+from torch_xla_ext.layer_stack import LayerStack
+from torch_xla_ext.layer_stack.running import run_layer_by_layer
 
 __all__ = ["StackedLayers", "stack_layers"]
 
@@ -81,7 +82,7 @@ class StackedLayers(LayerStack):
                 f"stack_layers did not convert for this call.")
         if kwargs.get("past_key_values") is not None:
             # What LayerStack does with a cache too, with advice for transformers users.
-            return _run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
+            return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
                                        drop_in=False, reason=_CACHE_REASON)
         return super().forward(hidden_states, *args, **kwargs)
 

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torch_xla_ext.scan.avals import Aval, Structure
-from torch_xla_ext.scan.paths import describe, find_paths, steps
+from torch_xla_ext.object_graph import VALUE_TYPES, children, describe, find_paths
 from torch_xla_ext.scan.tracing import liftable
 
 
@@ -69,11 +69,10 @@ class WeakIdentity:
         return f"WeakIdentity({self.ref()!r})"
 
 
-# Immutable values a trace may depend on, keyed by value: these exact types
-# (checked first, as most closure values are among them), and subclasses.
-_VALUE_TYPES = (type(None), type(Ellipsis), bool, int, str, bytes, range, torch.dtype,
-                torch.device, torch.layout, torch.memory_format)
-_EXACT_VALUE_TYPES = frozenset(_VALUE_TYPES)
+# Most closure values are of these exact types, checked first. Numbers other
+# than these are keyed by their repr, so that NaN equals itself and -0.0
+# differs from 0.0.
+_EXACT_VALUE_TYPES = frozenset(VALUE_TYPES) - {float, complex, enum.Enum}
 
 
 class _Unkeyable(Exception):
@@ -153,8 +152,8 @@ def _fingerprint(value, active: set, contents: bool):
     if type(value) in _EXACT_VALUE_TYPES:
         return type(value), value
     if isinstance(value, numbers.Number):
-        return type(value), repr(value)  # repr: NaN equals itself and -0.0 differs from 0.0
-    if isinstance(value, (*_VALUE_TYPES, enum.Enum)):
+        return type(value), repr(value)
+    if isinstance(value, VALUE_TYPES):
         return type(value), value
     if isinstance(value, torch.Tensor):
         if liftable(value):
@@ -183,17 +182,12 @@ def _fingerprint(value, active: set, contents: bool):
 
 
 def _fingerprint_of_items(value, active: set, contents: bool):
-    if isinstance(value, dict):
-        return type(value), tuple((_fingerprint(k, active, contents),
-                                   _fingerprint(v, active, contents)) for k, v in value.items())
+    items = ((step.kind, _fingerprint(step.key, active, contents),
+              _fingerprint(child, active, contents)) for step, child in children(value))
     if isinstance(value, (set, frozenset)):
-        return type(value), frozenset(_fingerprint(item, active, contents) for item in value)
-    if isinstance(value, slice):
-        return slice, tuple(_fingerprint(v, active, contents)
-                            for v in (value.start, value.stop, value.step))
+        return type(value), frozenset(items)
     head = WeakIdentity(value.__code__) if isinstance(value, types.FunctionType) else None
-    return type(value), head, tuple((step, _fingerprint(child, active, contents))
-                                    for step, child in steps(value))
+    return type(value), head, tuple(items)
 
 
 def _weak_identities(key):

@@ -31,7 +31,7 @@ import torch_xla
 
 from torch_xla_ext.placeholders import mark_derived
 from torch_xla_ext.scan.avals import Aval, Structure
-from torch_xla_ext.scan.paths import describe, find_paths
+from torch_xla_ext.object_graph import describe, find_paths
 
 _XLAC = torch_xla._XLAC
 

@@ -12,7 +12,7 @@ from torch_xla_ext.scan import mutation, passes
 from torch_xla_ext.scan.autograd import TrainingPlan
 from torch_xla_ext.scan.avals import Aval, avals
 from torch_xla_ext.scan.cache import CacheKey
-from torch_xla_ext.scan.paths import find_paths, resolve
+from torch_xla_ext.object_graph import find_paths, resolve
 from torch_xla_ext.scan.loop import Loop, Slot, lower_body
 from torch_xla_ext.scan.tracing import Trace
 

@@ -349,6 +349,16 @@ def test_other_differing_attributes_name_per_layer_attributes():
     assert [layer.self_attn.block_id for layer in stack] == [0, 1]
 
 
+def test_ignored_attributes_is_deprecated_in_favour_of_per_layer_attributes():
+    layers = [with_attribute(DecoderBlock(HIDDEN, HEADS), "self_attn.block_id", i)
+              for i in range(2)]
+    with pytest.warns(DeprecationWarning,
+                      match=r"ignored_attributes=\.\.\.\) is deprecated: pass "
+                            r"per_layer_attributes=\('block_id',\)"):
+        stack = LayerStack(layers, ignored_attributes=["block_id"])
+    assert [layer.self_attn.block_id for layer in stack] == [0, 1]
+
+
 def test_shared_parameters_are_refused():
     shared = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"Layer 1 parameter '0.weight' is the same tensor"):

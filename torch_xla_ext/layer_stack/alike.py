@@ -1,0 +1,190 @@
+"""What makes layers alike: each layer's layout (submodule types, tensor specs,
+settings), the check that every layer shares layer 0's, and its messages."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from torch_xla_ext.layer_stack.forms import (
+    Composite, FormBuilder, LayerReference, by_identity, describe, first_difference)
+
+# Keys that every nn.Module puts in its __dict__ for its own bookkeeping (hooks,
+# registries); `training` is not among them because it changes the computation.
+_MODULE_BOOKKEEPING = frozenset(vars(nn.Module())) - {"training"}
+
+_SAME_CODE_NOTE = ("the stack runs layer 0's code and settings for every layer, "
+                   "so all layers must be built the same way")
+
+
+def join(path: str, name: str) -> str:
+    """'path.name', or 'name' at the layer itself."""
+    return f"{path}.{name}" if path else name
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    is_parameter: bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    # requires_grad for a parameter, persistent (saved in state_dict) for a buffer.
+    flag: bool
+
+    def describe(self) -> str:
+        flag = ("requires_grad" if self.is_parameter else "persistent") + f"={self.flag}"
+        return f"shape {self.shape}, dtype {self.dtype}, {flag}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLayout:
+    """What must agree between the layers of a stack."""
+    # Submodule path ('' for the layer itself) -> module type.
+    modules: dict[str, type]
+    # 'path.attribute' -> comparable form of each submodule's non-tensor attribute.
+    settings: dict[str, Any]
+    # 'path.attribute' -> the attribute's value.
+    values: dict[str, Any]
+    # Parameter or buffer name ('self_attn.q_proj.weight') -> spec, in state_dict order.
+    tensors: dict[str, TensorSpec]
+    # Objects the settings compare by identity.
+    shared: list
+
+    def trace_key(self) -> tuple:
+        """The part of the layout that decides what a trace of the layer computes."""
+        return tuple(self.modules.items()), tuple(self.settings.items())
+
+
+def layout_of(layer: nn.Module, index: int) -> LayerLayout:
+    """Layer `index`'s layout; raises ValueError if a setting cannot be used."""
+    forms = FormBuilder(layer)
+    modules, settings, values, tensors = {}, {}, {}, {}
+    for path, module in layer.named_modules():
+        modules[path] = type(module)
+        for attribute, value in vars(module).items():
+            if attribute in _MODULE_BOOKKEEPING:
+                continue
+            name = join(path, attribute)
+            try:
+                settings[name] = forms.form(value)
+            except LayerReference as reference:
+                place, holder = reference.args
+                raise ValueError(
+                    f"Layer {index} setting '{name}' refers to the layer's own {place} through "
+                    f"{holder}, which the stack's copy of layer 0 shares rather than copies: "
+                    f"every layer would use layer 0's {place}, not its own. Reach it through "
+                    f"`self` instead (in a method of the module), or pass it as an argument.") from None
+            values[name] = value
+        for name, param in module._parameters.items():
+            if param is not None:
+                tensors[join(path, name)] = TensorSpec(True, tuple(param.shape),
+                                                       param.dtype, param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                persistent = name not in module._non_persistent_buffers_set
+                tensors[join(path, name)] = TensorSpec(False, tuple(buffer.shape),
+                                                       buffer.dtype, persistent)
+    return LayerLayout(modules, settings, values, tensors, forms.shared)
+
+
+def _key_difference(index: int, what: str, reference: dict, other: dict) -> str | None:
+    missing = [key for key in reference if key not in other]
+    extra = [key for key in other if key not in reference]
+    if not missing and not extra:
+        return None
+    parts = []
+    if missing:
+        parts.append(f"lacks {what} {missing}")
+    if extra:
+        parts.append(f"has extra {what} {extra}")
+    return (f"Layer {index} differs from layer 0: it {' and '.join(parts)}; "
+            f"{_SAME_CODE_NOTE}.")
+
+
+def _setting_difference(index: int, name: str, where: tuple, reference, other,
+                        per_layer_attributes: frozenset[str]) -> str:
+    if where:
+        message = (f"Layer {index} setting '{name}' differs from layer 0's in its "
+                   f"{' → '.join(where)}: {describe(other)} in layer {index} but "
+                   f"{describe(reference)} in layer 0; {_SAME_CODE_NOTE}.")
+    else:
+        message = (f"Layer {index} setting '{name}' is {describe(other)} but layer 0's is "
+                   f"{describe(reference)}; {_SAME_CODE_NOTE}.")
+    if by_identity(reference) or by_identity(other):
+        return message + (
+            " What cannot be compared by value (a built-in function, a tensor or module held "
+            "outside the layer's parameters, buffers and submodules, an object without "
+            "attributes) must be the very same object in every layer; register a per-layer "
+            "tensor as a buffer.")
+    if where or isinstance(other, Composite):
+        return message + (" Build the layers alike, or hold what differs in a parameter or "
+                          "buffer, which the stack keeps per layer.")
+    attribute = name.rpartition(".")[2]
+    names = (*sorted(per_layer_attributes), attribute)
+    return message + (
+        f" If '{attribute}' does not change what a layer computes (it only picks a per-layer "
+        f"resource, such as a key/value cache slot), pass per_layer_attributes={names!r}: "
+        f"each layer then keeps its own value, and calls run as one scan when the layer's "
+        f"computation does not read it.")
+
+
+def _check_same_layout(index: int, reference: LayerLayout, other: LayerLayout,
+                       per_layer_attributes: frozenset[str]) -> None:
+    """Raises TypeError/ValueError naming the first thing layer `index` does differently."""
+    message = _key_difference(index, "submodules", reference.modules, other.modules)
+    if message:
+        raise ValueError(message)
+    for path, module_type in reference.modules.items():
+        if other.modules[path] is not module_type:
+            where = f"submodule '{path}'" if path else "itself"
+            raise TypeError(f"Layer {index} {where} is a {other.modules[path].__name__} but "
+                            f"layer 0's is a {module_type.__name__}; {_SAME_CODE_NOTE}.")
+    message = _key_difference(index, "parameters/buffers", reference.tensors, other.tensors)
+    if message:
+        raise ValueError(message)
+    for name, spec in reference.tensors.items():
+        if other.tensors[name] != spec:
+            kind = "parameter" if spec.is_parameter else "buffer"
+            raise ValueError(
+                f"Layer {index} {kind} '{name}' has {other.tensors[name].describe()} but "
+                f"layer 0's has {spec.describe()}; the stack keeps one [num_layers, ...] "
+                f"tensor per name, so every layer's '{name}' must match layer 0's.")
+    message = _key_difference(index, "settings", reference.settings, other.settings)
+    if message:
+        raise ValueError(message)
+    for name, form in reference.settings.items():
+        if name.rpartition(".")[2] in per_layer_attributes:
+            continue
+        difference = first_difference(form, other.settings[name])
+        if difference is not None:
+            raise ValueError(_setting_difference(index, name, *difference,
+                                                 per_layer_attributes))
+
+
+def check_identical_layers(layers: list, per_layer_attributes: frozenset[str]
+                           ) -> tuple[LayerLayout, dict[str, tuple]]:
+    """Layer 0's layout, after checking that every layer shares it, and the
+    per-layer attributes that differ: 'path.attribute' -> each layer's value."""
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"Layer {index} is a {type(layer).__name__}, not an nn.Module; "
+                            f"pass a list or nn.ModuleList of layers.")
+    layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
+    reference = layouts[0]
+    for index, other in enumerate(layouts[1:], start=1):
+        _check_same_layout(index, reference, other, per_layer_attributes)
+    per_layer_values = {
+        name: tuple(each.values[name] for each in layouts)
+        for name, form in reference.settings.items()
+        if name.rpartition(".")[2] in per_layer_attributes
+        and any(each.settings[name] != form for each in layouts)
+    }
+    return reference, per_layer_values
+
+
+def layer_tensors(layer: nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Layer's parameters and buffers named `names`, by name."""
+    tensors = dict(layer.named_parameters(remove_duplicate=False))
+    tensors.update(layer.named_buffers(remove_duplicate=False))
+    return {name: tensors[name] for name in names}

@@ -1,0 +1,101 @@
+"""Per-layer attributes: values that may differ between layers (transformers'
+`layer_idx`), each layer keeping its own. While the template layer runs in a
+trace, reading one of them is recorded and abandons the trace, so that a scan
+only ever stands for layers whose computation does not depend on them."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Iterable
+
+from torch import nn
+
+# transformers' attention layers keep their index only to pick their key/value cache slot.
+DEFAULT_PER_LAYER_ATTRIBUTES = ("layer_idx",)
+
+
+class _ReadLog(threading.local):
+    # The set that the running step records per-layer attribute reads in, if any.
+    reads: set | None = None
+
+
+_READ_LOG = _ReadLog()
+
+
+class PerLayerAttributeRead(BaseException):
+    """Abandons a trace that read a per-layer attribute, before the scan runs or
+    writes anything; a BaseException, so that no `except Exception` in the
+    layer's code can swallow it."""
+
+
+@contextlib.contextmanager
+def reads_recorded_in(reads: set):
+    """While the block runs, per-layer attribute reads of a watched template
+    are added to `reads` (and abandon the trace)."""
+    outer_reads, _READ_LOG.reads = _READ_LOG.reads, reads
+    try:
+        yield
+    finally:
+        _READ_LOG.reads = outer_reads
+
+
+class _WatchedAttribute:
+    """Stands in the class for a per-layer attribute while a call runs: a data
+    descriptor, so it sees every attribute read of the instance's own value."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        if _READ_LOG.reads is not None:
+            _READ_LOG.reads.add(self.name)
+            raise PerLayerAttributeRead(self.name)
+        try:
+            return instance.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, instance, value):
+        instance.__dict__[self.name] = value
+
+    def __delete__(self, instance):
+        del instance.__dict__[self.name]
+
+
+@functools.cache
+def _watching_class(cls: type, names: frozenset[str]) -> type:
+    """A subclass of `cls` (same name and module) watching the attributes `names`."""
+    watched = {name: _WatchedAttribute(name) for name in names}
+    return type(cls.__name__, (cls,),
+                {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **watched})
+
+
+# Serializes the class swaps of templates (a template is swapped by one call at a time).
+_WATCH_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def reads_watched(template: nn.Module, per_layer_paths: Iterable[str]):
+    """While the block runs, the template's per-layer attributes are watched: a
+    step that runs the template records the first it reads and stops there."""
+    names_by_owner: dict[str, set[str]] = {}
+    for path in per_layer_paths:
+        owner_path, _, name = path.rpartition(".")
+        names_by_owner.setdefault(owner_path, set()).add(name)
+    if not names_by_owner:
+        yield
+        return
+    with _WATCH_LOCK:
+        swapped = []
+        try:
+            for owner_path, names in names_by_owner.items():
+                owner = template.get_submodule(owner_path)
+                swapped.append((owner, type(owner)))
+                owner.__class__ = _watching_class(type(owner), frozenset(names))
+            yield
+        finally:
+            for owner, original in swapped:
+                owner.__class__ = original

@@ -1,0 +1,188 @@
+"""Running a stack of layers: one scan over their stacked tensors (`run`), the
+HLO of that scan without running it (`lower`), and the for loop itself
+(`run_layer_by_layer`) for a call that one trace cannot stand for."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from torch_xla_ext.layer_stack.alike import LayerLayout
+from torch_xla_ext.layer_stack.per_layer import (
+    PerLayerAttributeRead, reads_recorded_in, reads_watched)
+from torch_xla_ext.object_graph import VALUE_TYPES
+from torch_xla_ext.scan import Lowered, lower as lower_scan, scan
+
+
+class LayerByLayerWarning(UserWarning):
+    """A LayerStack or scan_layers call ran its layers one by one, as the for loop
+    does, instead of as one scan; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """A stack of layers as the runners take it."""
+    template: nn.Module  # whose code runs for every layer, on each layer's tensors
+    layout: LayerLayout  # the template's current layout
+    stacked_tensors: dict[str, torch.Tensor]  # name -> [num_layers, ...]
+    per_layer_paths: tuple[str, ...]  # 'path.attribute' of the per-layer attributes that differ
+    layer_at: Callable[[int], nn.Module]  # layer i, for running layer by layer
+    num_layers: int
+    # As torch_xla's scan_layers: a tuple hidden state is the layer's positional
+    # arguments, and the layer's whole output is the next layer's input.
+    drop_in: bool
+    partition_fn: Any
+    is_layer_pure: Any
+
+
+def run(layers: Layers, hidden, args: tuple, kwargs: dict):
+    """Runs the layers in order on `hidden`, each called with `args`/`kwargs`,
+    as one scan; returns the last hidden state. A call that one trace cannot
+    stand for runs layer by layer, with a LayerByLayerWarning saying why.
+
+    The tensors among `args`/`kwargs` ride along in the carry unchanged, so they
+    reach the layers as loop inputs and gradients flow back to them."""
+    def scanned(step, init):
+        (last_hidden, _), _ = scan(step, init, layers.stacked_tensors,
+                                   partition_fn=layers.partition_fn,
+                                   is_fn_pure=layers.is_layer_pure)
+        return last_hidden
+
+    try:
+        return _through_scan(layers, hidden, args, kwargs, scanned)
+    except _Unscannable as reason:
+        return run_layer_by_layer(layers.layer_at, layers.num_layers, hidden, args, kwargs,
+                                  layers.drop_in, str(reason))
+
+
+def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -> Lowered:
+    """The HLO of the scan that `run` would run, staged for `device_kind`;
+    nothing runs. Raises ValueError for a call that would run layer by layer."""
+    def lowered(step, init):
+        return lower_scan(step, init, layers.stacked_tensors, partition_fn=layers.partition_fn,
+                          is_fn_pure=layers.is_layer_pure, device_kind=device_kind)
+
+    try:
+        return _through_scan(layers, hidden, args, kwargs, lowered)
+    except _Unscannable as reason:
+        raise ValueError(f"lower: this call would run the {layers.num_layers} layers one by "
+                         f"one, not as one scan, so there is no scan to lower: {reason}") from None
+
+
+def run_layer_by_layer(layer_at: Callable[[int], nn.Module], num_layers: int, hidden,
+                       args: tuple, kwargs: dict, drop_in: bool, reason: str):
+    """The for loop that a stack stands for, with a LayerByLayerWarning giving `reason`."""
+    warnings.warn(f"The {num_layers} layers ran one by one, as the for loop does, instead "
+                  f"of as one scan: {reason}.", LayerByLayerWarning, stacklevel=3)
+    for index in range(num_layers):
+        hidden = _next_hidden(layer_at(index), hidden, args, kwargs, drop_in)
+    return hidden
+
+
+class _Unscannable(Exception):
+    """Why a call cannot run as one scan; the message says it."""
+
+
+# Per template layer, the scan steps made for it, one per trace key, each with
+# the per-layer attributes its traces read. `scan` caches its trace on the
+# step's identity, so each combination of layer settings and constant call
+# arguments keeps its own step.
+_STEPS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+# Stands in the call key for a tensor argument, which is passed through the carry.
+_TENSOR_ARGUMENT = object()
+
+
+def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
+                  stage: Callable[[Callable, tuple], Any]):
+    """`stage(step, init)` for the scan step that runs one layer and its initial
+    carry; raises _Unscannable when the scan cannot stand for the loop."""
+    _check_carried(hidden, "input_data" if layers.drop_in else "hidden")
+    tensor_arguments, arguments = _split_arguments(args, kwargs)
+    key = (layers.layout.trace_key(), arguments, layers.drop_in)
+    steps = _STEPS.setdefault(layers.template, {})
+    if key not in steps:
+        reads = set()
+        steps[key] = (_make_step(weakref.ref(layers.template), arguments, layers.drop_in, reads),
+                      reads)
+    step, reads = steps[key]
+    if not reads:
+        try:
+            with reads_watched(layers.template, layers.per_layer_paths):
+                return stage(step, (hidden, tensor_arguments))
+        except PerLayerAttributeRead:
+            pass  # recorded in `reads`
+    read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads]
+    raise _Unscannable(
+        f"the layer reads {read}, which differ between layers, so one trace cannot stand for "
+        f"all of them (a key/value cache passed to the layers reads its layer index)")
+
+
+def _argument_path(path) -> str:
+    """'args[1]' or "kwargs['mask']" for a leaf path of the pytree `(args, kwargs)`."""
+    return ("args" if path[0].idx == 0 else "kwargs") + keystr(path[1:])
+
+
+def _check_carried(hidden, name: str) -> None:
+    """Raises _Unscannable unless every leaf of `hidden` is a tensor, as a scan carry's."""
+    for path, leaf in tree_flatten_with_path(hidden)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            raise _Unscannable(f"{name}{keystr(path)} is of type {type(leaf).__name__}, and "
+                               f"what goes from layer to layer in a scan must be tensors")
+
+
+def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """Splits layer call arguments into tensors and a hashable description of the
+    rest; raises _Unscannable for an argument that is neither."""
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors, constants = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            constants.append(_TENSOR_ARGUMENT)
+        elif isinstance(leaf, VALUE_TYPES):
+            # With its type, since True == 1 == 1.0 would otherwise share one trace.
+            constants.append((type(leaf), leaf))
+        else:
+            path = next(path for path, value in tree_flatten_with_path((args, kwargs))[0]
+                        if value is leaf)
+            raise _Unscannable(
+                f"argument {_argument_path(path)} is of type {type(leaf).__name__}, and only "
+                f"tensors and plain constants (None, bool, int, float, str) can enter a "
+                f"traced loop")
+    return tuple(tensors), (spec, tuple(constants))
+
+
+def _next_hidden(layer: Callable, hidden, args: tuple, kwargs: dict, drop_in: bool):
+    """One iteration of the loop that the layers stand for."""
+    if drop_in:
+        return layer(*hidden) if isinstance(hidden, tuple) else layer(hidden)
+    output = layer(hidden, *args, **kwargs)
+    # A layer returns the hidden state, or a tuple that starts with it (transformers).
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads: set):
+    spec, constants = arguments
+
+    def run_one_layer(carry, layer_tensors):
+        hidden, tensor_arguments = carry
+        supplied = iter(tensor_arguments)
+        leaves = [next(supplied) if constant is _TENSOR_ARGUMENT else constant[1]
+                  for constant in constants]
+        args, kwargs = tree_unflatten(leaves, spec)
+
+        def layer(*layer_args, **layer_kwargs):
+            return torch.func.functional_call(template_ref(), layer_tensors, layer_args,
+                                              layer_kwargs, strict=True)
+
+        with reads_recorded_in(reads):
+            hidden = _next_hidden(layer, hidden, args, kwargs, drop_in)
+        return (hidden, tensor_arguments), None
+
+    return run_one_layer
