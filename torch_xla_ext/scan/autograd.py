@@ -2,6 +2,7 @@
 partitioned graphs, joined by one `torch.autograd.Function`."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -14,7 +15,8 @@ from torch_xla_ext import policies
 from torch_xla_ext.placeholders import placeholder_sources, tracing
 from torch_xla_ext.scan import mutation, passes
 from torch_xla_ext.scan.avals import avals, flatten
-from torch_xla_ext.scan.loop import Loop, Slot, lower_body
+from torch_xla_ext.scan.loop import Loop, lower_body
+from torch_xla_ext.scan.signature import Signature, pick, place, split_list
 from torch_xla_ext.scan.sharding import as_fn_arguments, functional_mark_sharding
 from torch_xla_ext.scan.tracing import LiftCaptures, call_body, internal, new_stand_in, stand_in
 
@@ -59,11 +61,11 @@ class TrainingPlan:
         any_grad = any(a.requires_grad for a in (*key.carry_avals, *key.x_avals, *invariant_avals))
         # Gradients flow through every floating carry, whichever input asked for
         # them, but not through the captures fn writes.
-        carry_grad = [a.dtype.is_floating_point and any_grad and i < len(traced.looped_carry)
-                      for i, a in enumerate(carry_avals)]
+        carry_grad = [a.dtype.is_floating_point and any_grad
+                      and i < len(traced.layout.looped_carry) for i, a in enumerate(carry_avals)]
         self.input_avals = ([a._replace(requires_grad=g) for a, g in zip(carry_avals, carry_grad)]
                             + list(key.x_avals) + invariant_avals)
-        self.sizes = (len(carry_avals), len(key.x_avals), len(invariant_avals))
+        self.signature = traced.layout.signature()
         fw_graph, bw_graph, differentiable = self._partition(fn, partition_fn, captured)
         self._build_loops(fw_graph, bw_graph, differentiable, offloaded)
 
@@ -72,19 +74,8 @@ class TrainingPlan:
         AOTAutograd, returning (loop carry outs, stacked outputs)."""
         traced, key = self.traced, self.traced.key
         written = traced.written
-        n_carry, n_x, _ = self.sizes
-        n_looped, n_read_only = len(traced.looped_carry), len(traced.read_only_carry)
-        x, invariants = primals[n_carry:n_carry + n_x], primals[n_carry + n_x:]
-        full_carry = [None] * len(key.carry_avals)
-        for i, value in zip(traced.looped_carry, primals[:n_looped]):
-            full_carry[i] = value
-        for i, value in zip(traced.read_only_carry, invariants):
-            full_carry[i] = value
-        captures = [None] * len(captured)
-        for i, value in zip(written.captures, primals[n_looped:n_carry]):
-            captures[i] = value
-        for i, value in zip(traced.invariant_captures, invariants[n_read_only:]):
-            captures[i] = value
+        full_carry, x, captures = traced.layout.call_inputs(
+            *self.signature.split_inputs(primals))
         full_carry, x = as_fn_arguments(full_carry), as_fn_arguments(x)
         # fn writes to copies of its inputs: AOTAutograd would make writes to
         # its own inputs outputs of its graphs.
@@ -103,10 +94,8 @@ class TrainingPlan:
         for i in written.x:
             mutation.check_written(x[i], key.x_avals[i], False,
                                    mutation.describe_x(key.xs_tree, i))
-        outputs = ([carry_out[i] for i in traced.looped_carry]
-                   + [captures[i] for i in written.captures]
-                   + [y_out[i] for i in traced.stacked_y]
-                   + [x[i] for i in written.x])
+        carries, stacked = traced.layout.loop_outputs(carry_out, captures, y_out, x)
+        outputs = carries + stacked
         # AOTAutograd keeps outputs that alias inputs out of its graphs; copies
         # keep them in (XLA removes the copy).
         return tuple(o.clone() if o._is_view() or any(o is p for p in primals) else o
@@ -151,141 +140,111 @@ class TrainingPlan:
         stacks, and where the backward step gets each saved value. The
         activations `checkpoint_name` named in `offloaded` are placed in host
         memory as they are stacked."""
-        n_carry, n_x, n_inv = self.sizes
-        n_stacked = len(self.traced.loop_stacked_avals)
-        n_out = n_carry + n_stacked
-        carry_in, x_in = stand_ins[:n_carry], stand_ins[n_carry:n_carry + n_x]
-        invariants_in = stand_ins[n_carry + n_x:]
-        slots = {}
-        for i, t in enumerate(carry_in):
-            slots[id(t)] = (t, Slot("carry", i))
-        for i, t in enumerate(x_in):
-            slots[id(t)] = (t, Slot("sliced", i))
-        for i, t in enumerate(invariants_in):
-            slots[id(t)] = (t, Slot("invariant", i))
+        signature = self.signature
+        carry_in, x_in, invariants_in = signature.split_inputs(stand_ins)
+        slots = signature.input_slots(carry_in, x_in, invariants_in)
         # The graph's ops already carry autocast's casts: replayed without autocast.
         with torch.no_grad(), internal(), tracing("scan's forward step"):
             fw_outputs = fw_graph(*stand_ins)
-        outputs, saved = list(fw_outputs[:n_out]), list(fw_outputs[n_out:])
+        n_out = signature.carries + signature.stacked
+        outputs, saved = split_list(fw_outputs, [n_out])
 
         saved_nodes = output_nodes(fw_graph)[n_out:]
         saved_sources, activations = passes.classify_saved(
             saved, saved_nodes, fw_graph, carry_in, x_in)
-        self.offloaded = [what for (kind, what), node in zip(saved_sources, saved_nodes)
-                          if kind == "stacked" and node.target is policies.NAMED_OP
-                          and node.args[1] in offloaded]
+        self.offloaded = [source.index for source, node in zip(saved_sources, saved_nodes)
+                          if isinstance(source, passes.Stacked)
+                          and node.target is policies.NAMED_OP and node.args[1] in offloaded]
         with torch.no_grad():
             activations = [place_to_host(a) if i in self.offloaded else a
                            for i, a in enumerate(activations)]
 
-        forward_body = lower_body("scan_forward_step", outputs + activations, slots, n_inv)
+        forward_body = lower_body("scan_forward_step", outputs + activations, slots,
+                                  signature.invariants)
         self.forward_constants = forward_body.constants
-        out_slots = ([Slot("carry", i) for i in range(n_carry)]
-                     + [Slot("stacked", i) for i in range(n_stacked + len(activations))])
-        self.activation_count = len(activations)
+        carry_avals, x_avals, invariant_avals = signature.split_inputs(self.input_avals)
+        _, stacked_avals = signature.split_outputs(avals(outputs))
+        forward_signature = dataclasses.replace(signature,
+                                                stacked=signature.stacked + len(activations))
         self.forward_loop = Loop(
-            "scan_forward", forward_body, out_slots, self.input_avals[:n_carry],
-            self.input_avals[n_carry:n_carry + n_x],
-            avals(outputs[n_carry:]) + avals(activations),
-            self.input_avals[n_carry + n_x:] + list(avals(forward_body.constants)))
+            "scan_forward", forward_body, forward_signature.output_slots(), carry_avals, x_avals,
+            stacked_avals + list(avals(activations)),
+            invariant_avals + list(avals(forward_body.constants)))
         return outputs, activations, saved_sources
 
     def _build_backward_loop(self, bw_graph, differentiable, stand_ins, outputs, activations,
                              saved_sources):
         """Lowers the backward graph. Its loop carries the carry gradients, then
         accumulators for invariant gradients; its sliced inputs are activations,
-        y gradients and xs."""
-        n_carry, n_x, n_inv = self.sizes
-        x_in, invariants_in = stand_ins[n_carry:n_carry + n_x], stand_ins[n_carry + n_x:]
-        self.carry_tangents = [i for i in range(n_carry) if differentiable[i]]
-        self.y_tangents = [i for i in range(len(self.traced.loop_stacked_avals))
-                           if differentiable[n_carry + i]]
-        self.grad_x = [i for i in range(n_x) if self.input_avals[n_carry + i].requires_grad]
-        self.grad_invariants = [i for i in range(n_inv)
-                                if self.input_avals[n_carry + n_x + i].requires_grad]
-        bw_slots = {}
+        y gradients and xs; it stacks the xs gradients."""
+        signature = self.signature
+        _, x_in, invariants_in = signature.split_inputs(stand_ins)
+        carry_avals, x_avals, invariant_avals = signature.split_inputs(self.input_avals)
+        _, stacked_avals = signature.split_outputs(avals(outputs))
+        carry_differentiable, stacked_differentiable = signature.split_outputs(differentiable)
+        self.carry_tangents = [i for i, d in enumerate(carry_differentiable) if d]
+        self.y_tangents = [i for i, d in enumerate(stacked_differentiable) if d]
+        self.grad_x = [i for i, a in enumerate(x_avals) if a.requires_grad]
+        self.grad_invariants = [i for i, a in enumerate(invariant_avals) if a.requires_grad]
+        self.backward_signature = Signature(
+            carries=len(self.carry_tangents) + len(self.grad_invariants),
+            sliced=len(activations) + len(self.y_tangents) + len(x_in),
+            invariants=len(invariants_in), stacked=len(self.grad_x))
+
         activation_in = [stand_in(a, False) for a in avals(activations)]
-        for i, t in enumerate(activation_in):
-            bw_slots[id(t)] = (t, Slot("sliced", i))
+        y_tangent_in = [stand_in(stacked_avals[i], False) for i in self.y_tangents]
+        carry_tangent_in = [stand_in(carry_avals[i], False) for i in self.carry_tangents]
+        bw_slots = self.backward_signature.input_slots(
+            carry_tangent_in, activation_in + y_tangent_in + x_in, invariants_in)
         with torch.no_grad():  # offloaded activations come back just before use
             activation_in = [place_to_device(t) if i in self.offloaded else t
                              for i, t in enumerate(activation_in)]
-        y_tangent_in = []
-        for position, i in enumerate(self.y_tangents):
-            t = stand_in(avals(outputs)[n_carry + i], False)
-            bw_slots[id(t)] = (t, Slot("sliced", len(activations) + position))
-            y_tangent_in.append(t)
-        x_offset = len(activations) + len(self.y_tangents)
-        for i, t in enumerate(x_in):
-            bw_slots[id(t)] = (t, Slot("sliced", x_offset + i))
-        for i, t in enumerate(invariants_in):
-            bw_slots[id(t)] = (t, Slot("invariant", i))
-        carry_tangent_in = []
-        for position, i in enumerate(self.carry_tangents):
-            t = stand_in(self.input_avals[i], False)
-            bw_slots[id(t)] = (t, Slot("carry", position))
-            carry_tangent_in.append(t)
-        saved_in = []
-        for kind, what in saved_sources:
-            saved_in.append(x_in[what] if kind == "x" else what if kind == "recomputed"
-                            else activation_in[what])
-        tangents = carry_tangent_in + y_tangent_in
+        saved_in = [source.read(x_in, activation_in) for source in saved_sources]
         with torch.no_grad(), internal(), tracing("scan's backward step"):
-            grads = list(bw_graph(*saved_in, *tangents))
+            grads = list(bw_graph(*saved_in, *carry_tangent_in, *y_tangent_in))
         grads = [g if g is not None else torch.zeros(a.shape, dtype=a.dtype, device=x_in[0].device)
                  for g, a in zip(grads, self.input_avals)]
-        grad_outputs = ([grads[i] for i in self.carry_tangents]
-                        + [grads[n_carry + n_x + i] for i in self.grad_invariants]
-                        + [grads[n_carry + i] for i in self.grad_x])
-        backward_body = lower_body("scan_backward_step", grad_outputs, bw_slots, n_inv)
+        carry_grads, x_grads, invariant_grads = signature.split_inputs(grads)
+        grad_outputs = (pick(carry_grads, self.carry_tangents)
+                        + pick(invariant_grads, self.grad_invariants)
+                        + pick(x_grads, self.grad_x))
+        backward_body = lower_body("scan_backward_step", grad_outputs, bw_slots,
+                                   signature.invariants)
         self.backward_constants = backward_body.constants
-        n_tangent_carry = len(self.carry_tangents)
-        bw_out_slots = ([Slot("carry", i) for i in range(n_tangent_carry)]
-                        + [Slot("accumulate", n_tangent_carry + i)
-                           for i in range(len(self.grad_invariants))]
-                        + [Slot("stacked", i) for i in range(len(self.grad_x))])
-        invariant_avals = self.input_avals[n_carry + n_x:]
         self.backward_loop = Loop(
-            "scan_backward", backward_body, bw_out_slots,
-            [self.input_avals[i] for i in self.carry_tangents]
-            + [invariant_avals[i] for i in self.grad_invariants],
-            list(avals(activations)) + [avals(outputs)[n_carry + i] for i in self.y_tangents]
-            + list(self.input_avals[n_carry:n_carry + n_x]),
-            [self.input_avals[n_carry + i] for i in self.grad_x],
-            list(invariant_avals) + list(avals(backward_body.constants)))
+            "scan_backward", backward_body,
+            self.backward_signature.output_slots(accumulated=len(self.grad_invariants)),
+            pick(carry_avals, self.carry_tangents) + pick(invariant_avals, self.grad_invariants),
+            list(avals(activations)) + pick(stacked_avals, self.y_tangents) + x_avals,
+            pick(x_avals, self.grad_x),
+            invariant_avals + list(avals(backward_body.constants)))
 
     def __call__(self, carry, xs, captures, reverse):
         carries, sliced, invariants = self.traced.loop_inputs(carry, xs, captures)
         results = _ScanFunction.apply(self, reverse, *carries, *sliced, *invariants)
-        n_carry = self.sizes[0]
-        return self.traced.assemble(carry, xs, captures, results[:n_carry], results[n_carry:])
+        return self.traced.assemble(carry, xs, captures, *self.signature.split_outputs(results))
 
     def forward(self, inputs, reverse):
-        n_carry, n_x, _ = self.sizes
-        carry, xs = inputs[:n_carry], inputs[n_carry:n_carry + n_x]
-        invariants = list(inputs[n_carry + n_x:]) + self.forward_constants
-        carry_out, stacked = self.forward_loop(carry, xs, invariants, reverse)
-        split = len(stacked) - self.activation_count
-        return list(carry_out) + list(stacked[:split]), stacked[split:]
+        carries, xs, invariants = self.signature.split_inputs(inputs)
+        carry_out, stacked = self.forward_loop(carries, xs, invariants + self.forward_constants,
+                                               reverse)
+        stacked_out, activations = split_list(stacked, [self.signature.stacked])
+        return list(carry_out) + stacked_out, activations
 
     def backward(self, inputs, activations, output_grads, reverse):
-        n_carry, n_x, n_inv = self.sizes
-        xs, invariants = inputs[n_carry:n_carry + n_x], inputs[n_carry + n_x:]
-        carry_grads, y_grads = output_grads[:n_carry], output_grads[n_carry:]
+        _, xs, invariants = self.signature.split_inputs(inputs)
+        carry_grads, y_grads = self.signature.split_outputs(output_grads)
         zeros = [torch.zeros(invariants[i].shape, dtype=invariants[i].dtype,
                              device=invariants[i].device) for i in self.grad_invariants]
-        carries = [carry_grads[i] for i in self.carry_tangents] + zeros
-        sliced = list(activations) + [y_grads[i] for i in self.y_tangents] + list(xs)
+        carries = pick(carry_grads, self.carry_tangents) + zeros
+        sliced = list(activations) + pick(y_grads, self.y_tangents) + xs
         carry_out, stacked = self.backward_loop(
-            carries, sliced, list(invariants) + self.backward_constants, not reverse)
-        grads = [None] * len(inputs)
-        for position, i in enumerate(self.carry_tangents):
-            grads[i] = carry_out[position]
-        for position, i in enumerate(self.grad_invariants):
-            grads[n_carry + n_x + i] = carry_out[len(self.carry_tangents) + position]
-        for position, i in enumerate(self.grad_x):
-            grads[n_carry + i] = stacked[position]
-        return grads
+            carries, sliced, invariants + self.backward_constants, not reverse)
+        tangent_grads, invariant_grads = split_list(carry_out, [len(self.carry_tangents)])
+        signature = self.signature
+        return (place(signature.carries, (self.carry_tangents, tangent_grads))
+                + place(signature.sliced, (self.grad_x, stacked))
+                + place(signature.invariants, (self.grad_invariants, invariant_grads)))
 
 
 def _sync_only(tensors: list) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch_xla
@@ -12,13 +12,9 @@ import torch_xla.core.xla_builder as xb
 
 from torch_xla_ext import _C
 from torch_xla_ext.scan.avals import Aval
+from torch_xla_ext.scan.signature import Slot, SlotKind, split_list
 
 _XLAC = torch_xla._XLAC
-
-
-class Slot(NamedTuple):
-    kind: str   # "carry", "sliced" (xs-like, one slice per step), "invariant", "seed"
-    index: int
 
 
 @dataclasses.dataclass
@@ -76,9 +72,9 @@ def lower_body(name: str, outputs: Sequence[torch.Tensor], stand_ins: dict,
                     f"not capture); pass it in init or xs, or make it with "
                     f"torch_xla_ext.placeholder()")
             if parameter == seed_parameter:
-                slot = Slot("seed", 0)
+                slot = Slot(SlotKind.SEED, 0)
             else:
-                slot = Slot("invariant", invariant_count + len(constants))
+                slot = Slot(SlotKind.INVARIANT, invariant_count + len(constants))
                 constants.append(tensor)
         kind, value = _parameter_key(tensor)
         index = (table.use_placeholder(value) if kind == "placeholder"
@@ -151,7 +147,7 @@ class Loop:
         self.name, self.body, self.outputs = name, body, list(outputs)
         self.carry_avals, self.sliced_avals = list(carry_avals), list(sliced_avals)
         self.stacked_avals, self.invariant_avals = list(stacked_avals), list(invariant_avals)
-        self.uses_seed = any(slot.kind == "seed" for slot in body.inputs)
+        self.uses_seed = any(slot.kind is SlotKind.SEED for slot in body.inputs)
         self._computations: dict = {}
         self._lock = threading.Lock()
 
@@ -185,18 +181,16 @@ class Loop:
             shapes.append(_xla_shape((length,), torch.int64))
         params = [xb.mkparam(builder, i, shape) for i, shape in enumerate(shapes)]
         n_carry, n_sliced = len(self.carry_avals), len(self.sliced_avals)
-        carries, sliced = params[:n_carry], params[n_carry:n_carry + n_sliced]
-        invariants = params[n_carry + n_sliced:]
+        carries, sliced, invariants = split_list(params, [n_carry, n_sliced])
         stacked = [xb.Op.scalar(builder, 0, dtype=_xla_type(a.dtype)).broadcast((length, *a.shape))
                    for a in self.stacked_avals]
         step = xb.Op.scalar(builder, 0, dtype=xb.Type.S64)
         n_stacked = len(stacked)
 
         def unpack(state):
-            state = list(state)
-            return (state[0], state[1:1 + n_carry], state[1 + n_carry:1 + n_carry + n_sliced],
-                    state[1 + n_carry + n_sliced:1 + n_carry + n_sliced + n_stacked],
-                    state[1 + n_carry + n_sliced + n_stacked:])
+            # (step, carries, sliced, stacked, invariants)
+            (step,), *groups = split_list(state, [1, n_carry, n_sliced, n_stacked])
+            return step, *groups
 
         def condition(step, *rest):
             return step < xb.Op.scalar(step.builder(), length, dtype=xb.Type.S64)
@@ -205,23 +199,18 @@ class Loop:
             step, carries, sliced, stacked, invariants = unpack(state)
             index = (xb.Op.scalar(step.builder(), length - 1, dtype=xb.Type.S64) - step
                      if reverse else step)
-            arguments = []
-            for slot in body.inputs:
-                if slot.kind == "carry":
-                    arguments.append(carries[slot.index])
-                elif slot.kind == "sliced":
-                    arguments.append(_slice(sliced[slot.index], index))
-                elif slot.kind == "invariant":
-                    arguments.append(invariants[slot.index])
-                else:
-                    arguments.append(_slice(invariants[-1], index))
+            read = {SlotKind.CARRY: carries.__getitem__,
+                    SlotKind.SLICED: lambda i: _slice(sliced[i], index),
+                    SlotKind.INVARIANT: invariants.__getitem__,
+                    SlotKind.SEED: lambda _: _slice(invariants[-1], index)}
+            arguments = [read[slot.kind](slot.index) for slot in body.inputs]
             result = xb.Op.call(body.computation, arguments)
             carries, stacked = list(carries), list(stacked)
             for position, slot in enumerate(outputs):
                 value = result.get_tuple_element(position)
-                if slot.kind == "carry":
+                if slot.kind is SlotKind.CARRY:
                     carries[slot.index] = value
-                elif slot.kind == "accumulate":
+                elif slot.kind is SlotKind.ACCUMULATE:
                     carries[slot.index] = carries[slot.index] + value
                 else:
                     stacked[slot.index] = _update_slice(stacked[slot.index], value, index)
@@ -229,9 +218,9 @@ class Loop:
             return xb.Op.tuple((step + one, *carries, *sliced, *stacked, *invariants))
 
         loop = xb.Op.mkwhile((step, *carries, *sliced, *stacked, *invariants), condition, step_fn)
-        results = [loop.get_tuple_element(1 + i) for i in range(n_carry)]
-        results += [loop.get_tuple_element(1 + n_carry + n_sliced + i) for i in range(n_stacked)]
-        return xb.Op.tuple(results).build(self.name)
+        _, carries, _, stacked, _ = unpack(
+            loop.get_tuple_element(i) for i in range(1 + n_carry + n_sliced + n_stacked))
+        return xb.Op.tuple(carries + stacked).build(self.name)
 
 
 def hlo_text(computation) -> str:

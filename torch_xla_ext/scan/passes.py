@@ -2,7 +2,7 @@
 copy or stack."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch_xla
@@ -29,16 +29,41 @@ def ys_passed_from_xs(y_out: Sequence[torch.Tensor], x_arg: Sequence[torch.Tenso
     return [x_index.get(id(y)) for y in y_out]
 
 
+class FromX(NamedTuple):
+    """A saved value that is x slice `index`: the backward step reads it from xs."""
+    index: int
+
+    def read(self, x_slices, activations):
+        return x_slices[self.index]
+
+
+class Recomputed(NamedTuple):
+    """A saved value the backward step computes again from its own inputs."""
+    value: torch.Tensor
+
+    def read(self, x_slices, activations):
+        return self.value
+
+
+class Stacked(NamedTuple):
+    """A saved value the forward loop stacks: activation `index`."""
+    index: int
+
+    def read(self, x_slices, activations):
+        return activations[self.index]
+
+
 def classify_saved(saved: Sequence[torch.Tensor], saved_nodes: Sequence, fw_graph,
                    carry_in: Sequence[torch.Tensor], x_in: Sequence[torch.Tensor]):
     """Where the backward step gets each value the forward graph saves for it.
 
-    An x slice is read from xs (`("x", i)`); a value computed from invariants
+    An x slice is read from xs (`FromX`); a value computed from invariants
     alone, or from an x slice by layout ops alone (a layer weight's transpose),
-    is recomputed in the backward step (`("recomputed", value)`), unless a
-    random op made it (a dropout mask drawn again would differ); anything else
-    is an activation, stacked by the forward loop (`("stacked", i)`). Returns
-    the sources and the activations."""
+    is recomputed in the backward step (`Recomputed`), unless a random op made
+    it (a dropout mask drawn again would differ); anything else is an
+    activation, stacked by the forward loop (`Stacked`). Returns the sources
+    (each `.read(x_slices, activations)` gives the value in the backward step)
+    and the activations."""
     n_carry = len(carry_in)
     carry_ids = {_XLAC._xla_get_tensor_id(t) for t in carry_in}
     x_ids = {_XLAC._xla_get_tensor_id(t) for t in x_in}
@@ -49,12 +74,12 @@ def classify_saved(saved: Sequence[torch.Tensor], saved_nodes: Sequence, fw_grap
     for value, node in zip(saved, saved_nodes):
         reads = set(_XLAC._get_tensors_xla_device_data_node([value])[0])
         if id(value) in x_index:
-            sources.append(("x", x_index[id(value)]))
+            sources.append(FromX(x_index[id(value)]))
         elif carry_ids.isdisjoint(reads) and not reads_random_seed(value) and (
                 x_ids.isdisjoint(reads) or _is_layout_of(node, free_inputs)):
-            sources.append(("recomputed", value))
+            sources.append(Recomputed(value))
         else:
-            sources.append(("stacked", len(activations)))
+            sources.append(Stacked(len(activations)))
             activations.append(value)
     return sources, activations
 

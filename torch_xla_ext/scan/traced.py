@@ -1,6 +1,7 @@
 """A traced fn: the results of its passes, and the loops made from it."""
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -13,7 +14,8 @@ from torch_xla_ext.scan.autograd import TrainingPlan
 from torch_xla_ext.scan.avals import Aval, avals
 from torch_xla_ext.scan.cache import CacheKey
 from torch_xla_ext.object_graph import find_paths, resolve
-from torch_xla_ext.scan.loop import Loop, Slot, lower_body
+from torch_xla_ext.scan.loop import Loop, lower_body
+from torch_xla_ext.scan.signature import CallLayout, split_list
 from torch_xla_ext.scan.tracing import Trace
 
 
@@ -38,25 +40,15 @@ class Traced:
             trace.lifter.writes, trace.carry_arg, trace.x_arg, key.x_avals, capture_in, captured,
             lambda i: mutation.describe_x(key.xs_tree, i),
             lambda i: mutation.describe_capture(fn, captured, i))
-        self.read_only = passes.read_only_carries(trace.carry_out, trace.carry_arg,
-                                                  self.written.carry)
-        self.y_from_x = passes.ys_passed_from_xs(trace.y_out, trace.x_arg, self.written.x)
-        self.looped_carry = [i for i, ro in enumerate(self.read_only) if not ro]
-        self.read_only_carry = [i for i, ro in enumerate(self.read_only) if ro]
-        self.stacked_y = [i for i, source in enumerate(self.y_from_x) if source is None]
-        self.invariant_captures = [i for i in range(len(captured))
-                                   if i not in self.written.captures]
-        # A loop carries the looped carries, then the captures fn writes; it
-        # stacks the ys, then the x slices fn writes; its invariants are the
-        # read-only carries, then the other captures.
-        self.loop_carry_avals = (
-            [key.carry_avals[i] for i in self.looped_carry]
-            + [self.capture_avals[i] for i in self.written.captures])
-        self.loop_stacked_avals = (
-            [self.y_avals[i] for i in self.stacked_y] + [key.x_avals[i] for i in self.written.x])
-        self.loop_invariant_avals = (
-            [key.carry_avals[i] for i in self.read_only_carry]
-            + [self.capture_avals[i] for i in self.invariant_captures])
+        read_only = passes.read_only_carries(trace.carry_out, trace.carry_arg,
+                                             self.written.carry)
+        y_sources = passes.ys_passed_from_xs(trace.y_out, trace.x_arg, self.written.x)
+        self.layout = CallLayout.of(read_only, len(captured), self.written.captures, y_sources,
+                                    len(key.x_avals), self.written.x)
+        self.loop_carry_avals, _, self.loop_invariant_avals = self.layout.loop_inputs(
+            key.carry_avals, key.x_avals, self.capture_avals)
+        _, self.loop_stacked_avals = self.layout.loop_outputs(
+            key.carry_avals, self.capture_avals, self.y_avals, key.x_avals)
         # Lowered now, so that the cache keeps no lazy tensors (pending work
         # that reads placeholders) once tracing is over.
         self._inference = InferencePlan(self, trace, capture_in)
@@ -99,49 +91,31 @@ class Traced:
 
     def _check_written_unaliased(self, fn, carry, xs, captures):
         inputs = [*carry, *xs, *captures]
-        n_carry, n_x = len(carry), len(xs)
-
-        def describe(position):
-            if position < n_carry:
-                return f"{self.key.carry_tree.leaf_path('init', position)}"
-            if position < n_carry + n_x:
-                return mutation.describe_x(self.key.xs_tree, position - n_carry)
-            return mutation.describe_capture(fn, captures, position - n_carry - n_x)
-
-        mutation.check_unaliased(
-            inputs, [n_carry + i for i in self.written.x]
-            + [n_carry + n_x + i for i in self.written.captures], describe)
+        descriptions = (
+            [functools.partial(self.key.carry_tree.leaf_path, "init", i) for i in range(len(carry))]
+            + [functools.partial(mutation.describe_x, self.key.xs_tree, i) for i in range(len(xs))]
+            + [functools.partial(mutation.describe_capture, fn, captures, i)
+               for i in range(len(captures))])
+        _, x_positions, capture_positions = split_list(range(len(inputs)), [len(carry), len(xs)])
+        written = ([x_positions[i] for i in self.layout.written_x]
+                   + [capture_positions[i] for i in self.layout.written_captures])
+        mutation.check_unaliased(inputs, written, lambda position: descriptions[position]())
 
     def loop_inputs(self, carry, xs, captures) -> tuple[list, list, list]:
         """A loop's carries, sliced inputs and invariants for this call. The
         tensors fn writes go in as `mutation.unaliased` values, which the
         write-back after the loop leaves as they are (autograd may keep them)."""
-        carries = ([carry[i] for i in self.looped_carry]
-                   + [mutation.unaliased(captures[i]) for i in self.written.captures])
-        sliced = [mutation.unaliased(x) if i in self.written.x else x for i, x in enumerate(xs)]
-        invariants = ([carry[i] for i in self.read_only_carry]
-                      + [captures[i] for i in self.invariant_captures])
-        return carries, sliced, invariants
+        return self.layout.loop_inputs(carry, xs, captures, written=mutation.unaliased)
 
     def assemble(self, carry, xs, captures, loop_carry_out, loop_stacked):
         """The full carry and ys from what a loop computed and what the passes
         kept out of it; writes the new values of the tensors fn writes in place
         into them."""
-        n_looped, n_stacked_y = len(self.looped_carry), len(self.stacked_y)
-        carry_out = list(carry)
-        for i, value in zip(self.looped_carry, loop_carry_out):
-            carry_out[i] = value
-        ys = [None] * len(self.y_avals)
-        for i, value in zip(self.stacked_y, loop_stacked):
-            ys[i] = value
-        for i, source in enumerate(self.y_from_x):
-            if source is not None:
-                ys[i] = xs[source]
+        carry_out, ys, written_values = self.layout.call_outputs(carry, xs, loop_carry_out,
+                                                                 loop_stacked)
         if self.written.any_written_back():
-            mutation.write_back(
-                [captures[i] for i in self.written.captures] + [xs[i] for i in self.written.x],
-                list(loop_carry_out[n_looped:]) + list(loop_stacked[n_stacked_y:]),
-                placeholder_sources((carry, xs, captures)))
+            mutation.write_back(self.layout.written_inputs(xs, captures), written_values,
+                                placeholder_sources((carry, xs, captures)))
         return carry_out, ys
 
 
@@ -150,30 +124,20 @@ class InferencePlan:
 
     def __init__(self, traced: Traced, trace: Trace, capture_in):
         self.traced = traced
-        written = traced.written
-        outputs = ([trace.carry_out[i] for i in traced.looped_carry]
-                   + [capture_in[i] for i in written.captures]
-                   + [trace.y_out[i] for i in traced.stacked_y]
-                   + [trace.x_arg[i] for i in written.x])
+        layout = traced.layout
+        carries_out, stacked_out = layout.loop_outputs(trace.carry_out, capture_in, trace.y_out,
+                                                       trace.x_arg)
+        outputs = carries_out + stacked_out
+        carries_in, sliced_in, given = layout.loop_inputs(trace.carry_in, trace.x_in, capture_in)
         # Inputs by their values before fn ran (fn may have written them).
-        n_x = len(trace.x_in)
-        originals = trace.lifter.writes.originals(
-            [trace.carry_in[i] for i in traced.looped_carry]
-            + [capture_in[i] for i in written.captures] + list(trace.x_in), outputs)
-        given = ([trace.carry_in[i] for i in traced.read_only_carry]
-                 + [capture_in[i] for i in traced.invariant_captures])
-        slots = {}
-        for tensors, kind in ((originals[:-n_x], "carry"), (originals[-n_x:], "sliced"),
-                              (given, "invariant")):
-            for position, t in enumerate(tensors):
-                if t is not None:  # None: an input fn overwrote without reading it
-                    slots[id(t)] = (t, Slot(kind, position))
-        body = lower_body("scan_step", outputs, slots, len(given))
+        carries_in, sliced_in = split_list(
+            trace.lifter.writes.originals(carries_in + sliced_in, outputs), [len(carries_in)])
+        signature = layout.signature()
+        body = lower_body("scan_step", outputs, signature.input_slots(carries_in, sliced_in, given),
+                          len(given))
         self.constants = body.constants
-        out_slots = ([Slot("carry", p) for p in range(len(traced.loop_carry_avals))]
-                     + [Slot("stacked", p) for p in range(len(traced.loop_stacked_avals))])
-        self.loop = Loop("scan", body, out_slots, traced.loop_carry_avals, traced.key.x_avals,
-                         traced.loop_stacked_avals,
+        self.loop = Loop("scan", body, signature.output_slots(), traced.loop_carry_avals,
+                         traced.key.x_avals, traced.loop_stacked_avals,
                          traced.loop_invariant_avals + list(avals(body.constants)))
 
     def __call__(self, carry, xs, captures, reverse):
