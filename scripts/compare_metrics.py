@@ -28,10 +28,10 @@ import sys
 import time
 
 import harness  # first: it sets the default device before torch_xla is imported
+# Nothing of torch: `diff` runs without it (the worker imports it).
 from torch_xla_ext.metrics import (
-    BYTES, COUNT, FIGURE_ROWS, SECONDS, MetricsReport, MetricsReportError, Row, collect,
-    figures, format_table, hlo_parameter_count, parse_report, peak_rss_bytes, raw_figures,
-    raw_rows)
+    BYTES, COUNT, FIGURE_ROWS, SECONDS, MetricsReport, MetricsReportError, Row, figures,
+    format_table, hlo_parameter_count, parse_report, peak_rss_bytes, raw_figures, raw_rows)
 
 
 class InputError(Exception):
@@ -302,6 +302,7 @@ def run_worker(args: argparse.Namespace) -> None:
     """Runs one mode and reports its figures to the parent (harness.report_result)."""
     import torch_xla
     import torch_xla_ext
+    from torch_xla_ext.metrics import collect
 
     build_workload = load_workload(args.workload)
     device_data = args.mode == "scan-device-data"
