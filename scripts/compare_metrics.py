@@ -490,10 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plot", metavar="FILE.png",
                      help="with --sweep-layers, plot compile time and graph-building time "
                           "against depth, a line per mode (the plotted series go into --json)")
-    run.add_argument("--timeout", type=harness.time_limit, default=DEFAULT_TIMEOUT,
-                     metavar="SECONDS",
-                     help=f"time limit of each mode's process (default {DEFAULT_TIMEOUT}); "
-                          "a mode that exceeds it is reported as timed out")
+    harness.add_timeout_option(run, DEFAULT_TIMEOUT, "mode")
     run.set_defaults(handler=run_run)
 
     diff = commands.add_parser(
