@@ -24,7 +24,10 @@ def test_the_package_and_its_metrics_reader_import_no_torch():
         from torch_xla_ext.metrics import (
             FIGURE_ROWS, figures, format_table, hlo_parameter_count, parse_report,
             peak_rss_bytes)
-        dir(torch_xla_ext)
+        import torch_xla_ext.metrics
+        # The live figures are listed, and imported (with torch_xla) at their first use.
+        assert {{"collect", "live_report"}} <= set(dir(torch_xla_ext.metrics))
+        assert set(torch_xla_ext.__all__) <= set(dir(torch_xla_ext))
         print({TORCH_MODULES})
     """)
     assert completed.returncode == 0, completed.stderr
