@@ -205,9 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         harness.report_result(run_worker(args))
         return
 
-    if args.steps <= WARMUP_STEPS:
-        parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
-    layer_counts, modes = harness.chosen_layers_and_modes(parser, args, MODES)
+    layer_counts, modes = harness.chosen_runs(parser, args, MODES, WARMUP_STEPS)
 
     print(f"PJRT {harness.device_name()}, LlamaForCausalLM hidden {args.hidden}, {args.heads} "
           f"heads, {args.kv_heads} key/value heads, intermediate {args.intermediate}, vocab "

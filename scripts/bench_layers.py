@@ -138,12 +138,10 @@ def main(argv: list[str] | None = None) -> None:
         harness.report_result(run_worker(args))
         return
 
-    if args.steps <= WARMUP_STEPS:
-        parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
     if args.memory:
         args.hidden, args.heads, args.intermediate, args.seq, args.batch = 1024, 8, 4096, 16, 1
         args.layers = args.layers or "16"
-    layer_counts, modes = harness.chosen_layers_and_modes(parser, args, MODES)
+    layer_counts, modes = harness.chosen_runs(parser, args, MODES, WARMUP_STEPS)
 
     print(f"PJRT {harness.device_name()}, hidden {args.hidden}, {args.heads} heads, seq "
           f"{args.seq}, batch {args.batch}, {args.steps} steps (first {WARMUP_STEPS} not "

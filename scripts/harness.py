@@ -214,9 +214,12 @@ def add_worker_options(parser: argparse.ArgumentParser, default_timeout: float,
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
-def chosen_layers_and_modes(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                            modes: Sequence[str]) -> tuple[list[int], list[str]]:
-    """The depths and modes that --layers (or --quick) and --modes choose."""
+def chosen_runs(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                modes: Sequence[str], warmup_steps: int) -> tuple[list[int], list[str]]:
+    """The depths and modes that --layers (or --quick) and --modes choose, once
+    --steps is known to leave steady steps after the `warmup_steps`."""
+    if args.steps <= warmup_steps:
+        parser.error(f"--steps must exceed the {warmup_steps} warm-up steps")
     layer_counts = [int(n) for n in (args.layers or ("2,4" if args.quick else "8,32,64"))
                     .split(",")]
     chosen = args.modes.split(",")

@@ -197,24 +197,31 @@ def test_workers_are_given_the_parents_options():
         "--steps", "5", "--kv-heads", "2"]
 
 
+def layer_and_mode_parser():
+    parser = harness.benchmark_parser("bench.py", "a benchmark")
+    harness.add_layer_and_mode_options(parser, ["loop", "scan"])
+    parser.add_argument("--steps", type=int, default=3)
+    return parser
+
+
 @pytest.mark.parametrize("argv, layers, modes", [
     ([], [8, 32, 64], ["loop", "scan"]),
     (["--quick"], [2, 4], ["loop", "scan"]),
     (["--layers", "3,5", "--modes", "scan"], [3, 5], ["scan"]),
 ])
 def test_layers_and_modes_chosen_on_the_command_line(argv, layers, modes):
-    parser = harness.benchmark_parser("bench.py", "a benchmark")
-    harness.add_layer_and_mode_options(parser, ["loop", "scan"])
+    parser = layer_and_mode_parser()
     args = parser.parse_args(argv)
-    assert harness.chosen_layers_and_modes(parser, args, ["loop", "scan"]) == (layers, modes)
+    assert harness.chosen_runs(parser, args, ["loop", "scan"], warmup_steps=2) == (layers, modes)
 
 
-def test_unknown_modes_are_refused(capsys):
-    parser = harness.benchmark_parser("bench.py", "a benchmark")
-    harness.add_layer_and_mode_options(parser, ["loop", "scan"])
+@pytest.mark.parametrize("argv, error", [
+    (["--modes", "loop,bogus"], "unknown modes ['bogus']; choose from loop, scan"),
+    (["--steps", "2"], "--steps must exceed the 2 warm-up steps"),
+])
+def test_unknown_modes_and_too_few_steps_are_refused(argv, error, capsys):
+    parser = layer_and_mode_parser()
     with pytest.raises(SystemExit) as exited:
-        harness.chosen_layers_and_modes(parser, parser.parse_args(["--modes", "loop,bogus"]),
-                                        ["loop", "scan"])
+        harness.chosen_runs(parser, parser.parse_args(argv), ["loop", "scan"], warmup_steps=2)
     assert exited.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        "bench.py: error: unknown modes ['bogus']; choose from loop, scan")
+    assert capsys.readouterr().err.splitlines()[-1] == f"bench.py: error: {error}"
