@@ -33,19 +33,18 @@ summary prints the ratios the issue asks for at L=32 and between L=64 and L=8.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
-import time
 
 import harness  # first: it sets the default device before torch_xla is imported
-from bench_layers import print_table
 
 MODES = ("loop", "stack_layers", "torch-xla-scan")
 WARMUP_STEPS = 2
 # Seconds one (mode, L) may take: the for loop at L=64 compiles for minutes.
 DEFAULT_TIMEOUT = 1800
+# The options a worker is given as the parent has them.
+WORKLOAD_OPTIONS = ("steps", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seq",
+                    "batch")
 
 
 def make_model(args):
@@ -111,7 +110,7 @@ def run_worker(args) -> dict:
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
-    from torch_xla_ext.metrics import peak_rss_bytes, reset_peak_rss
+    from torch_xla_ext.metrics import peak_rss_bytes
 
     device = torch_xla.device()
     model = make_model(args).to(device).train()
@@ -125,55 +124,41 @@ def run_worker(args) -> dict:
     def compilations() -> int:
         return (met.metric_data("CompileTime") or (0,))[0]
 
-    python_seconds, execute_seconds = [], []
-    step_compiles = 0
-    peak_reset = False
-    for step in range(args.steps):
-        if step == args.steps - 1:
-            peak_reset = reset_peak_rss()
-        # Released before the timer starts: freeing large buffers is allocator time.
-        optimizer.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+    def build_step():
         loss = model(tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()
-        built = time.perf_counter()
+        return loss
+
+    step_compiles = []
+
+    def run_step():
         compiles_before_sync = compilations()
         torch_xla.sync()
         xm.wait_device_ops()
-        python_seconds.append(built - start)
-        execute_seconds.append(time.perf_counter() - built)
-        step_compiles += compilations() - compiles_before_sync
+        step_compiles.append(compilations() - compiles_before_sync)
+
+    # Released before the timer starts: freeing large buffers is allocator time.
+    times = harness.time_steps(args.steps, build_step, run_step,
+                               prepare=lambda step: optimizer.zero_grad(set_to_none=True))
 
     compiles, compile_ns, _ = met.metric_data("CompileTime") or (0, 0, None)
     steady = slice(WARMUP_STEPS, None)
     return {
-        "python_ms": 1e3 * statistics.median(python_seconds[steady]),
+        "python_ms": 1e3 * statistics.median(times.build[steady]),
         "compile_s": compile_ns / 1e9,
         "compiles": compiles,
         # Compilations of the step's graph; the others are of graphs that the model's
         # forward runs to read values (transformers' mask preparation checks the
         # position ids), the same in every mode.
-        "step_compiles": step_compiles,
-        "execute_ms": 1e3 * statistics.median(execute_seconds[steady]),
+        "step_compiles": sum(step_compiles),
+        "execute_ms": 1e3 * statistics.median(times.finish[steady]),
         "peak_rss_mib": peak_rss_bytes() / 2**20,
-        "peak_is_steady": peak_reset,
+        "peak_is_steady": times.peak_is_last_steps,
         "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
         # The modes compute the same steps from the same weights: their last losses agree.
-        "last_loss": loss.item(),
+        "last_loss": times.last_built.item(),
     }
-
-
-def measure(mode: str, layers: int, args) -> harness.Outcome:
-    """Runs one (mode, L) in a fresh process within the time limit."""
-    arguments = ["--worker", "--mode", mode, "--layers", str(layers)]
-    for option in ("steps", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seq",
-                   "batch"):
-        arguments += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
-    outcome = harness.run_worker(os.path.abspath(__file__), arguments, args.timeout)
-    if not outcome.ok:
-        print(outcome.failure_report(f"  {mode} L={layers}"), flush=True)
-    return outcome
 
 
 def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
@@ -182,15 +167,10 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
     smallest, largest = min(layer_counts), max(layer_counts)
 
     def check(label, value, goal):
-        if value is None:
-            print(f"  {label:<52} n/a (missing run)")
-        else:
-            print(f"  {label:<52} {value:6.3f}   goal <= {goal:<5} "
-                  f"{'ok' if value <= goal else 'MISSED'}")
+        print(harness.goal_line(label, value, goal, width=52))
 
     def ratio(label, numerator, denominator, figure, goal):
-        a, b = by_key.get(numerator), by_key.get(denominator)
-        check(label, a[figure] / b[figure] if a and b and b[figure] else None, goal)
+        check(label, harness.ratio(by_key, numerator, denominator, figure), goal)
 
     converted = ("stack_layers", middle)
     print("\nRatios:")
@@ -206,13 +186,9 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
           by_key[converted]["step_compiles"] if converted in by_key else None, 1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", default=None,
-                        help="comma-separated layer counts (default 8,32,64; one int in --worker)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
-    parser.add_argument("--quick", action="store_true", help="layer counts 2,4 only")
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.benchmark_parser(__file__, __doc__)
+    harness.add_layer_and_mode_options(parser, MODES)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -221,45 +197,28 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--timeout", type=harness.time_limit, default=DEFAULT_TIMEOUT,
-                        metavar="SECONDS",
-                        help=f"time limit of each run's process (default {DEFAULT_TIMEOUT}); "
-                             "a run that exceeds it is reported as timed out")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    harness.add_worker_options(parser, DEFAULT_TIMEOUT)
+    args = parser.parse_args(argv)
 
     if args.worker:
         args.layers = int(args.layers)
         harness.report_result(run_worker(args))
         return
 
-    if args.steps <= WARMUP_STEPS:
-        parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
-    default_layers = "2,4" if args.quick else "8,32,64"
-    layer_counts = [int(n) for n in (args.layers or default_layers).split(",")]
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    layer_counts, modes = harness.chosen_runs(parser, args, MODES, WARMUP_STEPS)
 
     print(f"PJRT {harness.device_name()}, LlamaForCausalLM hidden {args.hidden}, {args.heads} "
           f"heads, {args.kv_heads} key/value heads, intermediate {args.intermediate}, vocab "
           f"{args.vocab}, seq {args.seq}, batch {args.batch}, SGD, {args.steps} steps (first "
           f"{WARMUP_STEPS} not steady)", flush=True)
-    outcomes = {}
-    for layers in layer_counts:
-        for mode in modes:
-            outcome = outcomes[mode, layers] = measure(mode, layers, args)
-            print(f"  ran {mode} L={layers} in {outcome.seconds:.0f} s", flush=True)
+    outcomes = harness.measure_modes_and_depths(
+        os.path.abspath(__file__), modes, layer_counts,
+        harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout)
     print()
-    print_table(outcomes)
+    harness.print_layer_table(outcomes)
     print_ratios({key: outcome.figures for key, outcome in outcomes.items() if outcome.ok},
                  layer_counts, args.steps)
-    failures = harness.failure_summary(
-        {f"{mode} L={layers}": outcome for (mode, layers), outcome in outcomes.items()})
-    if failures:
-        sys.exit(f"bench_hf.py: error: {failures}")
+    harness.exit_if_runs_failed(parser.prog, outcomes)
 
 
 if __name__ == "__main__":

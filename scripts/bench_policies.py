@@ -35,11 +35,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
-import time
 
 import harness  # first: it sets the default device before torch_xla is imported
+from torch_xla_ext.metrics import BYTES, COUNT, SECONDS, Row
 
 POLICIES = ("save_everything", "save_nothing", "save_dots", "save_only:attn_out+mlp_hidden",
             "offload:attn_out+mlp_hidden")
@@ -76,7 +75,7 @@ def run_worker(args) -> dict:
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
-    from torch_xla_ext.metrics import peak_rss_bytes, reset_peak_rss
+    from torch_xla_ext.metrics import peak_rss_bytes
     from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
 
     device = torch_xla.device()
@@ -89,42 +88,37 @@ def run_worker(args) -> dict:
     xm.wait_device_ops()
     met.clear_all()
 
-    step_seconds = []
-    peak_reset = False
-    for step in range(args.steps):
-        # Released before the peak is reset, so that the last step's peak is its own.
-        optimizer.zero_grad(set_to_none=True)
-        if step == args.steps - 1:
-            peak_reset = reset_peak_rss()
-        start = time.perf_counter()
-        training_step(model, batch, optimizer)
-        torch_xla.sync()
-        xm.wait_device_ops()
-        step_seconds.append(time.perf_counter() - start)
-        if step == 0:
+    def release_gradients(step):
+        if step == 1:  # the first step's, kept for the parent to compare
             torch.save({name: p.grad.cpu() for name, p in model.named_parameters()
                         if p.grad is not None}, args.grads_file)
+        optimizer.zero_grad(set_to_none=True)
+
+    def run_step():
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+    # Gradients are released before the peak is reset (time_steps), so that
+    # the last step's peak is its own.
+    times = harness.time_steps(args.steps, lambda: training_step(model, batch, optimizer),
+                               run_step, prepare=release_gradients)
 
     compiles, compile_ns, _ = met.metric_data("CompileTime") or (0, 0, None)
     return {
         "compile_s": compile_ns / 1e9,
         "compiles": compiles,
-        "step_s": statistics.median(step_seconds[FIRST_STEADY_STEP:]),
+        "step_s": statistics.median(times.total[FIRST_STEADY_STEP:]),
         "peak_rss": peak_rss_bytes(),
-        "peak_is_steady": peak_reset,
+        "peak_is_steady": times.peak_is_last_steps,
         "params": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
 
 
 def measure(policy: str, grads_file: str, args) -> harness.Outcome:
     """Runs one policy in a fresh process within the time limit."""
-    arguments = ["--worker", "--policy", policy, "--grads-file", grads_file]
-    for option in ISSUE_SIZES:
-        arguments += [f"--{option}", str(getattr(args, option))]
-    outcome = harness.run_worker(os.path.abspath(__file__), arguments, args.timeout)
-    if not outcome.ok:
-        print(outcome.failure_report(f"  policy {policy}"), flush=True)
-    return outcome
+    arguments = ["--worker", "--policy", policy, "--grads-file", grads_file,
+                 *harness.passed_on(args, ISSUE_SIZES)]
+    return harness.measure(os.path.abspath(__file__), arguments, args.timeout, policy)
 
 
 def gradient_difference(grads_file: str, baseline_file: str) -> float | str:
@@ -160,18 +154,16 @@ def print_gradients(differences: dict[str, float | str | None]) -> list[str]:
 
 def print_rss_ratio(figures: dict[str, dict]) -> None:
     label = "peak RSS save_nothing / save_everything:"
-    saved_nothing, saved_everything = figures.get("save_nothing"), figures.get(BASELINE)
-    if saved_nothing is None or saved_everything is None:
+    ratio = harness.ratio(figures, "save_nothing", BASELINE, "peak_rss")
+    if ratio is None:
         print(f"\n{label} n/a (missing run) (goal <= {RSS_RATIO_GOAL:.2f})")
         return
-    ratio = saved_nothing["peak_rss"] / saved_everything["peak_rss"]
-    verdict = "ok" if ratio <= RSS_RATIO_GOAL else "MISSED"
-    print(f"\n{label} {ratio:.3f} (goal <= {RSS_RATIO_GOAL:.2f}) {verdict}")
+    print(f"\n{label} {ratio:.3f} (goal <= {RSS_RATIO_GOAL:.2f}) "
+          f"{harness.verdict(ratio, RSS_RATIO_GOAL)}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.benchmark_parser(__file__, __doc__)
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated policies (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
@@ -180,14 +172,10 @@ def main() -> None:
     for option, value in ISSUE_SIZES.items():
         parser.add_argument(f"--{option}", type=int, default=None,
                             help=f"(default {value}, the issue's)")
-    parser.add_argument("--timeout", type=harness.time_limit, default=DEFAULT_TIMEOUT,
-                        metavar="SECONDS",
-                        help=f"time limit of each policy's process (default {DEFAULT_TIMEOUT}); "
-                             "a run that exceeds it is reported as timed out")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    harness.add_worker_options(parser, DEFAULT_TIMEOUT, run="policy")
     parser.add_argument("--policy", help=argparse.SUPPRESS)
     parser.add_argument("--grads-file", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else ISSUE_SIZES
     for option, value in sizes.items():
         if getattr(args, option) is None:
@@ -207,8 +195,6 @@ def main() -> None:
         except (TypeError, ValueError) as error:
             parser.error(str(error))
 
-    from torch_xla_ext.metrics import BYTES, COUNT, SECONDS, Row
-
     print(f"PJRT {harness.device_name()}, LayerStack of {args.layers} decoder blocks, hidden "
           f"{args.hidden}, {args.heads} heads, seq {args.seq}, batch {args.batch}, SGD, "
           f"{args.steps} steps (the first not steady)", flush=True)
@@ -221,7 +207,6 @@ def main() -> None:
                  for index, policy in enumerate(order)}
         for policy in order:
             outcome = outcomes[policy] = measure(policy, files[policy], args)
-            print(f"  ran {policy} in {outcome.seconds:.0f} s", flush=True)
             if policy == BASELINE:
                 continue
             baseline_ran = BASELINE in outcomes and outcomes[BASELINE].ok
@@ -244,13 +229,10 @@ def main() -> None:
     off = print_gradients(differences)
     print_rss_ratio(figures)
 
-    problems = [harness.failure_summary(outcomes)]
-    if off:
-        problems.append(f"gradients of {', '.join(off)} differ from {BASELINE}'s by more than "
-                        f"{GRADIENT_ATOL:g}")
-    problems = [problem for problem in problems if problem]
-    if problems:
-        sys.exit(f"bench_policies.py: error: {'; '.join(problems)}")
+    harness.exit_on_problems(parser.prog, [
+        harness.failure_summary(outcomes),
+        f"gradients of {', '.join(off)} differ from {BASELINE}'s by more than "
+        f"{GRADIENT_ATOL:g}" if off else None])
 
 
 if __name__ == "__main__":

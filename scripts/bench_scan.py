@@ -17,17 +17,14 @@ them. Prints medians and their ratios.
     .venv/bin/python scripts/bench_scan.py [--iterations 32] [--width 256] [--repeats 20]
 """
 import argparse
-import os
 import statistics
 import time
 
-# PJRT's CPU backend unless the user chose a device.
-os.environ.setdefault("PJRT_DEVICE", "CPU")
+import harness  # first: it sets the default device before torch_xla is imported
+import torch
+import torch_xla
 
-import torch  # noqa: E402
-import torch_xla  # noqa: E402
-
-import torch_xla_ext as tx  # noqa: E402
+import torch_xla_ext as tx
 
 
 def graph_building_seconds(run, tensors) -> float:

@@ -28,10 +28,10 @@ import sys
 import time
 
 import harness  # first: it sets the default device before torch_xla is imported
+# Nothing of torch: `diff` runs without it (the worker imports it).
 from torch_xla_ext.metrics import (
-    BYTES, COUNT, FIGURE_ROWS, SECONDS, MetricsReport, MetricsReportError, Row, collect,
-    figures, format_table, hlo_parameter_count, parse_report, peak_rss_bytes, raw_figures,
-    raw_rows)
+    BYTES, COUNT, FIGURE_ROWS, SECONDS, MetricsReport, MetricsReportError, Row, figures,
+    format_table, hlo_parameter_count, parse_report, peak_rss_bytes, raw_figures, raw_rows)
 
 
 class InputError(Exception):
@@ -302,6 +302,7 @@ def run_worker(args: argparse.Namespace) -> None:
     """Runs one mode and reports its figures to the parent (harness.report_result)."""
     import torch_xla
     import torch_xla_ext
+    from torch_xla_ext.metrics import collect
 
     build_workload = load_workload(args.workload)
     device_data = args.mode == "scan-device-data"
@@ -489,10 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plot", metavar="FILE.png",
                      help="with --sweep-layers, plot compile time and graph-building time "
                           "against depth, a line per mode (the plotted series go into --json)")
-    run.add_argument("--timeout", type=harness.time_limit, default=DEFAULT_TIMEOUT,
-                     metavar="SECONDS",
-                     help=f"time limit of each mode's process (default {DEFAULT_TIMEOUT}); "
-                          "a mode that exceeds it is reported as timed out")
+    harness.add_timeout_option(run, DEFAULT_TIMEOUT, "mode")
     run.set_defaults(handler=run_run)
 
     diff = commands.add_parser(

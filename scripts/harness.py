@@ -1,19 +1,22 @@
-"""The worker harness of the benchmark scripts (compare_metrics.py, bench_layers.py).
+"""What the benchmark scripts share: their workers, their command line, their
+timed steps, their ratios against goals and their tables.
 
 Each measurement runs in a fresh Python process, because torch_xla's metrics,
 compilation cache and peak memory belong to a process. The parent calls
 `run_worker(script, arguments, time_limit)`, which runs
 `python script arguments...` and waits at most `time_limit` seconds; the
-worker measures, then calls `report_result(figures)`, which prints the figures
-as one JSON line marked with RESULT_PREFIX (the workload may print lines of its
-own) and returns. The parent gets an `Outcome`: the figures, or, for a worker
-that failed, printed no result or ran out of time, a status for the table and
-the end of the worker's output.
+worker measures (`time_steps`), then calls `report_result(figures)`, which
+prints the figures as one JSON line marked with RESULT_PREFIX (the workload may
+print lines of its own) and returns. The parent gets an `Outcome`: the
+figures, or, for a worker that failed, printed no result or ran out of time, a
+status for the table and the end of the worker's output.
 
 Importing this module sets PJRT_DEVICE to CPU unless the user chose a device,
 so a script imports it before anything imports torch_xla (which would choose a
 device of its own, a TPU where it finds one); workers inherit the choice. It
-imports nothing of torch itself, so that a worker starts no slower for it.
+imports nothing but the standard library (its functions import the parts of
+torch_xla_ext.metrics that need no torch), so that a worker starts no slower
+for it.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 DEFAULT_DEVICE = "CPU"
 os.environ.setdefault("PJRT_DEVICE", DEFAULT_DEVICE)
@@ -80,26 +83,42 @@ def run_worker(script: str, arguments: Sequence[str], limit: float) -> Outcome:
         text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=limit)
-        timed_out = False
+        returncode = process.returncode
     except subprocess.TimeoutExpired:
         _stop(process)
         stdout, stderr = process.communicate()
-        timed_out = True
+        returncode = None
     except BaseException:  # Ctrl-C reaches only this process: the worker must not linger
         _stop(process)
         process.wait()
         raise
-    seconds = time.perf_counter() - started
+    return worker_outcome(returncode, stdout, stderr, time.perf_counter() - started, limit)
+
+
+def worker_outcome(returncode: int | None, stdout: str, stderr: str, seconds: float,
+                   limit: float) -> Outcome:
+    """What a worker that ended with `returncode` gave, or, with None, one
+    stopped at its time limit of `limit` seconds."""
     tail = _tail(stderr) or _tail(stdout)
-    if timed_out:
+    if returncode is None:
         return Outcome(None, f"timed out after {limit:g} s", tail, seconds)
     results = [line[len(RESULT_PREFIX):] for line in stdout.splitlines()
                if line.startswith(RESULT_PREFIX)]
-    if process.returncode != 0:
-        return Outcome(None, _exit_status(process.returncode), tail, seconds)
+    if returncode != 0:
+        return Outcome(None, _exit_status(returncode), tail, seconds)
     if not results:
         return Outcome(None, "no result printed", tail, seconds)
     return Outcome(json.loads(results[-1]), OK, tail, seconds)
+
+
+def measure(script: str, arguments: Sequence[str], limit: float, label: str) -> Outcome:
+    """`run_worker`, printing how it went: the end of the output of a worker
+    that failed, then the worker's wall time."""
+    outcome = run_worker(script, arguments, limit)
+    if not outcome.ok:
+        print(outcome.failure_report(f"  {label}"), flush=True)
+    print(f"  ran {label} in {outcome.seconds:.0f} s", flush=True)
+    return outcome
 
 
 def report_result(figures: Mapping) -> None:
@@ -151,3 +170,171 @@ def outcome_table(outcomes: Mapping[str, Outcome], rows: Sequence, baseline: str
     if any(not outcome.ok for outcome in outcomes.values()):
         rows = (Row(STATUS_KEY, "worker process", COUNT), *rows)
     return format_table(outcome_columns(outcomes), baseline=baseline, rows=rows)
+
+
+def exit_on_problems(prog: str, problems: Sequence[str | None]) -> None:
+    """Ends the script with exit code 1 and `prog: error: ...` naming the
+    problems (None is none), if there are any."""
+    problems = [problem for problem in problems if problem]
+    if problems:
+        sys.exit(f"{prog}: error: {'; '.join(problems)}")
+
+
+# ---------------------------------------------------------------- command line
+
+
+def benchmark_parser(script: str, description: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark script: named after `script` (also when its
+    main() is called from elsewhere), `description` (its docstring) as written."""
+    return argparse.ArgumentParser(prog=os.path.basename(script), description=description,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_layer_and_mode_options(parser: argparse.ArgumentParser, modes: Sequence[str]) -> None:
+    """--layers, --modes and --quick of a script that measures each of `modes`
+    at each depth, and the worker's --mode."""
+    parser.add_argument("--layers", default=None,
+                        help="comma-separated layer counts (default 8,32,64; one int in --worker)")
+    parser.add_argument("--modes", default=",".join(modes), help="comma-separated modes")
+    parser.add_argument("--quick", action="store_true", help="layer counts 2,4 only")
+    parser.add_argument("--mode", choices=modes, help=argparse.SUPPRESS)
+
+
+def add_timeout_option(parser: argparse.ArgumentParser, default: float, run: str) -> None:
+    """--timeout: the time limit of each worker, a `run` ("mode", "policy", ...)."""
+    parser.add_argument("--timeout", type=time_limit, default=default, metavar="SECONDS",
+                        help=f"time limit of each {run}'s process (default {default:g}); "
+                             f"a {run} that exceeds it is reported as timed out")
+
+
+def add_worker_options(parser: argparse.ArgumentParser, default_timeout: float,
+                       run: str = "run") -> None:
+    """--timeout, and --worker, with which the script is one of its own workers."""
+    add_timeout_option(parser, default_timeout, run)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def chosen_runs(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                modes: Sequence[str], warmup_steps: int) -> tuple[list[int], list[str]]:
+    """The depths and modes that --layers (or --quick) and --modes choose, once
+    --steps is known to leave steady steps after the `warmup_steps`."""
+    if args.steps <= warmup_steps:
+        parser.error(f"--steps must exceed the {warmup_steps} warm-up steps")
+    layer_counts = [int(n) for n in (args.layers or ("2,4" if args.quick else "8,32,64"))
+                    .split(",")]
+    chosen = args.modes.split(",")
+    unknown = sorted(set(chosen) - set(modes))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(modes)}")
+    return layer_counts, chosen
+
+
+def passed_on(args: argparse.Namespace, options: Sequence[str]) -> list[str]:
+    """The worker's command-line arguments that give it `options` (attribute
+    names of `args`) as the parent has them; an option that is None is left out."""
+    arguments = []
+    for option in options:
+        value = getattr(args, option)
+        if value is not None:
+            arguments += [f"--{option.replace('_', '-')}", str(value)]
+    return arguments
+
+
+def measure_modes_and_depths(script: str, modes: Sequence[str], layer_counts: Sequence[int],
+                             arguments: Sequence[str], limit: float
+                             ) -> dict[tuple[str, int], Outcome]:
+    """Runs `script --worker --mode MODE --layers L arguments...` for each depth
+    and mode, in that order, each in a fresh process (`measure`)."""
+    return {(mode, layers): measure(script, ["--worker", "--mode", mode, "--layers", str(layers),
+                                             *arguments], limit, f"{mode} L={layers}")
+            for layers in layer_counts for mode in modes}
+
+
+def exit_if_runs_failed(prog: str, outcomes: Mapping[tuple[str, int], Outcome]) -> None:
+    """Ends the script with `exit_on_problems` if any (mode, depth) gave no figures."""
+    exit_on_problems(prog, [failure_summary(
+        {f"{mode} L={layers}": outcome for (mode, layers), outcome in outcomes.items()})])
+
+
+# ---------------------------------------------------------------- worker side
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Wall seconds of each step `time_steps` ran, split where its graph is built."""
+    build: list[float]   # from the step's start until `build` returned
+    finish: list[float]  # from then until `finish` returned
+    peak_is_last_steps: bool  # peak RSS restarted before the last step (reset_peak_rss)
+    last_built: Any      # what the last step's `build` returned (its loss, say)
+
+    @property
+    def total(self) -> list[float]:
+        return [build + finish for build, finish in zip(self.build, self.finish)]
+
+
+def time_steps(steps: int, build: Callable[[], Any], finish: Callable[[], Any],
+               prepare: Callable[[int], Any] = lambda step: None) -> StepTimes:
+    """Runs `steps` steps, each `prepare(step_index)` untimed (releasing the
+    previous step's gradients, say), then `build()` (the lazy graph) and
+    `finish()` (running it to the end), timed apart.
+
+    The peak RSS count restarts after the last step's `prepare`, so that
+    `peak_rss_bytes()` read after this is the last step's own.
+    """
+    from torch_xla_ext.metrics import reset_peak_rss
+
+    build_seconds, finish_seconds = [], []
+    peak_is_last_steps = False
+    built = None
+    for step in range(steps):
+        prepare(step)
+        if step == steps - 1:
+            peak_is_last_steps = reset_peak_rss()
+        started = time.perf_counter()
+        built = build()
+        built_at = time.perf_counter()
+        finish()
+        build_seconds.append(built_at - started)
+        finish_seconds.append(time.perf_counter() - built_at)
+    return StepTimes(build_seconds, finish_seconds, peak_is_last_steps, built)
+
+
+# ---------------------------------------------------------------- ratios and tables
+
+
+def ratio(figures: Mapping[Any, Mapping], numerator, denominator, figure: str) -> float | None:
+    """figures[numerator][figure] / figures[denominator][figure]; None if either
+    run is missing or the denominator is 0."""
+    a, b = figures.get(numerator), figures.get(denominator)
+    return a[figure] / b[figure] if a and b and b[figure] else None
+
+
+def verdict(value: float, goal: float) -> str:
+    """Whether `value` meets a goal of at most `goal`."""
+    return "ok" if value <= goal else "MISSED"
+
+
+def goal_line(label: str, value: float | None, goal: float, width: int) -> str:
+    """A ratio's line: `label` padded to `width`, its value, its goal and the
+    verdict; n/a when a run it needs is missing (`value` None)."""
+    if value is None:
+        return f"  {label:<{width}} n/a (missing run)"
+    return f"  {label:<{width}} {value:6.3f}   goal <= {goal:<5} {verdict(value, goal)}"
+
+
+def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome]) -> None:
+    """A line per (mode, L): its figures (python_ms, compile_s, compiles,
+    execute_ms, peak_rss_mib, param_mib), or the status of a run that gave none."""
+    header = (f"{'mode':<16}{'L':>4}{'python ms':>11}{'compile s':>11}{'compiles':>10}"
+              f"{'exec ms':>10}{'peak RSS MiB':>14}{'params MiB':>12}")
+    print(header)
+    print("-" * len(header))
+    for (mode, layers), outcome in outcomes.items():
+        r = outcome.figures
+        if r is None:
+            print(f"{mode:<16}{layers:>4}  {outcome.status}")
+            continue
+        steady = "" if r["peak_is_steady"] else " (lifetime peak)"
+        print(f"{mode:<16}{layers:>4}{r['python_ms']:>11.2f}{r['compile_s']:>11.2f}"
+              f"{r['compiles']:>10}{r['execute_ms']:>10.1f}{r['peak_rss_mib']:>14.0f}"
+              f"{r['param_mib']:>12.1f}{steady}")

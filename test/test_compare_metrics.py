@@ -1,26 +1,40 @@
-"""scripts/compare_metrics.py run: every mode in its own process, figures per step."""
+"""scripts/compare_metrics.py run: every mode in its own process, figures per step.
+
+The command line runs in pytest's process (main(argv)), its workers forked from
+the scenario server (benchmark_scripts.py); one test runs the real command line
+with a real worker."""
+import contextlib
+import io
 import json
 import math
+import os
 import re
 import struct
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-COMPARE_METRICS = REPO / "scripts" / "compare_metrics.py"
+from benchmark_scripts import REPO, SCRIPTS, forked_run_worker, forked_workers  # noqa: F401
+import compare_metrics as compare_metrics_script
+import harness
+
 ALL_MODES = ["loop", "scan", "scan-device-data", "torch-xla-scan"]
-STEPS = 3
+# Two steps: the first compiles, the second shows what a cached step moves.
+STEPS = 2
 
 
-def compare_metrics(*args, cwd=REPO, timeout=240):
-    # On the device the test session runs on (conftest.py: CPU unless chosen).
-    return subprocess.run(
-        [sys.executable, str(COMPARE_METRICS), *map(str, args)], capture_output=True,
-        text=True, timeout=timeout, cwd=cwd)
+def compare_metrics(*args) -> subprocess.CompletedProcess:
+    """The command line `compare_metrics.py ARGS...`, run by main() in this process."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            returncode = compare_metrics_script.main(list(map(str, args)))
+        except SystemExit as exited:  # argparse's errors
+            returncode = exited.code
+    return subprocess.CompletedProcess(["compare_metrics.py", *map(str, args)], returncode,
+                                       stdout.getvalue(), stderr.getvalue())
 
 
 def table_cells(table: str, label: str) -> list[str]:
@@ -30,12 +44,13 @@ def table_cells(table: str, label: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def all_modes(tmp_path_factory):
+def all_modes(tmp_path_factory, scenario_server):
     """The completed default command (no `run`) on a tiny decoder stack, and its JSON."""
     json_path = tmp_path_factory.mktemp("run") / "figures.json"
-    # Four modes, each importing torch_xla and compiling: minutes on a loaded machine.
-    completed = compare_metrics("--layers", 2, "--hidden", 32, "--steps", STEPS,
-                                "--json", json_path, timeout=600)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(harness, "run_worker", forked_run_worker(scenario_server))
+        completed = compare_metrics("--layers", 2, "--hidden", 32, "--steps", STEPS,
+                                    "--json", json_path)
     assert completed.returncode == 0, completed.stderr
     return completed, json.loads(json_path.read_text())
 
@@ -88,7 +103,7 @@ def test_device_data_mode_makes_no_placeholder_and_moves_every_stand_in(run_isol
     # not (AOTAutograd's), rather than by the replaced factory itself.
     completed = run_isolated(f"""
         import sys
-        sys.path.insert(0, {str(REPO / "scripts")!r})
+        sys.path.insert(0, {str(SCRIPTS)!r})
         import torch, torch_xla
         import torch_xla_ext
         from torch_xla_ext import placeholder, placeholder_id
@@ -128,7 +143,7 @@ def png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_sweep_plots_a_line_per_mode(tmp_path):
+def test_sweep_plots_a_line_per_mode(tmp_path, forked_workers):
     plot, json_path = tmp_path / "sweep.png", tmp_path / "sweep.json"
     completed = compare_metrics("--sweep-layers", "1,2", "--modes", "loop,scan", "--hidden", 32,
                                 "--steps", 2, "--plot", plot, "--json", json_path)
@@ -152,10 +167,11 @@ def test_sweep_plots_a_line_per_mode(tmp_path):
         run["modes"]["scan"]["compile_seconds"] for run in figures["sweep"]]
 
 
+# Imports torch where it builds, not when the parent imports it to check it.
 USER_WORKLOAD = """
-    import torch, torch_xla
-
     def build(mode, layers, hidden):
+        import torch, torch_xla
+
         device = torch_xla.device()
         weight = torch.nn.Parameter(torch.ones(hidden, hidden, device=device))
         optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -173,10 +189,16 @@ USER_WORKLOAD = """
 
 
 def test_user_workload_from_the_current_directory(tmp_path):
+    # The real command line, in a new process, with a real worker.
     (tmp_path / "my_workload.py").write_text(textwrap.dedent(USER_WORKLOAD))
     json_path = tmp_path / "figures.json"
-    completed = compare_metrics("run", "--workload", "my_workload:build", "--modes", "loop",
-                                "--hidden", 8, "--steps", 2, "--json", json_path, cwd=tmp_path)
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "compare_metrics.py"), "run", "--workload",
+         "my_workload:build", "--modes", "loop", "--hidden", "8", "--steps", "2",
+         "--json", str(json_path)],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        # This checkout's torch_xla_ext, in the parent and its worker.
+        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert completed.returncode == 0, completed.stderr
     loop = json.loads(json_path.read_text())["modes"]["loop"]
     # loss = mean((4 * 8 ones)^2) = 64 at the start, and SGD lowers it.
@@ -184,17 +206,27 @@ def test_user_workload_from_the_current_directory(tmp_path):
     assert loop["compilations"] >= 1 and loop["scan_traces"] == 0
 
 
-def test_a_failing_mode_shows_its_error_and_the_others_still_run(tmp_path):
-    (tmp_path / "my_workload.py").write_text(textwrap.dedent(USER_WORKLOAD) + textwrap.dedent("""
+@pytest.fixture
+def import_path_restored(monkeypatch):
+    """--workload puts the current directory on this process's import path: for this test only."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def test_a_failing_mode_shows_its_error_and_the_others_still_run(
+        tmp_path, monkeypatch, forked_workers, import_path_restored):
+    # A module name no other test imports into this process.
+    (tmp_path / "failing_workload.py").write_text(
+        textwrap.dedent(USER_WORKLOAD) + textwrap.dedent("""
         def build_but_not_scan(mode, layers, hidden):
             if mode == "scan":
                 raise RuntimeError(f"no {mode} model with {layers} layers here")
             return build(mode, layers, hidden)
     """))
     json_path = tmp_path / "figures.json"
-    completed = compare_metrics("--workload", "my_workload:build_but_not_scan",
+    monkeypatch.chdir(tmp_path)
+    completed = compare_metrics("--workload", "failing_workload:build_but_not_scan",
                                 "--modes", "scan,loop", "--hidden", 8, "--steps", 2,
-                                "--json", json_path, cwd=tmp_path)
+                                "--json", json_path)
     assert completed.returncode == 1
     error_lines = completed.stderr.splitlines()
     assert "mode 'scan' with 4 layers: exit code 1; the end of its output:" in error_lines
@@ -213,7 +245,7 @@ def test_a_failing_mode_shows_its_error_and_the_others_still_run(tmp_path):
 
 def test_timed_out_modes_show_in_the_table_and_the_others_run():
     # Half a second is too little for a worker to import torch_xla: both time out.
-    completed = compare_metrics("--modes", "loop,scan", "--timeout", 0.5, timeout=120)
+    completed = compare_metrics("--modes", "loop,scan", "--timeout", 0.5)
     assert completed.returncode == 1
     assert table_cells(completed.stdout, "worker process") == ["timed out after 0.5 s"] * 2
     assert table_cells(completed.stdout, "compilations") == ["-", "-"]
@@ -236,8 +268,8 @@ def test_timed_out_modes_show_in_the_table_and_the_others_run():
     (["--plot", "out.png"], "--plot draws a sweep over depths: give --sweep-layers too"),
     (["--timeout", "0"], "argument --timeout: '0' must be more than 0 seconds"),
 ])
-def test_bad_options_name_the_culprit(args, message):
-    completed = compare_metrics(*args, timeout=60)
+def test_bad_options_name_the_culprit(args, message, import_path_restored):
+    completed = compare_metrics(*args)
     assert completed.returncode == 2
     assert message in completed.stderr
     assert "running" not in completed.stderr

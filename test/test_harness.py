@@ -4,13 +4,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import harness  # noqa: E402
+import torch_xla_ext.metrics as metrics
+from benchmark_scripts import SCRIPTS
+import bench_layers
+import harness
 
 TIME_LIMIT = 1.5
 # Plain Python workers: no torch to import, so each starts in a fraction of a second.
@@ -143,16 +143,85 @@ def test_workers_run_on_the_users_device_cpu_by_default(tmp_path, chosen, expect
     assert completed.stdout.split() == [expected, expected]
 
 
-def test_bench_layers_reports_each_timed_out_run_and_goes_on():
+def test_bench_layers_reports_each_timed_out_run_and_goes_on(capsys):
     # Half a second is too little for a worker to import torch_xla: every run times out.
-    completed = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_layers.py"), "--layers", "1,2", "--modes", "loop",
-         "--steps", "3", "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
-    assert completed.returncode == 1
-    lines = completed.stdout.splitlines()
+    with pytest.raises(SystemExit) as exited:
+        bench_layers.main(["--layers", "1,2", "--modes", "loop", "--steps", "3",
+                           "--timeout", "0.5"])
+    # A message for sys.exit: printed to stderr, exit code 1.
+    assert exited.value.code == (
+        "bench_layers.py: error: 2 of 2 runs gave no figures: loop L=1 (timed out after 0.5 s), "
+        "loop L=2 (timed out after 0.5 s)")
+    lines = capsys.readouterr().out.splitlines()
     assert "  loop L=1: timed out after 0.5 s; the end of its output:" in lines
     assert lines[lines.index("-" * 88) + 1:][:2] == ["loop               1  timed out after 0.5 s",
                                                     "loop               2  timed out after 0.5 s"]
-    assert completed.stderr.splitlines()[-1] == (
-        "bench_layers.py: error: 2 of 2 runs gave no figures: loop L=1 (timed out after 0.5 s), "
-        "loop L=2 (timed out after 0.5 s)")
+
+
+def test_time_steps_times_build_and_finish_apart_after_an_untimed_prepare(monkeypatch):
+    calls = []
+    monkeypatch.setattr(metrics, "reset_peak_rss", lambda: calls.append("reset") or True)
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: len(calls))
+
+    def build():
+        calls.extend(["build"] * 2)
+        return len(calls)
+
+    times = harness.time_steps(3, build, lambda: calls.append("finish"),
+                               prepare=lambda step: calls.append(f"prepare {step}"))
+    # The peak restarts after the last step's prepare (which releases memory).
+    assert calls == ["prepare 0", "build", "build", "finish",
+                     "prepare 1", "build", "build", "finish",
+                     "prepare 2", "reset", "build", "build", "finish"]
+    assert times.build == [2, 2, 2] and times.finish == [1, 1, 1]
+    assert times.total == [3, 3, 3]
+    assert times.peak_is_last_steps and times.last_built == 12
+
+
+def test_ratio_lines_against_their_goals():
+    figures = {("scan", 8): {"ms": 2.0}, ("loop", 8): {"ms": 10.0, "zero": 0}}
+    assert harness.ratio(figures, ("scan", 8), ("loop", 8), "ms") == 0.2
+    assert harness.ratio(figures, ("scan", 8), ("loop", 32), "ms") is None
+    assert harness.ratio(figures, ("loop", 8), ("loop", 8), "zero") is None
+    assert harness.goal_line("scan/loop", 0.2, 0.2, width=12) == (
+        "  scan/loop     0.200   goal <= 0.2   ok")
+    assert harness.goal_line("scan/loop", 0.25, 0.2, width=12) == (
+        "  scan/loop     0.250   goal <= 0.2   MISSED")
+    assert harness.goal_line("scan/loop", None, 0.2, width=12) == (
+        "  scan/loop    n/a (missing run)")
+
+
+def test_workers_are_given_the_parents_options():
+    args = argparse.Namespace(steps=5, kv_heads=2, intermediate=None)
+    assert harness.passed_on(args, ("steps", "kv_heads", "intermediate")) == [
+        "--steps", "5", "--kv-heads", "2"]
+
+
+def layer_and_mode_parser():
+    parser = harness.benchmark_parser("bench.py", "a benchmark")
+    harness.add_layer_and_mode_options(parser, ["loop", "scan"])
+    parser.add_argument("--steps", type=int, default=3)
+    return parser
+
+
+@pytest.mark.parametrize("argv, layers, modes", [
+    ([], [8, 32, 64], ["loop", "scan"]),
+    (["--quick"], [2, 4], ["loop", "scan"]),
+    (["--layers", "3,5", "--modes", "scan"], [3, 5], ["scan"]),
+])
+def test_layers_and_modes_chosen_on_the_command_line(argv, layers, modes):
+    parser = layer_and_mode_parser()
+    args = parser.parse_args(argv)
+    assert harness.chosen_runs(parser, args, ["loop", "scan"], warmup_steps=2) == (layers, modes)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--modes", "loop,bogus"], "unknown modes ['bogus']; choose from loop, scan"),
+    (["--steps", "2"], "--steps must exceed the 2 warm-up steps"),
+])
+def test_unknown_modes_and_too_few_steps_are_refused(argv, error, capsys):
+    parser = layer_and_mode_parser()
+    with pytest.raises(SystemExit) as exited:
+        harness.chosen_runs(parser, parser.parse_args(argv), ["loop", "scan"], warmup_steps=2)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"bench.py: error: {error}"

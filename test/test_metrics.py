@@ -1,6 +1,7 @@
 """torch_xla_ext.metrics and scripts/compare_metrics.py on real torch_xla reports."""
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,18 +16,20 @@ from torch_xla_ext.metrics import (
 
 REPO = Path(__file__).resolve().parent.parent
 COMPARE_METRICS = REPO / "scripts" / "compare_metrics.py"
+sys.path.insert(0, str(COMPARE_METRICS.parent))
+import compare_metrics  # noqa: E402
 
 # Report A after one step; report B after three steps, one more host-to-device
 # transfer (8 floats) and one read back of the 4-float result. Also saves
 # collect() and torch_xla's own metric values at B to check the parser against.
+# All go into the directory `out`, which the source is prefixed with.
 WORKLOAD = """
-    import json, sys
+    import json
     import torch, torch_xla
     import torch_xla.debug.metrics as xla_metrics
     import torch_xla.core.xla_model as xm
     from torch_xla_ext.metrics import collect
 
-    out = sys.argv[1]
     device = torch_xla.device()
     xla_metrics.clear_all()
 
@@ -57,20 +60,22 @@ WORKLOAD = """
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, scenario_server):
     """Paths of report A, report B and the live values saved at B."""
     out = tmp_path_factory.mktemp("reports")
-    completed = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(WORKLOAD), str(out)],
-        capture_output=True, text=True, timeout=240)
+    # A process of its own (torch_xla's metrics are the process's), forked from
+    # the scenario server (isolated.py) that has torch_xla imported already.
+    completed = scenario_server.run(f"out = {str(out)!r}\n" + textwrap.dedent(WORKLOAD),
+                                    timeout=240, env=dict(os.environ))
     assert completed.returncode == 0, completed.stderr
     return out / "a.txt", out / "b.txt", json.loads((out / "live.json").read_text())
 
 
-def compare_metrics(*args):
-    return subprocess.run(
-        [sys.executable, str(COMPARE_METRICS), *map(str, args)],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
+def diff(capsys, *paths) -> tuple[int, str, str]:
+    """`compare_metrics.py diff` run in this process: exit code, stdout, stderr."""
+    returncode = compare_metrics.main(["diff", *map(str, paths)])
+    captured = capsys.readouterr()
+    return returncode, captured.out, captured.err
 
 
 def table_row(table: str, label: str) -> str:
@@ -125,11 +130,10 @@ def test_parsed_values_match_torch_xla_own_values(reports):
         assert metric.percentiles and all(value >= 0 for value in metric.percentiles.values())
 
 
-def test_diff_marks_what_changed(reports):
+def test_diff_marks_what_changed(reports, capsys):
     report_a, report_b, _ = reports
-    completed = compare_metrics("diff", report_a, report_b)
-    assert completed.returncode == 0, completed.stderr
-    table = completed.stdout
+    returncode, table, errors = diff(capsys, report_a, report_b)
+    assert returncode == 0, errors
     assert table.splitlines()[0].split() == ["figure", "a.txt", "b.txt"]
     assert table_row(table, "host-to-device transfers").split()[-3:] == ["1", "2", "*"]
     assert table_row(table, "host-to-device bytes").split()[-5:] == ["16", "B", "48", "B", "*"]
@@ -142,7 +146,7 @@ def test_diff_marks_what_changed(reports):
     assert table.splitlines()[-1] == "* differs from a.txt by more than 10%"
 
 
-def test_diff_of_truncated_report_names_the_line(reports, tmp_path):
+def test_diff_of_truncated_report_names_the_line(reports, tmp_path, capsys):
     report_a, report_b, _ = reports
     lines = report_b.read_text().splitlines()
     compile_time = lines.index("Metric: CompileTime")
@@ -156,11 +160,32 @@ def test_diff_of_truncated_report_names_the_line(reports, tmp_path):
     assert raised.value.line == lines[compile_time + 2]
     assert "CompileTime" in str(raised.value) and "truncated" in str(raised.value)
 
-    completed = compare_metrics("diff", report_a, truncated)
-    assert completed.returncode == 2
-    assert completed.stdout == ""
-    assert completed.stderr.startswith(
-        f"compare_metrics.py: error: {truncated} line {compile_time + 3}: ")
+    returncode, table, errors = diff(capsys, report_a, truncated)
+    assert returncode == 2
+    assert table == ""
+    assert errors.startswith(f"compare_metrics.py: error: {truncated} line {compile_time + 3}: ")
+
+
+def test_diff_from_the_command_line_imports_neither_torch_nor_torch_xla(reports):
+    # Reports saved on a TPU host can be compared where torch is not installed.
+    report_a, report_b, _ = reports
+    completed = subprocess.run(
+        [sys.executable, "-c", f"""if True:
+            import runpy, sys
+            sys.argv = [{str(COMPARE_METRICS)!r}, "diff", {str(report_a)!r}, {str(report_b)!r}]
+            try:
+                runpy.run_path(sys.argv[0], run_name="__main__")
+            finally:
+                print(sorted(name for name in sys.modules
+                             if name.split(".")[0] in ("torch", "torch_xla")))
+        """], capture_output=True, text=True, timeout=60,
+        # The script's directory first, as `python scripts/compare_metrics.py`
+        # has it, then this checkout's torch_xla_ext.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(COMPARE_METRICS.parent), str(REPO)])})
+    assert completed.returncode == 0, completed.stderr
+    table, imported = completed.stdout.rsplit("\n", 2)[:2]
+    assert table.splitlines()[0].split() == ["figure", "a.txt", "b.txt"]
+    assert imported == "[]"
 
 
 # ------------------------------------------------------------------ malformed input

@@ -2,21 +2,47 @@
 for PyTorch/XLA.
 
 Importing it changes no environment variable and chooses no device: torch_xla
-picks the device as it always does (set `PJRT_DEVICE` to choose)."""
-from torch_xla_ext.placeholders import (
-    LivePlaceholder, PlaceholderError, depends_on_placeholder, is_placeholder, live_placeholders,
-    placeholder, placeholder_id)
-# `scan` is the module torch_xla_ext.scan, which is callable as the function
-# torch_xla_ext.scan.scan; its stages stay reachable by their names.
-from torch_xla_ext import scan
-from torch_xla_ext.scan import Lowered, cache_clear, cache_info, lower
-from torch_xla_ext import policies
-from torch_xla_ext.policies import checkpoint_name
-from torch_xla_ext.layer_stack import LayerStack, scan_layers
-from torch_xla_ext.hf import stack_layers
+picks the device as it always does (set `PJRT_DEVICE` to choose).
+
+Each name is imported at its first use (PEP 562), so that the parts that need
+no torch, such as reading saved metrics reports (`torch_xla_ext.metrics`), do
+not import it.
+"""
+import importlib
+
+# Where each public name is defined.
+_DEFINED_IN = {
+    "LivePlaceholder": "placeholders", "PlaceholderError": "placeholders",
+    "depends_on_placeholder": "placeholders", "is_placeholder": "placeholders",
+    "live_placeholders": "placeholders", "placeholder": "placeholders",
+    "placeholder_id": "placeholders",
+    "Lowered": "scan", "cache_clear": "scan", "cache_info": "scan", "lower": "scan",
+    "checkpoint_name": "policies",
+    "LayerStack": "layer_stack", "scan_layers": "layer_stack",
+    "stack_layers": "hf",
+}
+# Submodules reachable as attributes of the package, as they were when importing
+# it imported them all. `scan` is the module torch_xla_ext.scan, which is
+# callable as the function torch_xla_ext.scan.scan; its stages stay reachable by
+# their names.
+_SUBMODULES = ("_C", "hf", "layer_stack", "placeholders", "policies", "scan")
 
 __all__ = [
     "LayerStack", "LivePlaceholder", "Lowered", "PlaceholderError", "cache_clear", "cache_info",
     "checkpoint_name", "depends_on_placeholder", "is_placeholder", "live_placeholders", "lower",
     "placeholder", "placeholder_id", "policies", "scan", "scan_layers", "stack_layers",
 ]
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _DEFINED_IN:
+        value = getattr(importlib.import_module(f"{__name__}.{_DEFINED_IN[name]}"), name)
+        globals()[name] = value  # found directly from now on
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_SUBMODULES})

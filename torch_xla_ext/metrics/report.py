@@ -1,20 +1,16 @@
-"""Read torch_xla metrics reports and turn them into comparable figures.
+"""Reading saved torch_xla metrics reports; no torch, no torch_xla needed.
 
 `parse_report` reads the text of `torch_xla.debug.metrics.metrics_report()`
-(saved to a file or taken live), `figures` reduces a report to the headline
-numbers that matter when a loop and `scan` are compared (transfers, bytes,
-compilations, executions), and `format_table` prints those numbers side by side
-with the changes against a baseline marked.
-
-Values are normalized: durations to seconds, sizes to bytes.
+(saved to a file, or taken live by `live.live_report`), and `figures` reduces a
+report to the headline numbers that matter when a loop and `scan` are compared
+(transfers, bytes, compilations, executions). Values are normalized: durations
+to seconds, sizes to bytes.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
-import resource
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Iterable, NamedTuple
 
 # Units of a row or a metric: what its values count.
 COUNT = ""
@@ -405,158 +401,3 @@ def raw_rows(reports: Iterable[MetricsReport]) -> list[Row]:
         rows.append(Row(f"metric:{name}:total", f"{name} (total)", metric_units[name]))
     rows.extend(Row(f"counter:{name}", name, COUNT) for name in sorted(counter_names))
     return rows
-
-
-def live_report() -> MetricsReport:
-    """The current process's metrics, after its pending device work finished."""
-    # Imported here so that reading saved reports needs no XLA runtime.
-    import torch_xla.core.xla_model as xm
-    import torch_xla.debug.metrics as xla_metrics
-
-    # Executions are recorded when they complete, which is asynchronous.
-    xm.wait_device_ops()
-    # Parsing the report gives live and saved reports one code path, and the
-    # metrics their units. The text rounds sizes to two decimals of their unit
-    # (1.05MB), too coarse to subtract two reports, so the totals are then
-    # replaced by torch_xla's own, which are exact.
-    report = parse_report(xla_metrics.metrics_report())
-    exact = {}
-    for name, metric in report.metrics.items():
-        total_samples, accumulator, _ = xla_metrics.metric_data(name)
-        if metric.unit == SECONDS:
-            accumulator /= 1e9  # torch_xla keeps nanoseconds
-        exact[name] = dataclasses.replace(metric, total_samples=total_samples,
-                                          accumulator=accumulator)
-    return dataclasses.replace(report, metrics=exact)
-
-
-def collect() -> dict[str, int | float]:
-    """The headline figures (FIGURE_ROWS) of the current process."""
-    return figures(live_report())
-
-
-# ---------------------------------------------------------------- table
-
-
-def hlo_parameter_count(hlo_text: str) -> int:
-    """Parameters of the ENTRY computation of an HLO module's text: the data a
-    computation reads from the device."""
-    lines = iter(hlo_text.splitlines())
-    for line in lines:
-        if line.startswith("ENTRY "):
-            break
-    count = 0
-    for line in lines:
-        if line.startswith("}"):
-            break
-        count += " parameter(" in line
-    return count
-
-
-def reset_peak_rss() -> bool:
-    """Restarts the count of `peak_rss_bytes` from the current RSS (Linux);
-    False where that is not possible, and the peak stays the process's."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process since it started or since
-    `reset_peak_rss`."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
-
-
-def format_value(value: int | float | str | None, unit: str) -> str:
-    """A value in human units: KiB/MiB/GiB for bytes, us/ms/s for seconds; text as it is."""
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return value
-    if unit == BYTES:
-        if abs(value) < 1024:
-            return f"{value:.0f} B"
-        for exponent, name in enumerate(["KiB", "MiB", "GiB", "TiB"], start=1):
-            if abs(value) < 1024 ** (exponent + 1) or name == "TiB":
-                return f"{value / 1024 ** exponent:.2f} {name}"
-    if unit == SECONDS:
-        if value == 0:
-            return "0 s"
-        if abs(value) < 1e-6:
-            return f"{value * 1e9:.0f} ns"
-        if abs(value) < 1e-3:
-            return f"{value * 1e6:.1f} us"
-        if abs(value) < 1:
-            return f"{value * 1e3:.2f} ms"
-        return f"{value:.3f} s"
-    if isinstance(value, int) or float(value).is_integer():
-        return f"{value:,.0f}"
-    return f"{value:,.2f}"
-
-
-def _differs(value: int | float | str | None, baseline: int | float | str | None,
-             threshold: float) -> bool:
-    if not (isinstance(value, (int, float)) and isinstance(baseline, (int, float))):
-        return False
-    if baseline == 0:
-        return value != 0
-    return abs(value - baseline) > threshold * abs(baseline)
-
-
-def format_table(columns: Mapping[str, Mapping[str, int | float | str | None]],
-                 baseline: str | None = "loop",
-                 rows: Sequence[Row | tuple[str, str, str] | None] | None = None,
-                 threshold: float = 0.10) -> str:
-    """One table: a column per entry of `columns` (a mode, or a report file), a
-    line per row (FIGURE_ROWS by default; None draws a rule).
-
-    A value that differs from the `baseline` column by more than `threshold`
-    (relative) is marked with `*`; a value that is missing shows as `-`, and
-    text (a status) as it is; neither is ever marked.
-    """
-    if baseline is not None and baseline not in columns:
-        raise ValueError(
-            f"baseline column {baseline!r} is not among the columns {list(columns)}; "
-            "name one of them, or pass baseline=None to mark nothing")
-    rows = FIGURE_ROWS if rows is None else rows
-    names = list(columns)
-    any_marked = False
-    # Headers carry the two characters of the mark column so they align with values.
-    table: list[list[str] | None] = [["figure", *(name + "  " for name in names)]]
-    for row in rows:
-        if row is None:
-            table.append(None)
-            continue
-        key, label, unit = row
-        reference = columns[baseline].get(key) if baseline is not None else None
-        cells = [label]
-        for name in names:
-            value = columns[name].get(key)
-            marked = name != baseline and _differs(value, reference, threshold)
-            any_marked |= marked
-            cells.append(format_value(value, unit) + (" *" if marked else "  "))
-        table.append(cells)
-
-    widths = [max(len(cells[index]) for cells in table if cells is not None)
-              for index in range(len(names) + 1)]
-    lines = []
-    for cells in table:
-        if cells is None:
-            lines.append("-" * (sum(widths) + 2 * len(names)))
-            continue
-        label, *values = cells
-        lines.append("  ".join([label.ljust(widths[0]),
-                                *(value.rjust(width) for value, width in zip(values, widths[1:]))]))
-    if any_marked:
-        lines.append(f"* differs from {baseline} by more than {threshold:.0%}")
-    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,92 @@
+"""Tables of figures: a column per run or report, a line per figure, with the
+values that differ from a baseline column marked."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from torch_xla_ext.metrics.report import BYTES, FIGURE_ROWS, SECONDS, Row
+
+
+def format_value(value: int | float | str | None, unit: str) -> str:
+    """A value in human units: KiB/MiB/GiB for bytes, us/ms/s for seconds; text as it is."""
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    if unit == BYTES:
+        if abs(value) < 1024:
+            return f"{value:.0f} B"
+        for exponent, name in enumerate(["KiB", "MiB", "GiB", "TiB"], start=1):
+            if abs(value) < 1024 ** (exponent + 1) or name == "TiB":
+                return f"{value / 1024 ** exponent:.2f} {name}"
+    if unit == SECONDS:
+        if value == 0:
+            return "0 s"
+        if abs(value) < 1e-6:
+            return f"{value * 1e9:.0f} ns"
+        if abs(value) < 1e-3:
+            return f"{value * 1e6:.1f} us"
+        if abs(value) < 1:
+            return f"{value * 1e3:.2f} ms"
+        return f"{value:.3f} s"
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{value:,.0f}"
+    return f"{value:,.2f}"
+
+
+def _differs(value: int | float | str | None, baseline: int | float | str | None,
+             threshold: float) -> bool:
+    if not (isinstance(value, (int, float)) and isinstance(baseline, (int, float))):
+        return False
+    if baseline == 0:
+        return value != 0
+    return abs(value - baseline) > threshold * abs(baseline)
+
+
+def format_table(columns: Mapping[str, Mapping[str, int | float | str | None]],
+                 baseline: str | None = "loop",
+                 rows: Sequence[Row | tuple[str, str, str] | None] | None = None,
+                 threshold: float = 0.10) -> str:
+    """One table: a column per entry of `columns` (a mode, or a report file), a
+    line per row (FIGURE_ROWS by default; None draws a rule).
+
+    A value that differs from the `baseline` column by more than `threshold`
+    (relative) is marked with `*`; a value that is missing shows as `-`, and
+    text (a status) as it is; neither is ever marked.
+    """
+    if baseline is not None and baseline not in columns:
+        raise ValueError(
+            f"baseline column {baseline!r} is not among the columns {list(columns)}; "
+            "name one of them, or pass baseline=None to mark nothing")
+    rows = FIGURE_ROWS if rows is None else rows
+    names = list(columns)
+    any_marked = False
+    # Headers carry the two characters of the mark column so they align with values.
+    table: list[list[str] | None] = [["figure", *(name + "  " for name in names)]]
+    for row in rows:
+        if row is None:
+            table.append(None)
+            continue
+        key, label, unit = row
+        reference = columns[baseline].get(key) if baseline is not None else None
+        cells = [label]
+        for name in names:
+            value = columns[name].get(key)
+            marked = name != baseline and _differs(value, reference, threshold)
+            any_marked |= marked
+            cells.append(format_value(value, unit) + (" *" if marked else "  "))
+        table.append(cells)
+
+    widths = [max(len(cells[index]) for cells in table if cells is not None)
+              for index in range(len(names) + 1)]
+    lines = []
+    for cells in table:
+        if cells is None:
+            lines.append("-" * (sum(widths) + 2 * len(names)))
+            continue
+        label, *values = cells
+        lines.append("  ".join([label.ljust(widths[0]),
+                                *(value.rjust(width) for value, width in zip(values, widths[1:]))]))
+    if any_marked:
+        lines.append(f"* differs from {baseline} by more than {threshold:.0%}")
+    return "\n".join(line.rstrip() for line in lines)
