@@ -15,7 +15,8 @@ import torch
 import torch_xla
 
 import torch_xla_ext as tx
-from torch_xla_ext.scan.loop import Slot, lower_body
+from torch_xla_ext.scan.loop import lower_body
+from torch_xla_ext.scan.signature import Slot, SlotKind
 
 DEV = torch_xla.device()
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,16 +130,18 @@ def test_lowered_body_plans_parameters_by_placeholder_id_and_handle():
     carry, x, weight = tx.placeholder((2,)), tx.placeholder((2,)), tx.placeholder((2,))
     constant = torch.tensor([0.0, 1.0]).to(DEV)  # device data
     unread = tx.placeholder((2,))
-    stand_ins = {"carry": (carry, Slot("carry", 0)), "x": (x, Slot("sliced", 0)),
-                 "weight": (weight, Slot("invariant", 0)), "unread": (unread, Slot("invariant", 1))}
+    stand_ins = {"carry": (carry, Slot(SlotKind.CARRY, 0)),
+                 "x": (x, Slot(SlotKind.SLICED, 0)),
+                 "weight": (weight, Slot(SlotKind.INVARIANT, 0)),
+                 "unread": (unread, Slot(SlotKind.INVARIANT, 1))}
     body = lower_body("plan", [carry * weight + x * constant + x], stand_ins, invariant_count=2)
     planned = dict(zip(body.parameters, body.inputs))
     assert len(body.parameters) == len(body.inputs) == 4
-    assert planned[("placeholder", tx.placeholder_id(carry))] == Slot("carry", 0)
-    assert planned[("placeholder", tx.placeholder_id(x))] == Slot("sliced", 0)
-    assert planned[("placeholder", tx.placeholder_id(weight))] == Slot("invariant", 0)
+    assert planned[("placeholder", tx.placeholder_id(carry))] == Slot(SlotKind.CARRY, 0)
+    assert planned[("placeholder", tx.placeholder_id(x))] == Slot(SlotKind.SLICED, 0)
+    assert planned[("placeholder", tx.placeholder_id(weight))] == Slot(SlotKind.INVARIANT, 0)
     constant_key = ("device_data", torch_xla._XLAC._get_tensors_handle([constant])[0])
-    assert planned[constant_key] == Slot("invariant", 2)  # after the given invariants
+    assert planned[constant_key] == Slot(SlotKind.INVARIANT, 2)  # after the given invariants
     assert len(body.constants) == 1 and body.constants[0].cpu().tolist() == [0.0, 1.0]
     assert ("placeholder", tx.placeholder_id(unread)) not in planned
 
@@ -151,9 +154,10 @@ def test_plans_stay_right_when_torch_xla_reuses_placeholder_addresses():
         first, second = tx.placeholder((3,)), tx.placeholder((3,))
         addresses.update(torch_xla._XLAC._get_tensors_handle([first, second]))
         body = lower_body(f"reuse{step}", [first - second],
-                          {0: (second, Slot("carry", 0)), 1: (first, Slot("sliced", 0))}, 0)
-        keys = {Slot("sliced", 0): tx.placeholder_id(first),
-                Slot("carry", 0): tx.placeholder_id(second)}
+                          {0: (second, Slot(SlotKind.CARRY, 0)),
+                           1: (first, Slot(SlotKind.SLICED, 0))}, 0)
+        keys = {Slot(SlotKind.SLICED, 0): tx.placeholder_id(first),
+                Slot(SlotKind.CARRY, 0): tx.placeholder_id(second)}
         plans.append(all(key == ("placeholder", keys[slot])
                          for key, slot in zip(body.parameters, body.inputs)))
         ids.update(keys.values())
