@@ -250,6 +250,7 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
             saved.append(node)
         else:  # recomputed by the backward step from what it reads
             needed.extend(n for n in node.all_input_nodes if n in forward)
+    saved = _without_views_of_saved(saved)
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
     return partitioners._extract_fwd_bwd_modules(joint_module, saved, [],
@@ -300,6 +301,29 @@ def _reachable(starts: set, step) -> set:
             seen.add(node)
             stack.extend(step(node))
     return seen
+
+
+# Ops whose result is their input's values in the same order, only shaped anew.
+_VIEW_OPS = frozenset(["view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze",
+                       "alias", "detach"])
+
+
+def _is_view_of_one_of(node: torch.fx.Node, values: set) -> bool:
+    """Whether `node` is a view of one of `values`, through a chain of views."""
+    while (node.op == "call_function" and getattr(node.target, "_opname", None) in _VIEW_OPS
+           and len(node.all_input_nodes) == 1):
+        node = node.all_input_nodes[0]
+        if node in values:
+            return True
+    return False
+
+
+def _without_views_of_saved(saved: list) -> list:
+    """Each saved value once: a view of another saved value (softmax's output
+    and its reshape, both read by the backward) is redone by the backward step
+    from that value, for free, instead of stacked as a second copy."""
+    kept = set(saved)
+    return [node for node in saved if not _is_view_of_one_of(node, kept)]
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:

@@ -1,8 +1,10 @@
 """A decoder-block training workload shared by tests, benchmarks and metric comparisons.
 
 `DecoderBlock` is a pre-norm transformer decoder layer named like Hugging Face's
-Llama layers (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...).
-`make_decoder_stack` builds a stack of them run in one of `MODES`:
+Llama layers (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...);
+`BLOCKS` also names two layers whose shape we did not choose (a fused-qkv
+SDPA block written the common way, and transformers' LlamaDecoderLayer).
+`make_decoder_stack` builds a stack of one of them run in one of `MODES`:
 
 * `loop`: an `nn.ModuleList` run by a Python for loop (one graph per layer),
 * `scan`: a `LayerStack` (one scan, stacked weights, no weight copy),
@@ -100,16 +102,72 @@ class DecoderBlock(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+class FusedQKVBlock(nn.Module):
+    """A decoder layer written the common way rather than ours: one fused qkv
+    projection, `nn.RMSNorm`, `F.scaled_dot_product_attention`, a GELU MLP."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int | None = None):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not a multiple of heads={heads}.")
+        self.heads = heads
+        self.norm1 = nn.RMSNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = nn.RMSNorm(hidden)
+        self.fc1 = nn.Linear(hidden, intermediate or 4 * hidden, bias=False)
+        self.fc2 = nn.Linear(intermediate or 4 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        if attention_mask is not None:
+            raise ValueError("FusedQKVBlock is causal and takes no attention_mask.")
+        batch, seq, hidden = x.shape
+        q, k, v = (self.qkv(self.norm1(x)).view(batch, seq, 3, self.heads, hidden // self.heads)
+                   .permute(2, 0, 3, 1, 4))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, hidden))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class LlamaBlock(nn.Module):
+    """transformers' own `LlamaDecoderLayer`, with the rotary table it is
+    given by the model computed in the layer, so that it runs alone."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int | None = None):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads,
+                             num_key_value_heads=heads, intermediate_size=intermediate or 4 * hidden,
+                             attn_implementation="sdpa")
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        output = self.layer(x, attention_mask=attention_mask, position_ids=positions,
+                            position_embeddings=self.rotary(x, positions))
+        return output[0] if isinstance(output, tuple) else output
+
+
+# The layers a DecoderStack can be made of, by name.
+BLOCKS = {"ours": DecoderBlock, "fused_qkv_sdpa": FusedQKVBlock, "llama": LlamaBlock}
+
+
 class DecoderStack(nn.Module):
-    """`num_layers` decoder blocks then a final norm, run as `mode` says (see MODES)."""
+    """`num_layers` blocks (`BLOCKS[block]`) then a final norm, run as `mode`
+    says (see MODES)."""
 
     def __init__(self, num_layers: int, hidden: int, heads: int, mode: str,
-                 intermediate: int | None = None):
+                 intermediate: int | None = None, block: str = "ours"):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
+        if block not in BLOCKS:
+            raise ValueError(f"Unknown block {block!r}; expected one of {tuple(BLOCKS)}.")
         self.mode = mode
-        blocks = [DecoderBlock(hidden, heads, intermediate) for _ in range(num_layers)]
+        blocks = [BLOCKS[block](hidden, heads, intermediate) for _ in range(num_layers)]
         self.layers = LayerStack(blocks) if mode == "scan" else nn.ModuleList(blocks)
         self.norm = RMSNorm(hidden)
 
@@ -132,10 +190,11 @@ class DecoderStack(nn.Module):
 
 def make_decoder_stack(num_layers: int, hidden: int = 256, heads: int = 4,
                        mode: str = "loop", *, intermediate: int | None = None,
-                       device=None, seed: int = 0) -> DecoderStack:
-    """A `DecoderStack` whose weights depend only on `seed` and the sizes, not on `mode`."""
+                       device=None, seed: int = 0, block: str = "ours") -> DecoderStack:
+    """A `DecoderStack` whose weights depend only on `seed`, the sizes and the
+    block, not on `mode`."""
     torch.manual_seed(seed)
-    return DecoderStack(num_layers, hidden, heads, mode, intermediate).to(device)
+    return DecoderStack(num_layers, hidden, heads, mode, intermediate, block).to(device)
 
 
 def make_batch(batch: int = 8, seq: int = 128, hidden: int = 256, *, device=None,

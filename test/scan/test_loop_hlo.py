@@ -1,20 +1,24 @@
-"""XLA's optimized HLO of a LayerStack training step: no copy of a whole
-stacked buffer ([L, ...]: sliced inputs, stacked outputs) inside a while body,
-where it would run once per step of the scan."""
+"""XLA's optimized HLO of a LayerStack training step, for each kind of layer:
+no copy of a whole stacked buffer ([L, ...]: sliced inputs, stacked outputs)
+inside a while body, where it would run once per step of the scan, nor of a
+stacked output's initial buffer before the loops."""
 import glob
 import os
 import re
+
+import pytest
 
 LAYERS = 3  # a size no other dimension of the step below has
 
 # Forward, loss, backward and an SGD update (which writes the weights in place,
 # as the benchmark's step does), compiled as one graph.
-TRAINING_STEP = f"""
+TRAINING_STEP = """
 import torch, torch_xla
 from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
 
 device = torch_xla.device()
-model = make_decoder_stack({LAYERS}, hidden=32, heads=2, mode="scan", device=device)
+model = make_decoder_stack({layers}, hidden=32, heads=2, mode="scan", device=device,
+                           block={block!r})
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 batch = make_batch(2, 8, 32, device=device)
 torch_xla.sync()
@@ -138,10 +142,25 @@ def test_the_parser_finds_a_stacked_copy_inside_a_loop_only():
     assert copies == ["fused_update: %copy.1 = f32[3,4]{1,0} copy(%param_0)"]
 
 
-def test_layer_stack_training_step_copies_no_stacked_buffer_inside_its_loops(
-        run_isolated, tmp_path):
+def copies_of_initial_buffers(hlo: str, length: int) -> list[str]:
+    """Whole [length, ...] copies of a broadcast: XLA merged the identical
+    initial buffers of several stacked outputs and copies the one it kept."""
+    return [line for lines in computations(hlo).values() for line in lines
+            if re.search(rf"= \w+\[{length},[\d,]*\]\S* copy\(%broadcast", line)]
+
+
+def test_the_parser_finds_the_copies_of_a_merged_initial_buffer():
+    hlo = LOOP_WITH_A_STACKED_COPY.replace("%copy.3 = f32[3,4]{1,0} copy(%stacked)",
+                                           "%copy.3 = f32[3,4]{1,0} copy(%broadcast.1)")
+    assert copies_of_initial_buffers(hlo, 3) == ["%copy.3 = f32[3,4]{1,0} copy(%broadcast.1)"]
+    assert copies_of_initial_buffers(LOOP_WITH_A_STACKED_COPY, 3) == []
+
+
+@pytest.mark.parametrize("block", ["ours", "fused_qkv_sdpa", "llama"])
+def test_layer_stack_training_step_copies_no_stacked_buffer(run_isolated, tmp_path, block):
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
-    result = run_isolated(TRAINING_STEP, env={"XLA_FLAGS": flags.strip()})
+    result = run_isolated(TRAINING_STEP.format(layers=LAYERS, block=block),
+                          env={"XLA_FLAGS": flags.strip()})
     assert result.returncode == 0, result.stderr[-3000:]
     dumps = [open(path).read() for path in glob.glob(f"{tmp_path}/*after_optimizations.txt")]
     step, = [hlo for hlo in dumps if " while(" in hlo]
@@ -149,3 +168,4 @@ def test_layer_stack_training_step_copies_no_stacked_buffer_inside_its_loops(
     # The forward loop and the backward loop, each with stacked buffers.
     assert len(loops) == 2 and all(stacked for _, stacked in loops), loops
     assert stacked_copies_in_loops(step, LAYERS) == []
+    assert copies_of_initial_buffers(step, LAYERS) == []

@@ -182,8 +182,7 @@ class Loop:
         params = [xb.mkparam(builder, i, shape) for i, shape in enumerate(shapes)]
         n_carry, n_sliced = len(self.carry_avals), len(self.sliced_avals)
         carries, sliced, invariants = split_list(params, [n_carry, n_sliced])
-        stacked = [xb.Op.scalar(builder, 0, dtype=_xla_type(a.dtype)).broadcast((length, *a.shape))
-                   for a in self.stacked_avals]
+        stacked = _stacked_buffers(builder, length, self.stacked_avals)
         step = xb.Op.scalar(builder, 0, dtype=xb.Type.S64)
         n_stacked = len(stacked)
 
@@ -221,6 +220,22 @@ class Loop:
         _, carries, _, stacked, _ = unpack(
             loop.get_tuple_element(i) for i in range(1 + n_carry + n_sliced + n_stacked))
         return xb.Op.tuple(carries + stacked).build(self.name)
+
+
+def _stacked_buffers(builder, length: int, stacked_avals) -> list:
+    """The initial stacked outputs, `[length, ...]` each. Every slice is
+    written before the loop ends, so what fills them does not matter, but
+    buffers of one shape and dtype get different fills: XLA merges identical
+    broadcasts into one buffer, then copies it whole for each output. (Fills
+    cycle: two values for bool, 64 for other dtypes.)"""
+    fills: dict = {}
+    buffers = []
+    for aval in stacked_avals:
+        fill = fills[aval.shape, aval.dtype] = fills.get((aval.shape, aval.dtype), -1) + 1
+        value = bool(fill % 2) if aval.dtype == torch.bool else fill % 64
+        buffers.append(xb.Op.scalar(builder, value, dtype=_xla_type(aval.dtype))
+                       .broadcast((length, *aval.shape)))
+    return buffers
 
 
 def hlo_text(computation) -> str:
