@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Benchmark a training step over L decoder blocks: for loop, LayerStack, torch_xla scan_layers.
 
-Each (mode, L) runs in a fresh process (scripts/harness.py, within --timeout
-seconds) on the device PJRT_DEVICE names, CPU if it is not set: build the model
-(`torch_xla_ext.workloads`), run `--steps` training steps (forward, MSE loss,
-backward, SGD), and report
+Each (block, mode, L) runs in a fresh process (scripts/harness.py, within
+--timeout seconds) on the device PJRT_DEVICE names, CPU if it is not set:
+build the model (`torch_xla_ext.workloads`; `--block` chooses the layer: ours,
+fused_qkv_sdpa, llama), run `--steps` training steps (forward, MSE loss,
+backward, SGD), then as many forward-only steps (no gradients), and report
 
 * python ms:  Python time of a steady step, from its start until just before
               `torch_xla.sync()` (building the lazy graph; the previous step's
@@ -12,15 +13,21 @@ backward, SGD), and report
 * compile s:  XLA compile time over all steps (metric `CompileTime`, total),
 * compiles:   number of XLA compilations over all steps,
 * exec ms:    wall time of `torch_xla.sync()` + `wait_device_ops()` of a steady step,
+* fwd ms:     the same for a steady forward-only step,
 * peak RSS:   peak resident memory during the last steady step (VmHWM after
               resetting it through /proc/self/clear_refs).
 
 Steady steps are the ones after the first two; figures are their medians.
-The summary prints the ratios the layer-stack issue asks for.
+The compile figures are the training steps'. With `--rounds N` every
+(mode, L) of a block runs N times, round after round; each ratio is then the
+median of the rounds' ratios, printed with their spread (min-max). The summary
+prints the ratios the layer-stack issues ask for.
 
   python scripts/bench_layers.py                 # L = 8, 32, 64
   python scripts/bench_layers.py --quick         # L = 2, 4: a quick check
   python scripts/bench_layers.py --memory        # 16 layers holding 1 GiB of weights
+  python scripts/bench_layers.py --block ours,fused_qkv_sdpa,llama --modes loop,scan \\
+      --layers 32 --rounds 3                     # issue 18's figures
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ WARMUP_STEPS = 2
 DEFAULT_TIMEOUT = 1800
 # The options a worker is given as the parent has them.
 WORKLOAD_OPTIONS = ("steps", "hidden", "heads", "seq", "batch", "intermediate")
+BLOCKS = ("ours", "fused_qkv_sdpa", "llama")
 
 
 def run_worker(args) -> dict:
@@ -49,7 +57,7 @@ def run_worker(args) -> dict:
 
     device = torch_xla.device()
     model = make_decoder_stack(args.layers, args.hidden, args.heads, args.mode,
-                               intermediate=args.intermediate, device=device)
+                               intermediate=args.intermediate, device=device, block=args.block)
     batch = make_batch(args.batch, args.seq, args.hidden, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     torch_xla.sync()
@@ -68,27 +76,33 @@ def run_worker(args) -> dict:
         prepare=lambda step: optimizer.zero_grad(set_to_none=True))
 
     compiles, compile_ns, _ = met.metric_data("CompileTime") or (0, 0, None)
+    peak_rss = peak_rss_bytes()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        forward_times = harness.time_steps(args.steps, lambda: model(batch[0]), run_step)
     steady = slice(WARMUP_STEPS, None)
     return {
         "python_ms": 1e3 * statistics.median(times.build[steady]),
         "compile_s": compile_ns / 1e9,
         "compiles": compiles,
         "execute_ms": 1e3 * statistics.median(times.finish[steady]),
-        "peak_rss_mib": peak_rss_bytes() / 2**20,
+        "forward_ms": 1e3 * statistics.median(forward_times.finish[steady]),
+        "peak_rss_mib": peak_rss / 2**20,
         "peak_is_steady": times.peak_is_last_steps,
         "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
     }
 
 
-def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int]) -> None:
+def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int]) -> None:
+    """The goal lines, each ratio the median over `rounds` (figures by (mode, L))."""
     middle = 32 if 32 in layer_counts else max(layer_counts)
     smallest, largest = min(layer_counts), max(layer_counts)
 
     def ratio(label, numerator, denominator, figure, goal):
-        value = harness.ratio(by_key, numerator, denominator, figure)
-        print(harness.goal_line(label, value, goal, width=46))
+        values = [harness.ratio(by_key, numerator, denominator, figure) for by_key in rounds]
+        value, spread = harness.median_and_spread(values)
+        print(harness.goal_line(label, value, goal, width=46, spread=spread))
 
-    print("\nRatios:")
     ratio(f"python time scan/loop at L={middle}", ("scan", middle), ("loop", middle),
           "python_ms", 0.2)
     ratio(f"python time scan/torch-xla-scan at L={middle}", ("scan", middle),
@@ -101,6 +115,8 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int]) -
           "compile_s", 1.3)
     ratio(f"execution scan/loop at L={middle}", ("scan", middle), ("loop", middle),
           "execute_ms", 1.10)
+    ratio(f"forward-only execution scan/loop at L={middle}", ("scan", middle), ("loop", middle),
+          "forward_ms", 1.05)
 
 
 def print_memory(by_key: dict[tuple[str, int], dict]) -> None:
@@ -130,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=None,
                         help="MLP width (default 4 x hidden)")
+    parser.add_argument("--block", default=BLOCKS[0],
+                        help=f"comma-separated layer kinds, each measured apart: "
+                             f"{', '.join(BLOCKS)} (default {BLOCKS[0]})")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each (mode, L) of a block runs, round after round; "
+                             "ratios are the rounds' median (default 1)")
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
     args = parser.parse_args(argv)
 
@@ -137,6 +159,13 @@ def main(argv: list[str] | None = None) -> None:
         args.layers = int(args.layers)
         harness.report_result(run_worker(args))
         return
+
+    blocks = args.block.split(",")
+    unknown = sorted(set(blocks) - set(BLOCKS))
+    if unknown:
+        parser.error(f"unknown blocks {unknown}; choose from {', '.join(BLOCKS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     if args.memory:
         args.hidden, args.heads, args.intermediate, args.seq, args.batch = 1024, 8, 4096, 16, 1
@@ -146,17 +175,27 @@ def main(argv: list[str] | None = None) -> None:
     print(f"PJRT {harness.device_name()}, hidden {args.hidden}, {args.heads} heads, seq "
           f"{args.seq}, batch {args.batch}, {args.steps} steps (first {WARMUP_STEPS} not "
           "steady)", flush=True)
-    outcomes = harness.measure_modes_and_depths(
-        os.path.abspath(__file__), modes, layer_counts,
-        harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout)
-    print()
-    harness.print_layer_table(outcomes)
-    figures = {key: outcome.figures for key, outcome in outcomes.items() if outcome.ok}
-    if args.memory:
-        print_memory(figures)
-    else:
-        print_ratios(figures, layer_counts)
-    harness.exit_if_runs_failed(parser.prog, outcomes)
+    all_outcomes = {}
+    for block in blocks:
+        rounds = []
+        for round_number in range(1, args.rounds + 1):
+            outcomes = harness.measure_modes_and_depths(
+                os.path.abspath(__file__), modes, layer_counts,
+                [*harness.passed_on(args, WORKLOAD_OPTIONS), "--block", block], args.timeout)
+            print(f"\nblock {block}" + (f", round {round_number} of {args.rounds}"
+                                        if args.rounds > 1 else ""))
+            harness.print_layer_table(outcomes)
+            rounds.append({key: outcome.figures for key, outcome in outcomes.items()
+                           if outcome.ok})
+            all_outcomes.update({(f"{block} {mode}" if len(blocks) > 1 else mode, layers): outcome
+                                 for (mode, layers), outcome in outcomes.items()})
+        if args.memory:
+            print_memory(rounds[-1])
+        else:
+            print(f"\nRatios, block {block}" + (f", median of {args.rounds} rounds (spread)"
+                                                if args.rounds > 1 else "") + ":")
+            print_ratios(rounds, layer_counts)
+    harness.exit_if_runs_failed(parser.prog, all_outcomes)
 
 
 if __name__ == "__main__":

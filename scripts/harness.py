@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -314,19 +315,35 @@ def verdict(value: float, goal: float) -> str:
     return "ok" if value <= goal else "MISSED"
 
 
-def goal_line(label: str, value: float | None, goal: float, width: int) -> str:
+def median_and_spread(values: Sequence[float | None]
+                      ) -> tuple[float | None, tuple[float, float] | None]:
+    """The median of the rounds' `values` and their (min, max) when there are
+    several; (None, None) if a round lacks one (a missing run)."""
+    if not values or any(value is None for value in values):
+        return None, None
+    spread = (min(values), max(values)) if len(values) > 1 else None
+    return statistics.median(values), spread
+
+
+def goal_line(label: str, value: float | None, goal: float, width: int,
+              spread: tuple[float, float] | None = None) -> str:
     """A ratio's line: `label` padded to `width`, its value, its goal and the
-    verdict; n/a when a run it needs is missing (`value` None)."""
+    verdict, then the spread over rounds if given; n/a when a run it needs is
+    missing (`value` None)."""
     if value is None:
         return f"  {label:<{width}} n/a (missing run)"
-    return f"  {label:<{width}} {value:6.3f}   goal <= {goal:<5} {verdict(value, goal)}"
+    line = f"  {label:<{width}} {value:6.3f}   goal <= {goal:<5} {verdict(value, goal)}"
+    return line if spread is None else f"{line:<{width + 32}} ({spread[0]:.3f}-{spread[1]:.3f})"
 
 
 def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome]) -> None:
     """A line per (mode, L): its figures (python_ms, compile_s, compiles,
-    execute_ms, peak_rss_mib, param_mib), or the status of a run that gave none."""
+    execute_ms, forward_ms where measured, peak_rss_mib, param_mib), or the
+    status of a run that gave none."""
+    forward = any(o.figures and "forward_ms" in o.figures for o in outcomes.values())
     header = (f"{'mode':<16}{'L':>4}{'python ms':>11}{'compile s':>11}{'compiles':>10}"
-              f"{'exec ms':>10}{'peak RSS MiB':>14}{'params MiB':>12}")
+              f"{'exec ms':>10}{'fwd ms' if forward else '':>{10 if forward else 0}}"
+              f"{'peak RSS MiB':>14}{'params MiB':>12}")
     print(header)
     print("-" * len(header))
     for (mode, layers), outcome in outcomes.items():
@@ -335,6 +352,7 @@ def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome]) -> None:
             print(f"{mode:<16}{layers:>4}  {outcome.status}")
             continue
         steady = "" if r["peak_is_steady"] else " (lifetime peak)"
+        forward_ms = f"{r['forward_ms']:>10.1f}" if forward else ""
         print(f"{mode:<16}{layers:>4}{r['python_ms']:>11.2f}{r['compile_s']:>11.2f}"
-              f"{r['compiles']:>10}{r['execute_ms']:>10.1f}{r['peak_rss_mib']:>14.0f}"
-              f"{r['param_mib']:>12.1f}{steady}")
+              f"{r['compiles']:>10}{r['execute_ms']:>10.1f}{forward_ms}"
+              f"{r['peak_rss_mib']:>14.0f}{r['param_mib']:>12.1f}{steady}")

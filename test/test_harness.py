@@ -225,3 +225,22 @@ def test_unknown_modes_and_too_few_steps_are_refused(argv, error, capsys):
         harness.chosen_runs(parser, parser.parse_args(argv), ["loop", "scan"], warmup_steps=2)
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"bench.py: error: {error}"
+
+
+def test_ratios_over_rounds_are_their_median_with_the_spread():
+    assert harness.median_and_spread([1.2, 0.9, 1.0]) == (1.0, (0.9, 1.2))
+    assert harness.median_and_spread([1.0]) == (1.0, None)
+    assert harness.median_and_spread([1.0, None]) == (None, None)
+    assert harness.goal_line("scan/loop", 1.0, 1.1, width=12, spread=(0.9, 1.2)) == (
+        "  scan/loop     1.000   goal <= 1.1   ok     (0.900-1.200)")
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--block", "ours,gpt"], "unknown blocks ['gpt']; choose from ours, fused_qkv_sdpa, llama"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+])
+def test_bench_layers_refuses_unknown_blocks_and_no_rounds_before_any_run(argv, error, capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench_layers.main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"bench_layers.py: error: {error}"
