@@ -164,24 +164,22 @@ def _unit_of(text: str) -> str:
         f"{_SIZE_EXAMPLE} nor a number with decimals like 4.00")
 
 
+# Per unit: the pattern a value must match, how it is read, an example and what
+# the metric holds, for the message when it does not match.
+_VALUE_FORMATS = {
+    SECONDS: (_DURATION_PART.match, parse_duration,
+              f"a duration like {_DURATION_EXAMPLE}", "durations"),
+    BYTES: (_SIZE.fullmatch, parse_bytes, f"a size like {_SIZE_EXAMPLE}", "sizes"),
+    COUNT: (_PLAIN_NUMBER.fullmatch, float, "a number with decimals like 4.00", "plain numbers"),
+}
+
+
 def _parse_value(text: str, unit: str, metric_name: str) -> float:
-    if unit == SECONDS:
-        if not _DURATION_PART.match(text):
-            raise ValueError(
-                f"value {text!r} is not a duration like {_DURATION_EXAMPLE}, but metric "
-                f"{metric_name!r} holds durations (see its Accumulator)")
-        return parse_duration(text)
-    if unit == BYTES:
-        if not _SIZE.fullmatch(text):
-            raise ValueError(
-                f"value {text!r} is not a size like {_SIZE_EXAMPLE}, but metric "
-                f"{metric_name!r} holds sizes (see its Accumulator)")
-        return parse_bytes(text)
-    if not _PLAIN_NUMBER.fullmatch(text):
-        raise ValueError(
-            f"value {text!r} is not a number with decimals like 4.00, but metric "
-            f"{metric_name!r} holds plain numbers (see its Accumulator)")
-    return float(text)
+    matches, parse, expected, holds = _VALUE_FORMATS[unit]
+    if not matches(text):
+        raise ValueError(f"value {text!r} is not {expected}, but metric {metric_name!r} holds "
+                         f"{holds} (see its Accumulator)")
+    return parse(text)
 
 
 # ---------------------------------------------------------------- report parser
