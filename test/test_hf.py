@@ -423,3 +423,49 @@ def test_fsdp_sharded_stacked_weights_train_like_the_unsharded_model(run_isolate
     result = run_isolated(FSDP_TRAINING_STEP, env={"CPU_NUM_DEVICES": "4"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "matched" in result.stdout
+
+
+# transformers' Trainer, as a fine-tuning script runs it: on the XLA device
+# (through accelerate), AdamW (`adamw_torch`: the fused default takes no XLA
+# tensors), a loss logged every step.
+TRAINER_RUN = """
+import copy, tempfile, warnings
+import torch, torch_xla, transformers
+from torch_xla_ext.hf import stack_layers
+from torch_xla_ext.layer_stack import LayerByLayerWarning
+
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+converted = stack_layers(copy.deepcopy(model))
+ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(1))
+dataset = [{"input_ids": row, "labels": row} for row in ids]
+
+
+def logged_losses(model):
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            out, per_device_train_batch_size=2, max_steps=4, logging_steps=1,
+            optim="adamw_torch", learning_rate=1e-2, report_to=[], save_strategy="no", seed=3,
+            disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+        trainer.train()
+    assert next(model.parameters()).device.type == "xla"
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+expected = logged_losses(model)
+with warnings.catch_warnings():
+    warnings.simplefilter("error", LayerByLayerWarning)
+    losses = logged_losses(converted)
+assert len(expected) == 4, expected
+torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-4)
+print("losses", losses)
+"""
+
+
+def test_trainer_logs_the_unconverted_models_losses(run_isolated):
+    result = run_isolated(TRAINER_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "losses" in result.stdout
