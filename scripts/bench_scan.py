@@ -16,7 +16,6 @@ them. Prints medians and their ratios.
 
     .venv/bin/python scripts/bench_scan.py [--iterations 32] [--width 256] [--repeats 20]
 """
-import argparse
 import statistics
 import time
 
@@ -77,7 +76,7 @@ def scan_against_loop(args, device):
           f"median of {args.repeats}")
     print(f"  for loop graph building : {loop_ms:8.2f} ms")
     print(f"  cached scan call        : {scan_ms:8.2f} ms")
-    print(f"  ratio scan / loop       : {scan_ms / loop_ms:8.3f}  (goal <= 0.2)")
+    print(harness.goal_line("ratio scan / loop", scan_ms / loop_ms, 0.2, width=24))
 
 
 class RNN(torch.nn.Module):
@@ -125,13 +124,13 @@ def per_call_lambda_against_function(args, device):
           f"median of {args.repeats} training steps")
     print(f"  module-level function   : {function_ms:8.2f} ms")
     print(f"  fresh lambda per call   : {lambda_ms:8.2f} ms")
-    print(f"  ratio lambda / function : {lambda_ms / function_ms:8.3f}  (goal <= 1.2)")
+    print(harness.goal_line("ratio lambda / function", lambda_ms / function_ms, 1.2, width=24))
     print(f"  traces: {traces} (goal 2: one shared by the lambda's {args.repeats + 1} calls, one "
           f"for the function's)")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.benchmark_parser(__file__, __doc__)
     parser.add_argument("--iterations", type=int, default=32)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)

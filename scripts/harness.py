@@ -340,19 +340,19 @@ def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome]) -> None:
     """A line per (mode, L): its figures (python_ms, compile_s, compiles,
     execute_ms, forward_ms where measured, peak_rss_mib, param_mib), or the
     status of a run that gave none."""
+    from torch_xla_ext.metrics.table import render_rows
+
     forward = any(o.figures and "forward_ms" in o.figures for o in outcomes.values())
-    header = (f"{'mode':<16}{'L':>4}{'python ms':>11}{'compile s':>11}{'compiles':>10}"
-              f"{'exec ms':>10}{'fwd ms' if forward else '':>{10 if forward else 0}}"
-              f"{'peak RSS MiB':>14}{'params MiB':>12}")
-    print(header)
-    print("-" * len(header))
+    rows: list = [["mode", "L", "python ms", "compile s", "compiles", "exec ms",
+                   *(["fwd ms"] if forward else []), "peak RSS MiB", "params MiB"], None]
     for (mode, layers), outcome in outcomes.items():
         r = outcome.figures
         if r is None:
-            print(f"{mode:<16}{layers:>4}  {outcome.status}")
+            rows.append([mode, str(layers), outcome.status])
             continue
-        steady = "" if r["peak_is_steady"] else " (lifetime peak)"
-        forward_ms = f"{r['forward_ms']:>10.1f}" if forward else ""
-        print(f"{mode:<16}{layers:>4}{r['python_ms']:>11.2f}{r['compile_s']:>11.2f}"
-              f"{r['compiles']:>10}{r['execute_ms']:>10.1f}{forward_ms}"
-              f"{r['peak_rss_mib']:>14.0f}{r['param_mib']:>12.1f}{steady}")
+        rows.append([mode, str(layers), f"{r['python_ms']:.2f}", f"{r['compile_s']:.2f}",
+                     str(r["compiles"]), f"{r['execute_ms']:.1f}",
+                     *([f"{r['forward_ms']:.1f}"] if forward else []),
+                     f"{r['peak_rss_mib']:.0f}",
+                     f"{r['param_mib']:.1f}" + ("" if r["peak_is_steady"] else " (lifetime peak)")])
+    print(render_rows(rows))

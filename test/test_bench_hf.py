@@ -2,6 +2,8 @@
 steps in a process of its own, and the table and the issue's ratios are
 printed. The command line runs in pytest's process, its workers forked
 (benchmark_scripts.py)."""
+import re
+
 import pytest
 
 from benchmark_scripts import forked_workers, worker_figures  # noqa: F401 (a fixture)
@@ -26,7 +28,7 @@ def test_the_three_modes_train_the_same_steps(scenario_server):
 def test_the_table_and_ratios_are_printed(forked_workers, capsys):
     bench_hf.main(["--layers", "2", "--modes", "stack_layers", *TINY])
     printed = capsys.readouterr().out
-    assert "stack_layers       2" in printed
+    assert re.search(r"^stack_layers  2 +[\d.]+ +[\d.]+ +\d+ ", printed, re.MULTILINE), printed
     # Ratios against a mode that did not run say so; the compilation count needs none.
     assert "python time stack_layers/loop at L=2" in printed
     assert "n/a (missing run)" in printed

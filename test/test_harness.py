@@ -154,8 +154,11 @@ def test_bench_layers_reports_each_timed_out_run_and_goes_on(capsys):
         "loop L=2 (timed out after 0.5 s)")
     lines = capsys.readouterr().out.splitlines()
     assert "  loop L=1: timed out after 0.5 s; the end of its output:" in lines
-    assert lines[lines.index("-" * 88) + 1:][:2] == ["loop               1  timed out after 0.5 s",
-                                                    "loop               2  timed out after 0.5 s"]
+    rule = next(index for index, line in enumerate(lines) if set(line) == {"-"})
+    assert lines[rule - 1].split() == ["mode", "L", "python", "ms", "compile", "s", "compiles",
+                                       "exec", "ms", "peak", "RSS", "MiB", "params", "MiB"]
+    assert lines[rule + 1:rule + 3] == ["loop  1  timed out after 0.5 s",
+                                        "loop  2  timed out after 0.5 s"]
 
 
 def test_time_steps_times_build_and_finish_apart_after_an_untimed_prepare(monkeypatch):

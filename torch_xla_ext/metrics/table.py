@@ -77,16 +77,28 @@ def format_table(columns: Mapping[str, Mapping[str, int | float | str | None]],
             cells.append(format_value(value, unit) + (" *" if marked else "  "))
         table.append(cells)
 
-    widths = [max(len(cells[index]) for cells in table if cells is not None)
-              for index in range(len(names) + 1)]
-    lines = []
-    for cells in table:
-        if cells is None:
-            lines.append("-" * (sum(widths) + 2 * len(names)))
-            continue
-        label, *values = cells
-        lines.append("  ".join([label.ljust(widths[0]),
-                                *(value.rjust(width) for value, width in zip(values, widths[1:]))]))
+    text = render_rows(table)
     if any_marked:
-        lines.append(f"* differs from {baseline} by more than {threshold:.0%}")
+        text += f"\n* differs from {baseline} by more than {threshold:.0%}"
+    return text
+
+
+def render_rows(rows: Sequence[Sequence[str] | None]) -> str:
+    """Rows of cells as aligned text, the one table format of the project: the
+    first column left-aligned, the others right-aligned, two spaces apart;
+    None draws a rule. A row shorter than the others ends in free text (a
+    run's status), which sets no column's width."""
+    count = max(len(cells) for cells in rows if cells is not None)
+    full = [cells for cells in rows if cells is not None and len(cells) == count]
+    widths = [max(len(cells[index]) for cells in full) for index in range(count)]
+    lines = []
+    for cells in rows:
+        if cells is None:
+            lines.append("-" * (sum(widths) + 2 * (count - 1)))
+            continue
+        aligned = cells if len(cells) == count else cells[:-1]
+        label, *values = aligned
+        line = "  ".join([label.ljust(widths[0]),
+                          *(value.rjust(width) for value, width in zip(values, widths[1:]))])
+        lines.append(line if aligned is cells else f"{line}  {cells[-1]}")
     return "\n".join(line.rstrip() for line in lines)
