@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import torch_xla_ext as tx
+from reference import host_copies
 from torch_xla_ext.hf import StackedLayers, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
@@ -241,30 +242,72 @@ def test_generation_with_a_cache_gives_the_unconverted_tokens(family):
     ids, mask = batch("cpu")
     with torch.no_grad():
         expected = generate(reference.eval(), ids, mask)
-        with pytest.warns(LayerByLayerWarning, match="a key/value cache is in play"):
+        with pytest.warns(LayerByLayerWarning, match="the layers run on cpu"):
             actual = generate(model.eval(), ids, mask)
     assert expected.shape == (BATCH, SEQ + 8)
     assert torch.equal(actual, expected)
 
 
-def test_training_with_a_cache_warns_and_matches(device):
+def test_training_with_the_default_cache_is_one_scan_with_the_unconverted_gradients(device):
+    # use_cache=True, most configs' default: the model makes itself a DynamicCache.
     reference, model = converted_pair(use_cache=True)
     ids, mask = batch(device)
     results = []
     for which in (reference, model):
         which.to(device).train()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loss = which(ids, attention_mask=mask, labels=ids).loss
-        loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            outputs = which(ids, attention_mask=mask, labels=ids)
+        outputs.loss.backward()
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([outputs.loss])
         torch_xla.sync()
-        results.append((loss, per_layer_grads(which), caught))
-    (reference_loss, reference_grads, quiet), (loss, grads, caught) = results
-    assert not [w for w in quiet if "stack_layers" in str(w.message)]
-    assert any("use_cache=False" in str(w.message) for w in caught)
+        results.append((outputs.loss, per_layer_grads(which), hlo))
+    (reference_loss, reference_grads, _), (loss, grads, hlo) = results
+    assert "while" in hlo  # the converted step's layers: one scan
     close(loss, reference_loss)
     for name, grad in reference_grads.items():
         close(grads[name], grad)
+
+
+@pytest.mark.parametrize("family, config", [
+    ("llama", {}), ("mistral", {"sliding_window": 4}), ("qwen2", {})], ids=["llama", "mistral-sliding", "qwen2"])
+def test_a_prefill_with_a_cache_is_one_scan_that_fills_the_cache(device, family, config):
+    reference, model = converted_pair(family, use_cache=True, **config)
+    ids, mask = batch(device)
+    outputs = []
+    for which in (reference, model):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            output = which.to(device).eval()(ids, attention_mask=mask)
+        cache = output.past_key_values
+        tensors = [output.logits, *(t for layer in cache.layers for t in (layer.keys, layer.values))]
+        outputs.append((cache, host_copies(tensors)))
+    (reference_cache, expected), (cache, actual) = outputs
+    assert type(cache) is type(reference_cache)
+    assert [type(layer) for layer in cache.layers] == [type(layer) for layer in reference_cache.layers]
+    assert cache.get_seq_length() == reference_cache.get_seq_length() == SEQ
+    assert len(actual) == len(expected) == 1 + 2 * 4  # logits, then every layer's keys and values
+    for tensor, expected_tensor in zip(actual, expected):
+        close(tensor, expected_tensor)
+
+
+def test_a_decoding_step_over_a_filled_cache_runs_layer_by_layer_with_the_unconverted_logits(
+        device):
+    reference, model = converted_pair(use_cache=True)
+    ids, mask = batch(device)
+    step_ids = ids[:, -1:]
+    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    logits = []
+    for which in (reference, model):
+        with torch.no_grad():
+            which.to(device).eval()
+            cache = which(ids, attention_mask=mask).past_key_values
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                logits.append(which(step_ids, attention_mask=step_mask,
+                                    past_key_values=cache).logits)
+    assert any("already holds tokens" in str(w.message) for w in caught)
+    close(logits[1], logits[0])
 
 
 # ---------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from typing import Iterable
 from torch import nn
 
 from torch_xla_ext.layer_stack import LayerStack
-from torch_xla_ext.layer_stack.running import run_layer_by_layer
+from torch_xla_ext.layer_stack.running import (
+    Recording, Unscannable, run_layer_by_layer, run_recording)
 
 __all__ = ["StackedLayers", "stack_layers"]
 
@@ -33,9 +34,39 @@ _PER_LAYER_OUTPUTS = ("hidden_states", "attentions")
 _TRANSFORMERS_CAPTURE_HOOKS = "transformers.utils.output_capturing"
 
 _CACHE_REASON = (
-    "a key/value cache is in play (use_cache=True, the default of most transformers configs, "
-    "or past_key_values), and each layer updates its own slot of it; to train with one scan, "
-    "pass use_cache=False (or set model.config.use_cache = False)")
+    "the key/value cache passed (past_key_values) already holds tokens, or is not a "
+    "DynamicCache, and each layer reads and updates its own slot of it; one scan stands for "
+    "the layers when the cache starts empty (training, or a prompt's prefill)")
+
+# The cache layers that give back what an update puts in when they start empty,
+# so that a layer computes the same with one of them as with no cache.
+_GROWING_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+class _RecordingCache:
+    """The cache each layer gets inside the scan in place of an empty
+    DynamicCache: it keeps the keys and values the layer puts in and gives
+    them back unchanged, as an empty DynamicCache does."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+def _recorded_keys_and_values(given: dict) -> tuple:
+    cache = given["past_key_values"]
+    if cache.keys is None:
+        raise ValueError("stack_layers: the decoder layer called with a key/value cache did not "
+                         "update it, so there are no keys and values to fill the cache with")
+    # Detached: what the cache holds is read by later decoding steps, not differentiated.
+    return cache.keys.detach(), cache.values.detach()
+
+
+_KEYS_AND_VALUES = Recording("keys and values", lambda: {"past_key_values": _RecordingCache()},
+                             _recorded_keys_and_values)
 
 
 class StackedLayers(LayerStack):
@@ -44,8 +75,9 @@ class StackedLayers(LayerStack):
     A `LayerStack` with what a transformers model's forward needs:
 
     * `layers[a:b]` covering all the layers is `[layers]`: the model's loop calls
-      the stack once, which runs every layer as one scan (layer by layer when a
-      key/value cache is passed). Any other slice is the list of those layers;
+      the stack once, which runs every layer as one scan; an empty DynamicCache
+      passed to it is filled from the scan, and a cache holding tokens makes
+      it run layer by layer. Any other slice is the list of those layers;
       `layers[i]` and iteration give per-layer modules whose tensors are views of
       the stacked ones.
     * The template layer reads the model's own config object, so changing it
@@ -80,15 +112,51 @@ class StackedLayers(LayerStack):
                 f"but the stacked layers run as one scan, which has none. Call the model without "
                 f"{flags} (and set it to False in model.config), or use a model that "
                 f"stack_layers did not convert for this call.")
-        if kwargs.get("past_key_values") is not None:
-            # What LayerStack does with a cache too, with advice for transformers users.
-            return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
-                                       drop_in=False, reason=_CACHE_REASON)
-        return super().forward(hidden_states, *args, **kwargs)
+        cache = kwargs.get("past_key_values")
+        if cache is None or self._template is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        reason = _CACHE_REASON
+        if hidden_states.device.type != "xla":
+            reason = (f"the layers run on {hidden_states.device.type}, and the scan is an XLA "
+                      f"loop")
+        elif _starts_empty(cache, len(self)):
+            try:
+                return self._scan_filling(cache, hidden_states, args, kwargs)
+            except Unscannable as unscannable:
+                reason = str(unscannable)
+        return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
+                                  drop_in=False, reason=reason)
+
+    def _scan_filling(self, cache, hidden_states, args, kwargs):
+        """One scan over the layers, each given a cache that records its keys and
+        values; they fill `cache` after the loop, layer by layer, as the layers'
+        own updates would have."""
+        without_cache = {name: value for name, value in kwargs.items()
+                         if name != "past_key_values"}
+        hidden_states, (keys, values) = run_recording(self._layers(), hidden_states, args,
+                                                      without_cache, _KEYS_AND_VALUES)
+        for index in range(len(self)):
+            cache.update(keys[index], values[index], index)
+        return hidden_states
 
     def _output_requested(self, flag: str, kwargs: dict) -> bool:
         # As transformers decides: the call's flag, else the config's.
         return bool(kwargs[flag] if flag in kwargs else getattr(self.model_config, flag, False))
+
+
+def _starts_empty(cache, num_layers: int) -> bool:
+    """Whether `cache` is a DynamicCache (of full or sliding-window layers, made
+    up front from the config or added at each layer's first update) that holds
+    nothing yet."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return False
+    added = getattr(cache, "layer_class_to_replicate", None)
+    if not layers and added is not None:
+        return added.__name__ in _GROWING_CACHE_LAYERS
+    return (len(layers) >= num_layers
+            and all(type(layer).__name__ in _GROWING_CACHE_LAYERS for layer in layers)
+            and not any(getattr(layer, "is_initialized", True) for layer in layers))
 
 
 def _share_config(template: nn.Module, layer: nn.Module, config) -> None:
@@ -105,15 +173,17 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     """Stacks the decoder layers of a transformers model in place; returns `model`.
 
     After it, the model's own `forward` runs all decoder layers as one `scan`
-    (one trace, one XLA While loop forward and backward) whenever no key/value
-    cache is in play, as in training with `use_cache=False`; its weights are
+    (one trace, one XLA While loop forward and backward); its weights are
     held once, stacked (`model.model.layers.stacked.self_attn.q_proj.weight`
-    is `[num_layers, out, in]`), and receive the gradients. With a key/value
-    cache (`use_cache=True`, which is most configs' default, or
-    `past_key_values`; `model.generate(...)`) the layers run one by one, each
+    is `[num_layers, out, in]`), and receive the gradients. With an empty
+    `DynamicCache` (what `use_cache=True`, most configs' default, makes in
+    training and in a prompt's prefill) the scan records each layer's keys
+    and values and fills the cache after the loop, detached from the autograd
+    graph. With a cache that already holds tokens (each decoding step of
+    `model.generate(...)`) or of another kind, the layers run one by one, each
     with its own cache slot, and give the same results as before the
     conversion; a `LayerByLayerWarning` says so (once per process, as Python
-    shows a warning), with the advice to train with `use_cache=False`.
+    shows a warning).
 
     What stays as it was: the model's forward and config, every other module,
     `state_dict()` keys and values (`model.layers.3.self_attn.q_proj.weight`),

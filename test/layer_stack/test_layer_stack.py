@@ -686,3 +686,17 @@ def test_rms_norm_normalizes():
     norm = RMSNorm(4)
     x = torch.tensor([[3.0, -3.0, 3.0, -3.0]])
     torch.testing.assert_close(norm(x), torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
+
+
+def test_an_opaque_per_layer_value_abandons_the_trace_when_used():
+    from torch_xla_ext.layer_stack.per_layer import OpaqueValue, PerLayerAttributeRead
+
+    reads = set()
+    index = OpaqueValue("layer_idx", reads)
+    handed_on = {"index": index}  # passing it on is not a use
+    assert handed_on["index"] is index and "layer_idx" in repr(index) and not reads
+    for use in (lambda: index == 0, lambda: [0, 1][index], lambda: index + 1,
+                lambda: f"{index}", lambda: hash(index), lambda: bool(index)):
+        with pytest.raises(PerLayerAttributeRead):
+            use()
+    assert reads == {"layer_idx"}

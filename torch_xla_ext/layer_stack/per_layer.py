@@ -18,6 +18,8 @@ DEFAULT_PER_LAYER_ATTRIBUTES = ("layer_idx",)
 class _ReadLog(threading.local):
     # The set that the running step records per-layer attribute reads in, if any.
     reads: set | None = None
+    # Whether a read gives an OpaqueValue instead of abandoning the trace.
+    opaque: bool = False
 
 
 _READ_LOG = _ReadLog()
@@ -30,14 +32,40 @@ class PerLayerAttributeRead(BaseException):
 
 
 @contextlib.contextmanager
-def reads_recorded_in(reads: set):
+def reads_recorded_in(reads: set, opaque: bool = False):
     """While the block runs, per-layer attribute reads of a watched template
-    are added to `reads` (and abandon the trace)."""
-    outer_reads, _READ_LOG.reads = _READ_LOG.reads, reads
+    are added to `reads` and abandon the trace; with `opaque`, a read gives an
+    `OpaqueValue`, and only a use of it does."""
+    outer = _READ_LOG.reads, _READ_LOG.opaque
+    _READ_LOG.reads, _READ_LOG.opaque = reads, opaque
     try:
         yield
     finally:
-        _READ_LOG.reads = outer_reads
+        _READ_LOG.reads, _READ_LOG.opaque = outer
+
+
+class OpaqueValue:
+    """A per-layer attribute's value inside a trace, for a layer that only hands
+    it on (`cache.update(k, v, self.layer_idx)`, to a cache that ignores it):
+    the traced computation cannot depend on it. Any use of it (a comparison, an
+    index, arithmetic, ...) records the read and abandons the trace, as reading
+    the attribute does without a recording cache."""
+    __slots__ = ("_name", "_reads")
+
+    def __init__(self, name: str, reads: set):
+        self._name, self._reads = name, reads
+
+    def _used(self, *args, **kwargs):
+        self._reads.add(self._name)
+        raise PerLayerAttributeRead(self._name)
+
+    __index__ = __int__ = __float__ = __bool__ = __hash__ = __eq__ = __ne__ = _used
+    __lt__ = __le__ = __gt__ = __ge__ = __add__ = __radd__ = __sub__ = __rsub__ = _used
+    __mul__ = __rmul__ = __mod__ = __str__ = __format__ = __getitem__ = __iter__ = _used
+    __len__ = __call__ = __contains__ = __getattr__ = _used
+
+    def __repr__(self):
+        return f"<the per-layer {self._name} of the layer being traced>"
 
 
 class _WatchedAttribute:
@@ -51,6 +79,8 @@ class _WatchedAttribute:
         if instance is None:
             return self
         if _READ_LOG.reads is not None:
+            if _READ_LOG.opaque:
+                return OpaqueValue(self.name, _READ_LOG.reads)
             _READ_LOG.reads.add(self.name)
             raise PerLayerAttributeRead(self.name)
         try:

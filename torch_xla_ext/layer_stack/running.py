@@ -1,12 +1,13 @@
 """Running a stack of layers: one scan over their stacked tensors (`run`), the
-HLO of that scan without running it (`lower`), and the for loop itself
+same handing out what each layer recorded (`run_recording`), the HLO of that
+scan without running it (`lower`), and the for loop itself
 (`run_layer_by_layer`) for a call that one trace cannot stand for."""
 from __future__ import annotations
 
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
@@ -40,6 +41,18 @@ class Layers:
     is_layer_pure: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """Objects that each traced layer call gets as keyword arguments, made
+    afresh for the call (a key/value cache that records what the layer puts
+    in it), and the tensors the call recorded in them, which the loop stacks
+    along the layers. Inside such a call, the layer may hand its per-layer
+    attributes on (`cache.update(k, v, self.layer_idx)`) but not use them."""
+    key: Hashable  # tells recordings apart: the steps made for them differ
+    make: Callable[[], dict]  # the keyword arguments of one layer call
+    recorded: Callable[[dict], tuple]  # the tensors recorded in them by the call
+
+
 def run(layers: Layers, hidden, args: tuple, kwargs: dict):
     """Runs the layers in order on `hidden`, each called with `args`/`kwargs`,
     as one scan; returns the last hidden state. A call that one trace cannot
@@ -55,9 +68,23 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
 
     try:
         return _through_scan(layers, hidden, args, kwargs, scanned)
-    except _Unscannable as reason:
+    except Unscannable as reason:
         return run_layer_by_layer(layers.layer_at, layers.num_layers, hidden, args, kwargs,
                                   layers.drop_in, str(reason))
+
+
+def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording):
+    """`run` with `recording`'s keyword arguments given to every layer: returns
+    the last hidden state and the recorded tensors, each stacked [num_layers,
+    ...]. Raises Unscannable for a call that one trace cannot stand for; the
+    caller then runs the layers one by one with what they record into."""
+    def scanned(step, init):
+        (last_hidden, _), recorded = scan(step, init, layers.stacked_tensors,
+                                          partition_fn=layers.partition_fn,
+                                          is_fn_pure=layers.is_layer_pure)
+        return last_hidden, recorded
+
+    return _through_scan(layers, hidden, args, kwargs, scanned, recording)
 
 
 def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -> Lowered:
@@ -69,7 +96,7 @@ def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -
 
     try:
         return _through_scan(layers, hidden, args, kwargs, lowered)
-    except _Unscannable as reason:
+    except Unscannable as reason:
         raise ValueError(f"lower: this call would run the {layers.num_layers} layers one by "
                          f"one, not as one scan, so there is no scan to lower: {reason}") from None
 
@@ -84,7 +111,7 @@ def run_layer_by_layer(layer_at: Callable[[int], nn.Module], num_layers: int, hi
     return hidden
 
 
-class _Unscannable(Exception):
+class Unscannable(Exception):
     """Why a call cannot run as one scan; the message says it."""
 
 
@@ -99,17 +126,18 @@ _TENSOR_ARGUMENT = object()
 
 
 def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
-                  stage: Callable[[Callable, tuple], Any]):
+                  stage: Callable[[Callable, tuple], Any], recording: Recording | None = None):
     """`stage(step, init)` for the scan step that runs one layer and its initial
-    carry; raises _Unscannable when the scan cannot stand for the loop."""
+    carry; raises Unscannable when the scan cannot stand for the loop."""
     _check_carried(hidden, "input_data" if layers.drop_in else "hidden")
     tensor_arguments, arguments = _split_arguments(args, kwargs)
-    key = (layers.layout.trace_key(), arguments, layers.drop_in)
+    key = (layers.layout.trace_key(), arguments, layers.drop_in,
+           recording.key if recording else None)
     steps = _STEPS.setdefault(layers.template, {})
     if key not in steps:
         reads = set()
-        steps[key] = (_make_step(weakref.ref(layers.template), arguments, layers.drop_in, reads),
-                      reads)
+        steps[key] = (_make_step(weakref.ref(layers.template), arguments, layers.drop_in, reads,
+                                 recording), reads)
     step, reads = steps[key]
     if not reads:
         try:
@@ -118,7 +146,7 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
     read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads]
-    raise _Unscannable(
+    raise Unscannable(
         f"the layer reads {read}, which differ between layers, so one trace cannot stand for "
         f"all of them (a key/value cache passed to the layers reads its layer index)")
 
@@ -129,16 +157,16 @@ def _argument_path(path) -> str:
 
 
 def _check_carried(hidden, name: str) -> None:
-    """Raises _Unscannable unless every leaf of `hidden` is a tensor, as a scan carry's."""
+    """Raises Unscannable unless every leaf of `hidden` is a tensor, as a scan carry's."""
     for path, leaf in tree_flatten_with_path(hidden)[0]:
         if not isinstance(leaf, torch.Tensor):
-            raise _Unscannable(f"{name}{keystr(path)} is of type {type(leaf).__name__}, and "
+            raise Unscannable(f"{name}{keystr(path)} is of type {type(leaf).__name__}, and "
                                f"what goes from layer to layer in a scan must be tensors")
 
 
 def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     """Splits layer call arguments into tensors and a hashable description of the
-    rest; raises _Unscannable for an argument that is neither."""
+    rest; raises Unscannable for an argument that is neither."""
     leaves, spec = tree_flatten((args, kwargs))
     tensors, constants = [], []
     for leaf in leaves:
@@ -151,7 +179,7 @@ def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
         else:
             path = next(path for path, value in tree_flatten_with_path((args, kwargs))[0]
                         if value is leaf)
-            raise _Unscannable(
+            raise Unscannable(
                 f"argument {_argument_path(path)} is of type {type(leaf).__name__}, and only "
                 f"tensors and plain constants (None, bool, int, float, str) can enter a "
                 f"traced loop")
@@ -167,7 +195,8 @@ def _next_hidden(layer: Callable, hidden, args: tuple, kwargs: dict, drop_in: bo
     return output[0] if isinstance(output, tuple) else output
 
 
-def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads: set):
+def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads: set,
+               recording: Recording | None):
     spec, constants = arguments
 
     def run_one_layer(carry, layer_tensors):
@@ -181,8 +210,9 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
             return torch.func.functional_call(template_ref(), layer_tensors, layer_args,
                                               layer_kwargs, strict=True)
 
-        with reads_recorded_in(reads):
-            hidden = _next_hidden(layer, hidden, args, kwargs, drop_in)
-        return (hidden, tensor_arguments), None
+        given = recording.make() if recording else {}
+        with reads_recorded_in(reads, opaque=recording is not None):
+            hidden = _next_hidden(layer, hidden, args, {**kwargs, **given}, drop_in)
+        return (hidden, tensor_arguments), recording.recorded(given) if recording else None
 
     return run_one_layer
