@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Benchmark a training step of transformers' LlamaForCausalLM three ways.
+"""Benchmark a training step of transformers' LlamaForCausalLM four ways.
 
 * loop:            the model as transformers builds it (its forward's for loop
                    over the decoder layers),
 * stack_layers:    the same model after `torch_xla_ext.stack_layers(model)`
                    (its own forward, the layers as one scan, stacked weights),
+* stack_layers+cache: stack_layers with the config's `use_cache=True` (most
+                   configs' default): the model makes itself a DynamicCache
+                   each step, which the scan fills,
 * torch-xla-scan:  the layers run by torch_xla's `scan_layers`, through a small
                    wrapper module put in place of `model.model.layers` that
                    broadcasts the extra arguments (rotary embeddings, mask) to
@@ -38,7 +41,7 @@ import statistics
 
 import harness  # first: it sets the default device before torch_xla is imported
 
-MODES = ("loop", "stack_layers", "torch-xla-scan")
+MODES = ("loop", "stack_layers", "stack_layers+cache", "torch-xla-scan")
 WARMUP_STEPS = 2
 # Seconds one (mode, L) may take: the for loop at L=64 compiles for minutes.
 DEFAULT_TIMEOUT = 1800
@@ -57,10 +60,10 @@ def make_model(args):
     config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, use_cache=False)
+        num_key_value_heads=args.kv_heads, use_cache=args.mode == "stack_layers+cache")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    if args.mode == "stack_layers":
+    if args.mode.startswith("stack_layers"):
         stack_layers(model)
     elif args.mode == "torch-xla-scan":
         model.model.layers = torch_xla_scan_layers_wrapper(model.model.layers)
@@ -184,6 +187,11 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
           ("stack_layers", smallest), "compile_s", 1.3)
     check(f"step graph compilations in {steps} steps, stack_layers L={middle}",
           by_key[converted]["step_compiles"] if converted in by_key else None, 1)
+    with_cache = ("stack_layers+cache", middle)
+    ratio(f"compile time stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
+          "compile_s", 1.10)
+    ratio(f"execution stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
+          "execute_ms", 1.10)
 
 
 def main(argv: list[str] | None = None) -> None:

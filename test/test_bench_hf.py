@@ -13,16 +13,19 @@ TINY = ["--steps", "3", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
         "--intermediate", "64", "--vocab", "64", "--seq", "8", "--batch", "2"]
 
 
-def test_the_three_modes_train_the_same_steps(scenario_server):
+def test_every_mode_trains_the_same_steps(scenario_server):
     figures = {mode: worker_figures(scenario_server, "bench_hf.py", "--mode", mode,
                                     "--layers", "2", *TINY)
-               for mode in ("loop", "stack_layers", "torch-xla-scan")}
+               for mode in bench_hf.MODES}
     losses = {mode: f["last_loss"] for mode, f in figures.items()}
-    assert abs(losses["stack_layers"] - losses["loop"]) < 1e-4, losses
-    assert abs(losses["torch-xla-scan"] - losses["loop"]) < 1e-4, losses
-    # The step's graph compiles once; the model's own mask probe adds one small graph.
-    assert figures["stack_layers"]["step_compiles"] == 1
+    for mode in ("stack_layers", "stack_layers+cache", "torch-xla-scan"):
+        assert abs(losses[mode] - losses["loop"]) < 1e-4, losses
+    # The step's graph compiles once; without a cache, the model's own mask probe
+    # adds one small graph (with one, transformers skips the probe).
+    for mode in ("stack_layers", "stack_layers+cache"):
+        assert figures[mode]["step_compiles"] == 1, figures[mode]
     assert figures["stack_layers"]["compiles"] == figures["loop"]["compiles"]
+    assert figures["stack_layers+cache"]["compiles"] == figures["loop"]["compiles"] - 1
 
 
 def test_the_table_and_ratios_are_printed(forked_workers, capsys):
