@@ -119,6 +119,46 @@ def test_training_matches_the_unconverted_model(device, family):
         close(model.state_dict()[key], value)
 
 
+# Models whose forward iterates over the layers (`for i, block in enumerate(self.h)`).
+ITERATING = {
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)),
+    "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=64, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)),
+}
+
+
+@pytest.mark.parametrize("family", ITERATING)
+def test_forwards_that_iterate_over_the_layers_train_as_one_scan(device, family):
+    torch.manual_seed(0)
+    reference = ITERATING[family]()
+    model = stack_layers(copy.deepcopy(reference))
+    ids, mask = batch(device)
+    results = []
+    for which in (reference, model):
+        which.to(device).train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            loss = which(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
+        grads = per_layer_grads(which)
+        results.append((hlo, host_copies([loss, *grads.values()]), list(grads)))
+    (reference_hlo, expected, names), (hlo, actual, converted_names) = results
+    assert "while" in hlo and "while" not in reference_hlo
+    assert sorted(converted_names) == sorted(names)
+    expected = dict(zip(["loss", *names], expected))
+    for name, value in zip(["loss", *converted_names], actual):
+        close(value, expected[name])
+    # Iterating over the layers outside the model's forward still gives each layer.
+    layers = [layer for layer in model.get_submodule(
+        "transformer.h" if family == "gpt2" else "gpt_neox.layers")]
+    assert len(layers) == 4 and all(type(layer) is not type(model) for layer in layers)
+    assert type(layers[1]).__name__ in ("GPT2Block", "GPTNeoXLayer")
+
+
 def test_a_policy_given_to_stack_layers_gives_the_unconverted_gradients(device):
     reference = make_model("llama", layers=2)
     model = stack_layers(copy.deepcopy(reference), partition_fn="save_nothing")
@@ -389,7 +429,7 @@ def test_the_layer_list_is_found_or_named():
         stack_layers(make_model(), path="model.norm")
 
 
-class LoopsWithoutSlicing(nn.Module):
+class WorksBetweenLayers(nn.Module):
     _no_split_modules = ["Linear"]
 
     def __init__(self):
@@ -399,13 +439,27 @@ class LoopsWithoutSlicing(nn.Module):
     def forward(self, x):
         for block in self.blocks:
             x = block(x)
+            x = x * 2
         return x
 
 
-def test_a_forward_that_does_not_slice_the_layers_is_refused():
-    with pytest.raises(ValueError, match=r"LoopsWithoutSlicing\.forward does not loop over a "
-                                         r"slice `self\.blocks\[\.\.\.\]`"):
-        stack_layers(LoopsWithoutSlicing())
+class CallsEachLayerByName(WorksBetweenLayers):
+    def forward(self, x):
+        return self.blocks.get_submodule("1")(self.blocks.get_submodule("0")(x))
+
+
+def test_a_forward_that_works_between_layers_is_refused_naming_the_line():
+    model = WorksBetweenLayers()
+    with pytest.raises(ValueError, match=r"WorksBetweenLayers\.forward does more between two "
+                                         r"layers .*test_hf\.py:\d+: `x = x \* 2`"):
+        stack_layers(model)
+    assert type(model.blocks) is nn.ModuleList
+
+
+def test_a_forward_that_neither_slices_nor_iterates_is_refused():
+    with pytest.raises(ValueError, match=r"CallsEachLayerByName\.forward neither loops over a "
+                                         r"slice `self\.blocks\[\.\.\.\]` nor over "):
+        stack_layers(CallsEachLayerByName())
 
 
 def test_config_changes_reach_the_layers():

@@ -7,14 +7,19 @@ transformers model (`model.model.layers` of Llama, Mistral, Qwen2, ...) by a
 leading layer dimension. The model's forward loops
 `for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
 of all the layers of a `StackedLayers` is a list of one callable, the stack
-itself, which runs every layer as one scan. Everything else about the model
+itself, which runs every layer as one scan. A forward that iterates over the
+layers (`for block in self.h`, GPT-2's) gets the stack first, then callables
+that hand the hidden state on. Everything else about the model
 stays as it was: its forward, its config, the rest of its modules, and the
 per-layer names of its `state_dict()`.
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+import sys
+import textwrap
 from typing import Iterable
 
 from torch import nn
@@ -94,6 +99,8 @@ class StackedLayers(LayerStack):
         super().__init__(layers, **options)
         self.model_config = config
         self.recorded_outputs = tuple(recorded_outputs)
+        # (file, first line) of the forward whose loop iterates over the layers, if any.
+        self.iterated_by: tuple[str, int] | None = None
         if config is not None and self._template is not None:
             _share_config(self._template, layers[0], config)
 
@@ -101,6 +108,14 @@ class StackedLayers(LayerStack):
         if isinstance(index, slice) and range(len(self))[index] == range(len(self)):
             return [self]
         return super().__getitem__(index)
+
+    def __iter__(self):
+        caller = sys._getframe(1).f_code
+        if self.iterated_by == (caller.co_filename, caller.co_firstlineno):
+            # The model's loop calls the stack, which runs every layer, then hands
+            # the hidden state on through the other iterations.
+            return iter([self, *[_hand_on] * (len(self) - 1)])
+        return super().__iter__()
 
     def forward(self, hidden_states, *args, **kwargs):
         requested = [name for name in self.recorded_outputs
@@ -142,6 +157,11 @@ class StackedLayers(LayerStack):
     def _output_requested(self, flag: str, kwargs: dict) -> bool:
         # As transformers decides: the call's flag, else the config's.
         return bool(kwargs[flag] if flag in kwargs else getattr(self.model_config, flag, False))
+
+
+def _hand_on(hidden_states, *args, **kwargs):
+    """A layer of an iterating loop after the stack: the stack ran them all."""
+    return hidden_states
 
 
 def _starts_empty(cache, num_layers: int) -> bool:
@@ -198,7 +218,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     all alike (a sliding window on some layers only, a setting changed on one
     layer: the scan runs layer 0's code with each layer's weights), layers
     with hooks or gradient checkpointing enabled (neither would run inside the
-    scan), a forward that does not loop over `self.layers[...]`, and calls with
+    scan), a forward that neither loops over `self.layers[...]` nor iterates
+    over `self.layers` calling each layer on the hidden state alone, and calls with
     `output_hidden_states` or `output_attentions`. Gradient checkpointing
     enabled after the conversion does not reach the layers; the scan's
     partitioner decides what its backward recomputes. Without a cache, a
@@ -226,7 +247,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
                         f"nn.ModuleList of decoder layers; pass the path of that list.")
     parent_path, _, name = path.rpartition(".")
     owner = model.get_submodule(parent_path)
-    _check_forward_slices(owner, name, path)
+    iterated_by = _layer_loop(owner, name, path)
     config = getattr(owner, "config", getattr(model, "config", None))
     _check_layer_types(config, len(layers))
     for index, layer in enumerate(layers):
@@ -235,6 +256,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         stack = StackedLayers(layers, config, _recorded_outputs(owner), **options)
     except (TypeError, ValueError) as error:
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
+    stack.iterated_by = iterated_by
     setattr(owner, name, stack)
     return model
 
@@ -272,21 +294,65 @@ def _one_class_among(layers: nn.Module, class_names: set) -> bool:
     return len(classes) == 1 and next(iter(classes)).__name__ in class_names
 
 
-def _check_forward_slices(owner: nn.Module, name: str, path: str) -> None:
-    """The owner's forward must take the layers as a slice (`self.layers[: n]`),
-    which is what yields the one callable that runs the scan."""
-    forward = type(owner).forward
+def _layer_loop(owner: nn.Module, name: str, path: str) -> tuple[str, int] | None:
+    """How the owner's forward calls the layers: None when it takes them as a
+    slice (`for layer in self.layers[: n]`), which yields the stack itself; or
+    (file, first line) of the forward when it iterates over them (`for block in
+    self.h`, `enumerate(self.h)`) with a loop body that only calls the layer on
+    the hidden state, for StackedLayers.__iter__ to recognize. Raises
+    ValueError naming the line of a loop that does more between the layers."""
+    forward = inspect.unwrap(type(owner).forward)
     try:
-        source = inspect.getsource(forward)
+        lines, first_line = inspect.getsourcelines(forward)
     except (OSError, TypeError):
-        source = ""
-    if not re.search(rf"self\.{re.escape(name)}\s*\[", source):
+        lines, first_line = [], 0
+    source = textwrap.dedent("".join(lines))
+    if re.search(rf"self\.{re.escape(name)}\s*\[", source):
+        return None
+    where = type(owner).__qualname__ + ".forward"
+    loop = next((node for node in ast.walk(ast.parse(source)) if source and
+                 isinstance(node, ast.For) and _iterates_over(node.iter, name)), None)
+    if loop is None:
         raise ValueError(
-            f"stack_layers: {type(owner).__qualname__}.forward does not loop over a slice "
-            f"`self.{name}[...]` (or its source is not available), so it would call the "
-            f"layers at {path!r} one by one, not as one scan. stack_layers takes over "
-            f"loops of the form `for layer in self.{name}[: n]`; for other models, call a "
-            f"torch_xla_ext.LayerStack from your own forward.")
+            f"stack_layers: {where} neither loops over a slice `self.{name}[...]` nor over "
+            f"`self.{name}` itself (or its source is not available), so it would call the "
+            f"layers at {path!r} one by one, not as one scan. stack_layers takes over loops of "
+            f"the form `for layer in self.{name}[: n]` or `for layer in self.{name}`; for "
+            f"other models, call a torch_xla_ext.LayerStack from your own forward.")
+    layer = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) else loop.target
+    body = loop.body
+    if not (len(body) == 1 and _only_calls_the_layer(body[0], layer)):
+        statement = next((each for each in body if not _only_calls_the_layer(each, layer)),
+                         body[-1])
+        line = first_line + statement.lineno - 1
+        text = source.splitlines()[statement.lineno - 1].strip()
+        raise ValueError(
+            f"stack_layers: {where} does more between two layers than call the next one on "
+            f"the hidden state ({forward.__code__.co_filename}:{line}: `{text}`); one scan "
+            f"runs all the layers at once, so that work would not run between them. Move it "
+            f"before or after the loop, or call a torch_xla_ext.LayerStack from your own "
+            f"forward; the model is unchanged.")
+    return forward.__code__.co_filename, forward.__code__.co_firstlineno
+
+
+def _iterates_over(iterable: ast.expr, name: str) -> bool:
+    """`self.name`, or `enumerate(self.name)`."""
+    if (isinstance(iterable, ast.Call) and isinstance(iterable.func, ast.Name)
+            and iterable.func.id == "enumerate" and iterable.args):
+        iterable = iterable.args[0]
+    return (isinstance(iterable, ast.Attribute) and iterable.attr == name
+            and isinstance(iterable.value, ast.Name) and iterable.value.id == "self")
+
+
+def _only_calls_the_layer(statement: ast.stmt, layer: ast.expr) -> bool:
+    """`hidden = layer(hidden, ...)`: the layer called on what the result replaces."""
+    if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name) and isinstance(layer, ast.Name)):
+        return False
+    call = statement.value
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+            and call.func.id == layer.id and bool(call.args)
+            and isinstance(call.args[0], ast.Name) and call.args[0].id == statement.targets[0].id)
 
 
 def _check_layer_types(config, count: int) -> None:
