@@ -1,6 +1,7 @@
-"""Layers that update buffers in place (BatchNorm in training mode) in a
-LayerStack or scan_layers end with each layer's statistics the ModuleList loop
-leaves, and the same outputs and gradients."""
+"""Layers that update buffers in place (BatchNorm in training mode, a layer's
+own key cache written at each decoding step) in a LayerStack or scan_layers
+end with each layer's state the ModuleList loop leaves, and the same outputs
+and gradients."""
 import copy
 
 import torch
@@ -24,9 +25,9 @@ def make_layers(count=3, width=4):
         for _ in range(count)).to(DEV)
 
 
-def run_loop(layers, hidden):
+def run_loop(layers, hidden, *args):
     for layer in layers:
-        hidden = layer(hidden)
+        hidden = layer(hidden, *args)
     return hidden
 
 
@@ -92,3 +93,36 @@ def test_scan_layers_of_batchnorm_layers_updates_the_layers_own_buffers():
         close(value, expected, name)
     for (name, param), expected in zip(layers.named_parameters(), reference.parameters()):
         close(param.grad, expected.grad, f"gradient of {name}")
+
+
+class CachedLayer(nn.Module):
+    """Per-layer state the way a LayerStack keeps it: a buffer of the layer,
+    written in place (here at the step's `position`) and read in the same call."""
+
+    def __init__(self, width=8, max_len=6, batch=2):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.register_buffer("keys", torch.zeros(batch, max_len, width), persistent=False)
+
+    def forward(self, x, position):
+        self.keys.index_copy_(1, position, self.proj(x))
+        return x + (x @ self.keys.transpose(1, 2)).softmax(-1) @ self.keys
+
+
+def test_layer_stack_of_layers_with_a_cache_updates_each_layers_cache_in_place():
+    torch.manual_seed(0)
+    layers = nn.ModuleList(CachedLayer() for _ in range(3)).to(DEV)
+    reference = copy.deepcopy(layers)
+    stack = tx.LayerStack(layers)
+    keys = stack.stacked.keys
+    traces_before = tx.cache_info().misses
+    with torch.no_grad():  # decoding: what goes into the caches is not differentiated
+        for step in range(4):
+            position = torch.tensor([step], device=DEV)
+            x = torch.randn(2, 1, 8, device=DEV)
+            close(stack(x, position), run_loop(reference, x, position), f"step {step}")
+    assert stack.stacked.keys is keys  # the stacked [3, 2, 6, 8] buffer itself, written
+    for index, layer in enumerate(reference):
+        close(stack.stacked.keys[index], layer.keys, f"layer {index}'s cache")
+        close(stack[index].keys, layer.keys, f"layer {index}'s cache through stack[i]")
+    assert tx.cache_info().misses - traces_before == 1  # one trace for every step
