@@ -288,6 +288,25 @@ def test_generation_with_a_cache_gives_the_unconverted_tokens(family):
     assert torch.equal(actual, expected)
 
 
+def test_generation_on_the_xla_device_gives_the_unconverted_tokens_with_a_scanned_prefill(
+        device):
+    reference, model = converted_pair(use_cache=True)
+    ids, mask = batch(device)
+    traces_before = tx.cache_info().misses
+    with torch.no_grad():
+        expected = reference.to(device).eval().generate(
+            ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            actual = model.to(device).eval().generate(
+                ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert actual.cpu().tolist() == expected.cpu().tolist()
+    assert tx.cache_info().misses - traces_before == 1  # the prompt's prefill: one scan
+    # Each decoding step reads the filled cache: layer by layer, with the reason.
+    reasons = {str(w.message) for w in caught if w.category is LayerByLayerWarning}
+    assert len(reasons) == 1 and "already holds tokens" in reasons.pop()
+
+
 def test_training_with_the_default_cache_is_one_scan_with_the_unconverted_gradients(device):
     # use_cache=True, most configs' default: the model makes itself a DynamicCache.
     reference, model = converted_pair(use_cache=True)
