@@ -26,6 +26,7 @@ the policy, as that checkpoint asks.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 import warnings
@@ -250,7 +251,7 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
             saved.append(node)
         else:  # recomputed by the backward step from what it reads
             needed.extend(n for n in node.all_input_nodes if n in forward)
-    saved = _without_views_of_saved(saved)
+    saved = _each_value_once(saved)
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
     return partitioners._extract_fwd_bwd_modules(joint_module, saved, [],
@@ -308,22 +309,25 @@ _VIEW_OPS = frozenset(["view", "_unsafe_view", "reshape", "expand", "unsqueeze",
                        "alias", "detach"])
 
 
-def _is_view_of_one_of(node: torch.fx.Node, values: set) -> bool:
-    """Whether `node` is a view of one of `values`, through a chain of views."""
+def _view_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The value `node` is a view of, through a chain of views; itself if none."""
     while (node.op == "call_function" and getattr(node.target, "_opname", None) in _VIEW_OPS
            and len(node.all_input_nodes) == 1):
         node = node.all_input_nodes[0]
-        if node in values:
-            return True
-    return False
+    return node
 
 
-def _without_views_of_saved(saved: list) -> list:
-    """Each saved value once: a view of another saved value (softmax's output
-    and its reshape, both read by the backward) is redone by the backward step
-    from that value, for free, instead of stacked as a second copy."""
-    kept = set(saved)
-    return [node for node in saved if not _is_view_of_one_of(node, kept)]
+def _each_value_once(saved: list) -> list:
+    """Each saved value once: views of one value (the three reshapes of a
+    normed input that the q, k and v projections read, softmax's output and
+    its reshape) are redone by the backward step from that value, which is
+    saved once instead of a copy per view."""
+    roots = {node: _view_root(node) for node in saved}
+    views_of = collections.Counter(roots.values())
+    kept = [root if root is not node and _is_tensor(root)
+            and (root in roots or views_of[root] > 1) else node
+            for node, root in roots.items()]
+    return list(dict.fromkeys(kept))
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
