@@ -146,6 +146,29 @@ def test_save_everything_stacks_a_value_and_its_view_once():
     assert_gives_the_loops_gradients(step, policies.save_everything, init, xs)
 
 
+class SwiGLUStep(nn.Module):
+    """down(silu(gate(x)) * up(x)): the backward reads gate(x), up(x),
+    silu(gate(x)) and their product, the last two elementwise of the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, c, x):
+        return c + self.down(torch.nn.functional.silu(self.gate(c + x)) * self.up(c + x)), c.sum()
+
+
+def test_save_everything_recomputes_what_elementwise_ops_make_from_kept_values():
+    step = SwiGLUStep().to(DEV)
+    init, xs = inputs(length=7)
+    wide = {repr(policy): stacked_buffers(tx.lower(step, init, xs, partition_fn=policy)
+                                          .forward_hlo, 7).count("f32[7,4,16]")
+            for policy in (policies.save_everything, policies.save_dots)}
+    # gate(x) and up(x) only, as save_dots keeps them: not silu(gate(x)) nor the product.
+    assert wide == {"save_everything": 2, "save_dots": 2}, wide
+    assert_gives_the_loops_gradients(step, policies.save_everything, init, xs)
+
+
 def test_a_policy_made_afresh_shares_the_trace():
     step = Step().to(DEV)
     init, xs = inputs()

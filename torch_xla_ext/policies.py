@@ -7,7 +7,9 @@ whether the forward loop stacks it (one slice per step, kept until the
 backward loop reads it) or the backward step recomputes it from what is kept:
 
 - `save_everything`: every activation the backward needs (the default; the
-  most memory, no recomputation);
+  most memory), but a value that elementwise ops make from kept values alone
+  (silu(gate) * up from gate and up), which the backward step recomputes as
+  XLA's fusion would in the unrolled loop;
 - `save_nothing`: only the step's inputs; the backward step recomputes the
   whole forward step (the least memory, one more forward);
 - `save_dots`: matmul and convolution outputs; the cheap ops after them are
@@ -108,6 +110,9 @@ class Policy:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _SaveEverything(Policy):
+    #: values elementwise ops make from kept values are recomputed, not kept
+    recomputes_elementwise = True
+
     def saves(self, node):
         return True
 
@@ -254,6 +259,8 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
     saved = _each_value_once(saved)
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
+    if getattr(policy, "recomputes_elementwise", False):
+        saved = _without_elementwise_of_kept(saved)
     return partitioners._extract_fwd_bwd_modules(joint_module, saved, [],
                                                  num_fwd_outputs=num_fwd_outputs)
 
@@ -328,6 +335,37 @@ def _each_value_once(saved: list) -> list:
             and (root in roots or views_of[root] > 1) else node
             for node, root in roots.items()]
     return list(dict.fromkeys(kept))
+
+
+# How many elementwise ops the backward step may redo to get a value from kept ones.
+_ELEMENTWISE_DEPTH = 3
+
+
+def _is_elementwise(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and not _is_random(node) and (
+        node.target is NAMED_OP or isinstance(node.target, torch._ops.OpOverload)
+        and torch.Tag.pointwise in node.target.tags)
+
+
+def _without_elementwise_of_kept(saved: list) -> list:
+    """`saved` (in graph order) without the values that a few elementwise ops
+    make from the other kept values alone: the backward step recomputes them
+    in its fusions, where keeping them would stack another activation (SwiGLU's
+    silu(gate) and silu(gate) * up beside gate and up)."""
+    kept = set(saved)
+    recomputed: set = set()
+
+    def from_kept(node, depth) -> bool:
+        if node in kept and node not in recomputed:
+            return True
+        return (depth > 0 and _is_elementwise(node)
+                and all(from_kept(n, depth - 1) for n in node.all_input_nodes))
+
+    for node in saved:
+        if _is_elementwise(node) and all(from_kept(n, _ELEMENTWISE_DEPTH - 1)
+                                         for n in node.all_input_nodes):
+            recomputed.add(node)
+    return [node for node in saved if node not in recomputed]
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
