@@ -135,23 +135,7 @@ def test_forwards_that_iterate_over_the_layers_train_as_one_scan(device, family)
     torch.manual_seed(0)
     reference = ITERATING[family]()
     model = stack_layers(copy.deepcopy(reference))
-    ids, mask = batch(device)
-    results = []
-    for which in (reference, model):
-        which.to(device).train()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", LayerByLayerWarning)
-            loss = which(ids, attention_mask=mask, labels=ids).loss
-        loss.backward()
-        hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
-        grads = per_layer_grads(which)
-        results.append((hlo, host_copies([loss, *grads.values()]), list(grads)))
-    (reference_hlo, expected, names), (hlo, actual, converted_names) = results
-    assert "while" in hlo and "while" not in reference_hlo
-    assert sorted(converted_names) == sorted(names)
-    expected = dict(zip(["loss", *names], expected))
-    for name, value in zip(["loss", *converted_names], actual):
-        close(value, expected[name])
+    assert_one_scan_with_the_unconverted_step(reference, model, device)
     # Iterating over the layers outside the model's forward still gives each layer.
     layers = [layer for layer in model.get_submodule(
         "transformer.h" if family == "gpt2" else "gpt_neox.layers")]
@@ -309,23 +293,28 @@ def test_generation_on_the_xla_device_gives_the_unconverted_tokens_with_a_scanne
 
 def test_training_with_the_default_cache_is_one_scan_with_the_unconverted_gradients(device):
     # use_cache=True, most configs' default: the model makes itself a DynamicCache.
-    reference, model = converted_pair(use_cache=True)
+    assert_one_scan_with_the_unconverted_step(*converted_pair(use_cache=True), device)
+
+
+def assert_one_scan_with_the_unconverted_step(reference, model, device):
+    """A training step of `model` runs its layers as one scan, with no
+    LayerByLayerWarning, and gives `reference`'s loss and every gradient."""
     ids, mask = batch(device)
     results = []
     for which in (reference, model):
         which.to(device).train()
         with warnings.catch_warnings():
             warnings.simplefilter("error", LayerByLayerWarning)
-            outputs = which(ids, attention_mask=mask, labels=ids)
-        outputs.loss.backward()
-        hlo = torch_xla._XLAC._get_xla_tensors_hlo([outputs.loss])
-        torch_xla.sync()
-        results.append((outputs.loss, per_layer_grads(which), hlo))
-    (reference_loss, reference_grads, _), (loss, grads, hlo) = results
-    assert "while" in hlo  # the converted step's layers: one scan
-    close(loss, reference_loss)
-    for name, grad in reference_grads.items():
-        close(grads[name], grad)
+            loss = which(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
+        grads = per_layer_grads(which)
+        results.append((hlo, dict(zip(["loss", *grads], host_copies([loss, *grads.values()])))))
+    (reference_hlo, expected), (hlo, actual) = results
+    assert "while" in hlo and "while" not in reference_hlo
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        close(actual[name], value)
 
 
 @pytest.mark.parametrize("family, config", [
