@@ -193,7 +193,12 @@ def tracing(what: str):
 
 def is_tracing() -> bool:
     """Whether this thread is inside `tracing` (scan is tracing a function)."""
-    return getattr(_tracing_state, "what", None) is not None
+    return tracing_what() is not None
+
+
+def tracing_what() -> str | None:
+    """What this thread's `tracing` traces ("scan's fn 'step'"), or None."""
+    return getattr(_tracing_state, "what", None)
 
 
 # ---------------------------------------------------------------------------
@@ -369,10 +374,10 @@ def _missing_value_message(tensor, func) -> str:
 # Guarding torch_xla's sync entry points
 
 def _discard_pending_placeholder_work() -> None:
-    tracing_what = getattr(_tracing_state, "what", None)
-    if tracing_what is not None:
+    traced = tracing_what()
+    if traced is not None:
         raise PlaceholderError(
-            f"cannot sync while {tracing_what} is traced with placeholders: a traced function "
+            f"cannot sync while {traced} is traced with placeholders: a traced function "
             f"must not read data or run the device (no torch_xla.sync(), .item(), .cpu())")
     discarded = []
     # valuerefs() copies the references at once, so that threads making

@@ -46,7 +46,8 @@ import torch_xla.runtime
 from functorch.compile import default_partition
 
 from torch_xla_ext import policies
-from torch_xla_ext.placeholders import mark_derived, placeholder_sources
+from torch_xla_ext.placeholders import (
+    is_tracing, mark_derived, placeholder_sources, tracing_what)
 from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack, flatten_inputs,
                                       scan_length)
 from torch_xla_ext.scan.loop import hlo_text
@@ -135,6 +136,12 @@ class _Call:
     """One call's inputs and its trace: from the cache, else traced now."""
 
     def __init__(self, fn, init, xs, partition_fn, is_fn_pure):
+        if is_tracing():
+            raise NotImplementedError(
+                f"scan: called while another scan traces its fn ({tracing_what()}): nested "
+                f"scans are not supported yet. Run the inner loop as a Python for loop inside "
+                f"the outer fn (its steps then become part of each outer step), or call the "
+                f"inner scan outside the outer fn.")
         if not callable(fn):
             raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
         if is_fn_pure not in (None, True, False):
