@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import transformers
 from safetensors.torch import load_file
@@ -22,6 +23,7 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 
 
@@ -272,19 +274,40 @@ def test_generation_with_a_cache_gives_the_unconverted_tokens(family):
     assert torch.equal(actual, expected)
 
 
+GREEDY = dict(do_sample=False)
+# What generate() is asked for, as users call it: greedy for every family (Mistral
+# with its sliding window on, shorter than the prompt), sampling with a seed,
+# beam search, and three prompts of different lengths padded on the left.
+GENERATIONS = {
+    "llama": ("llama", {}, GREEDY, (0, 2)),
+    "mistral-sliding": ("mistral", {"sliding_window": 4}, GREEDY, (0, 2)),
+    "qwen2": ("qwen2", {}, GREEDY, (0, 2)),
+    "qwen3": ("qwen3", {}, GREEDY, (0, 2)),
+    "sampling": ("llama", {}, dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9),
+                 (0, 2)),
+    "beam-search": ("llama", {}, dict(do_sample=False, num_beams=2), (0, 2)),
+    "three-prompts": ("llama", {}, GREEDY, (0, 3, 5)),
+}
+
+
+@pytest.mark.parametrize("family, config, options, padding", GENERATIONS.values(),
+                         ids=GENERATIONS)
 def test_generation_on_the_xla_device_gives_the_unconverted_tokens_with_a_scanned_prefill(
-        device):
-    reference, model = converted_pair(use_cache=True)
-    ids, mask = batch(device)
-    traces_before = tx.cache_info().misses
-    with torch.no_grad():
-        expected = reference.to(device).eval().generate(
-            ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
-        with warnings.catch_warnings(record=True) as caught:
+        device, family, config, options, padding):
+    reference, model = converted_pair(family, use_cache=True, **config)
+    ids = torch.randint(1, VOCAB, (len(padding), SEQ),
+                        generator=torch.Generator().manual_seed(1)).to(device)
+    mask = torch.tensor([[0] * pad + [1] * (SEQ - pad) for pad in padding]).to(device)
+    tokens = []
+    for which in (reference, model):
+        torch.manual_seed(0)
+        xm.set_rng_state(0)
+        traces_before = tx.cache_info().misses
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            actual = model.to(device).eval().generate(
-                ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert actual.cpu().tolist() == expected.cpu().tolist()
+            tokens.append(which.to(device).eval().generate(
+                ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, **options).cpu())
+    assert tokens[1].tolist() == tokens[0].tolist()
     assert tx.cache_info().misses - traces_before == 1  # the prompt's prefill: one scan
     # Each decoding step reads the filled cache: layer by layer, with the reason.
     reasons = {str(w.message) for w in caught if w.category is LayerByLayerWarning}
