@@ -122,20 +122,22 @@ def test_training_matches_the_unconverted_model(device, family):
 
 
 # Models whose forward iterates over the layers (`for i, block in enumerate(self.h)`).
+# (GPT-2 passes its cache by position, GPT-NeoX as `layer_past`.)
 ITERATING = {
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    "gpt2": lambda use_cache: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)),
-    "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=use_cache, bos_token_id=0, eos_token_id=0)),
+    "gpt_neox": lambda use_cache: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-        intermediate_size=64, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)),
+        intermediate_size=64, hidden_dropout=0.0, attention_dropout=0.0, use_cache=use_cache)),
 }
 
 
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "default-cache"])
 @pytest.mark.parametrize("family", ITERATING)
-def test_forwards_that_iterate_over_the_layers_train_as_one_scan(device, family):
+def test_forwards_that_iterate_over_the_layers_train_as_one_scan(device, family, use_cache):
     torch.manual_seed(0)
-    reference = ITERATING[family]()
+    reference = ITERATING[family](use_cache)
     model = stack_layers(copy.deepcopy(reference))
     assert_one_scan_with_the_unconverted_step(reference, model, device)
     # Iterating over the layers outside the model's forward still gives each layer.

@@ -16,6 +16,7 @@ per-layer names of its `state_dict()`.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 import sys
@@ -61,8 +62,7 @@ class _RecordingCache:
         return key_states, value_states
 
 
-def _recorded_keys_and_values(given: dict) -> tuple:
-    cache = given["past_key_values"]
+def _recorded_keys_and_values(cache: _RecordingCache) -> tuple:
     if cache.keys is None:
         raise ValueError("stack_layers: the decoder layer called with a key/value cache did not "
                          "update it, so there are no keys and values to fill the cache with")
@@ -70,8 +70,12 @@ def _recorded_keys_and_values(given: dict) -> tuple:
     return cache.keys.detach(), cache.values.detach()
 
 
-_KEYS_AND_VALUES = Recording("keys and values", lambda: {"past_key_values": _RecordingCache()},
-                             _recorded_keys_and_values)
+@functools.cache
+def _keys_and_values(parameter: str) -> Recording:
+    """The recording of each layer's keys and values through its cache
+    argument `parameter` (`past_key_values`; GPT-NeoX's `layer_past`)."""
+    return Recording(("keys and values", parameter), lambda: {parameter: _RecordingCache()},
+                     lambda given: _recorded_keys_and_values(given[parameter]))
 
 
 class StackedLayers(LayerStack):
@@ -127,29 +131,31 @@ class StackedLayers(LayerStack):
                 f"but the stacked layers run as one scan, which has none. Call the model without "
                 f"{flags} (and set it to False in model.config), or use a model that "
                 f"stack_layers did not convert for this call.")
-        cache = kwargs.get("past_key_values")
-        if cache is None or self._template is None:
+        keywords = (None if self._template is None
+                    else _with_cache_by_name(self._template, hidden_states, args, kwargs))
+        if keywords is None:
             return super().forward(hidden_states, *args, **kwargs)
+        parameter, cache = next((name, value) for name, value in keywords.items()
+                                if _is_cache(value))
         reason = _CACHE_REASON
         if hidden_states.device.type != "xla":
             reason = (f"the layers run on {hidden_states.device.type}, and the scan is an XLA "
                       f"loop")
         elif _starts_empty(cache, len(self)):
             try:
-                return self._scan_filling(cache, hidden_states, args, kwargs)
+                return self._scan_filling(cache, parameter, hidden_states, keywords)
             except Unscannable as unscannable:
                 reason = str(unscannable)
         return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
                                   drop_in=False, reason=reason)
 
-    def _scan_filling(self, cache, hidden_states, args, kwargs):
+    def _scan_filling(self, cache, parameter: str, hidden_states, keywords: dict):
         """One scan over the layers, each given a cache that records its keys and
         values; they fill `cache` after the loop, layer by layer, as the layers'
         own updates would have."""
-        without_cache = {name: value for name, value in kwargs.items()
-                         if name != "past_key_values"}
-        hidden_states, (keys, values) = run_recording(self._layers(), hidden_states, args,
-                                                      without_cache, _KEYS_AND_VALUES)
+        without_cache = {name: value for name, value in keywords.items() if name != parameter}
+        hidden_states, (keys, values) = run_recording(self._layers(), hidden_states, (),
+                                                      without_cache, _keys_and_values(parameter))
         for index in range(len(self)):
             cache.update(keys[index], values[index], index)
         return hidden_states
@@ -157,6 +163,31 @@ class StackedLayers(LayerStack):
     def _output_requested(self, flag: str, kwargs: dict) -> bool:
         # As transformers decides: the call's flag, else the config's.
         return bool(kwargs[flag] if flag in kwargs else getattr(self.model_config, flag, False))
+
+
+def _is_cache(value) -> bool:
+    """A transformers key/value cache (`Cache`: DynamicCache, StaticCache, ...)."""
+    return hasattr(value, "get_seq_length") and hasattr(value, "update")
+
+
+def _with_cache_by_name(template: nn.Module, hidden_states, args: tuple, kwargs: dict
+                        ) -> dict | None:
+    """The call's arguments after the hidden state, each by its parameter's name
+    (GPT-2 passes its cache by position), when one of them is a key/value
+    cache; else None."""
+    if not any(_is_cache(value) for value in (*args, *kwargs.values())):
+        return None
+    if not args:
+        return dict(kwargs)
+    signature = inspect.signature(type(template).forward)
+    bound = signature.bind(template, hidden_states, *args, **kwargs)
+    keywords = {}
+    for name, value in list(bound.arguments.items())[2:]:  # after self and the hidden state
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            return None  # positional past the named ones: left to the layer-by-layer path
+        keywords.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+    return keywords
 
 
 def _hand_on(hidden_states, *args, **kwargs):
