@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.utils._pytree import tree_flatten, tree_map
@@ -133,6 +134,26 @@ def test_dropout_differs_per_step_and_repeats_under_manual_seed():
     assert torch.equal(first, again)
     masks = [tuple(row.tolist()) for row in first]
     assert len(set(masks)) == 4
+
+
+@pytest.mark.parametrize("body", ["dropout", "reads an int64 scalar"])
+def test_a_scan_leaves_the_callers_xla_random_numbers_as_they_were(body):
+    # Sampling after a scanned forward must draw what it would draw without the
+    # scan: tracing and the seed probes draw from the XLA RNG, while the loop's
+    # dropout seeds come from torch's generator.
+    offset = torch.tensor(2, device=DEV)
+
+    def fn(c, x):
+        y = torch.nn.functional.dropout(x, 0.5) if body == "dropout" else x * offset
+        return c + y, y
+    init, xs = randn(4, grad=True), randn(3, 4, grad=True)
+    xm.set_rng_state(11, DEV)
+    expected = torch.rand(8, device=DEV).cpu()
+    for _ in range(2):  # traced, then from the cache
+        xm.set_rng_state(11, DEV)
+        carry, _ = tx.scan(fn, init, xs)
+        carry.sum().backward()
+        torch.testing.assert_close(torch.rand(8, device=DEV).cpu(), expected)
 
 
 @pytest.mark.parametrize("p", [0.5, 0.1])

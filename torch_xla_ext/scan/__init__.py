@@ -44,13 +44,14 @@ from typing import Callable
 import torch
 import torch_xla.runtime
 from functorch.compile import default_partition
+from torch.utils._pytree import tree_leaves
 
 from torch_xla_ext import policies
 from torch_xla_ext.placeholders import (
     is_tracing, mark_derived, placeholder_sources, tracing_what)
 from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack, flatten_inputs,
                                       scan_length)
-from torch_xla_ext.scan.loop import hlo_text
+from torch_xla_ext.scan.loop import hlo_text, xla_rng_kept
 from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, fingerprint
 from torch_xla_ext.scan.traced import Traced
 from torch_xla_ext.scan.tracing import autocast_state, trace
@@ -120,16 +121,21 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     TypeError: cast it back to the dtype of `init`.
     """
     partition_fn = policies.resolve(partition_fn)
-    call = _Call(fn, init, xs, partition_fn, is_fn_pure)
-    if call.length == 0:
-        return init, call.traced.y_tree.unflatten(
-            [empty_stack(a, call.carry_leaves + call.xs_leaves) for a in call.traced.y_avals])
-    carry_out, ys = call.traced.run(fn, partition_fn, call.carry_leaves, call.xs_leaves,
-                                    call.captures, reverse, call.needs_grad)
+    with xla_rng_kept(_tensor_leaves(init, xs)):
+        call = _Call(fn, init, xs, partition_fn, is_fn_pure)
+        if call.length == 0:
+            return init, call.traced.y_tree.unflatten(
+                [empty_stack(a, call.carry_leaves + call.xs_leaves) for a in call.traced.y_avals])
+        carry_out, ys = call.traced.run(fn, partition_fn, call.carry_leaves, call.xs_leaves,
+                                        call.captures, reverse, call.needs_grad)
     # Scanning placeholders stages out HLO; its results must then guard reads like them.
     mark_derived((carry_out, ys),
                  placeholder_sources((call.carry_leaves, call.xs_leaves, call.captures)))
     return call.carry_tree.unflatten(carry_out), call.traced.y_tree.unflatten(ys)
+
+
+def _tensor_leaves(*trees) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(trees) if isinstance(leaf, torch.Tensor)]
 
 
 class _Call:
@@ -199,11 +205,12 @@ def lower(fn: Callable, init, xs, partition_fn: Callable = policies.save_everyth
         raise TypeError(f"lower: device_kind must be a str such as 'TPU' or 'CPU', "
                         f"got {device_kind!r}")
     init, xs = as_placeholders(init, "init"), as_placeholders(xs, "xs")
-    call = _Call(fn, init, xs, partition_fn, is_fn_pure)
-    if call.length == 0:
-        raise ValueError("lower: xs has 0 steps; a scan of no steps runs no loop")
-    forward, backward = call.traced.loops(fn, partition_fn, call.captures, call.needs_grad,
-                                          device_kind.upper())
+    with xla_rng_kept(_tensor_leaves(init, xs)):
+        call = _Call(fn, init, xs, partition_fn, is_fn_pure)
+        if call.length == 0:
+            raise ValueError("lower: xs has 0 steps; a scan of no steps runs no loop")
+        forward, backward = call.traced.loops(fn, partition_fn, call.captures, call.needs_grad,
+                                              device_kind.upper())
     return Lowered(hlo_text(forward.computation(call.length, reverse)),
                    None if backward is None
                    else hlo_text(backward.computation(call.length, not reverse)),

@@ -2,6 +2,7 @@
 an XLA While loop over its steps (`Loop`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Any, Sequence
@@ -9,6 +10,7 @@ from typing import Any, Sequence
 import torch
 import torch_xla
 import torch_xla.core.xla_builder as xb
+import torch_xla.core.xla_model as xm
 
 from torch_xla_ext import _C
 from torch_xla_ext.scan.avals import Aval
@@ -116,6 +118,25 @@ def reads_random_seed(tensor: torch.Tensor) -> bool:
 
 def _may_be_seed(data: torch.Tensor) -> bool:
     return data.dtype == torch.int64 and data.dim() == 0
+
+
+@contextlib.contextmanager
+def xla_rng_kept(tensors: Sequence[torch.Tensor]):
+    """Puts back the XLA RNG state of the tensors' devices after the block.
+
+    Tracing draws from it (the traced random ops, the seed probes above), but a
+    scan's loop draws its seeds from torch's generator: without this, the
+    caller's later XLA random numbers (sampling after a scanned forward) would
+    differ from those of the for loop."""
+    devices = {t.device for t in tensors if t.device.type == "xla"}
+    states = {device: xm.get_rng_state(device) for device in devices}
+    try:
+        yield
+    finally:
+        for device, state in states.items():
+            # Setting the state starts a new root seed; only when it moved.
+            if xm.get_rng_state(device) != state:
+                xm.set_rng_state(state, device)
 
 
 def _current_seed_id(device) -> int:
