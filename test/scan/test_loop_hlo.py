@@ -4,9 +4,10 @@ inside a while body, where it would run once per step of the scan, nor of a
 stacked output's initial buffer before the loops."""
 import glob
 import os
-import re
 
 import pytest
+
+from optimized_hlo import copies_of_initial_buffers, stacked_copies_in_loops, while_loops
 
 LAYERS = 3  # a size no other dimension of the step below has
 
@@ -25,70 +26,6 @@ torch_xla.sync()
 training_step(model, batch, optimizer)
 torch_xla.sync()
 """
-
-_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply)=%([\w.\-]+)"
-                      r"|\bbranch_computations=\{([^}]*)\}")
-_ARRAY = r"(\w+)\[([\d,]*)\]"
-_RESULT_SHAPE = re.compile(r"= \(?" + _ARRAY)
-_COPY = re.compile(r" copy(?:-start)?\(")
-
-
-def computations(hlo: str) -> dict[str, list[str]]:
-    """The instruction lines of each computation of an HLO module's text, by name."""
-    found, current = {}, None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = found[header.group(1)] = []
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            current.append(line.strip())
-    return found
-
-
-def callees(instruction: str) -> list[str]:
-    names = []
-    for single, branches in _CALLEES.findall(instruction):
-        names += [single] if single else [b.strip().lstrip("%") for b in branches.split(",")]
-    return names
-
-
-def while_loops(hlo: str, length: int) -> list[tuple[str, set]]:
-    """Per while loop: its body's name and the (dtype, dims) of its stacked
-    buffers, the elements of its state whose leading dimension is `length`."""
-    loops = []
-    for instruction in (i for lines in computations(hlo).values() for i in lines):
-        if " while(" not in instruction:
-            continue
-        state = instruction.split(" while(")[0]
-        stacked = {(dtype, dims) for dtype, dims in re.findall(_ARRAY, state)
-                   if dims.split(",")[0] == str(length)}
-        body, = re.findall(r"\bbody=%([\w.\-]+)", instruction)
-        loops.append((body, stacked))
-    return loops
-
-
-def stacked_copies_in_loops(hlo: str, length: int) -> list[str]:
-    """The copies run by a while body (in it or in a computation it calls,
-    such as a fusion) whose shape is one of that loop's stacked buffers."""
-    found = computations(hlo)
-    copies = []
-    for body, stacked in while_loops(hlo, length):
-        reached, pending = set(), [body]
-        while pending:
-            name = pending.pop()
-            if name in reached:
-                continue
-            reached.add(name)
-            for instruction in found[name]:
-                pending += callees(instruction)
-                shape = _RESULT_SHAPE.search(instruction)
-                if _COPY.search(instruction) and shape and shape.groups() in stacked:
-                    copies.append(f"{name}: {instruction}")
-    return copies
-
 
 # A loop over 3 steps whose step writes slice i of a [3,4] stacked output
 # through a fusion that copies the whole buffer first.
@@ -140,13 +77,6 @@ def test_the_parser_finds_a_stacked_copy_inside_a_loop_only():
     assert while_loops(LOOP_WITH_A_STACKED_COPY, 3) == [("body", {("f32", "3,4")})]
     copies = stacked_copies_in_loops(LOOP_WITH_A_STACKED_COPY, 3)
     assert copies == ["fused_update: %copy.1 = f32[3,4]{1,0} copy(%param_0)"]
-
-
-def copies_of_initial_buffers(hlo: str, length: int) -> list[str]:
-    """Whole [length, ...] copies of a broadcast: XLA merged the identical
-    initial buffers of several stacked outputs and copies the one it kept."""
-    return [line for lines in computations(hlo).values() for line in lines
-            if re.search(rf"= \w+\[{length},[\d,]*\]\S* copy\(%broadcast", line)]
 
 
 def test_the_parser_finds_the_copies_of_a_merged_initial_buffer():

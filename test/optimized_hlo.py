@@ -1,0 +1,82 @@
+"""Reading XLA's optimized HLO text (an `--xla_dump_to` dump): its
+computations, while loops, and the copies they make of stacked buffers."""
+import re
+
+_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply)=%([\w.\-]+)"
+                      r"|\bbranch_computations=\{([^}]*)\}")
+_ARRAY = r"(\w+)\[([\d,]*)\]"
+_RESULT_SHAPE = re.compile(r"= \(?" + _ARRAY)
+_OPCODE = re.compile(r"[\]}] ([\w\-]+)\(")
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    """The instruction lines of each computation of an HLO module's text, by name."""
+    found, current = {}, None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = found[header.group(1)] = []
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line.strip())
+    return found
+
+
+def callees(instruction: str) -> list[str]:
+    names = []
+    for single, branches in _CALLEES.findall(instruction):
+        names += [single] if single else [b.strip().lstrip("%") for b in branches.split(",")]
+    return names
+
+
+def while_loops(hlo: str, length: int) -> list[tuple[str, set]]:
+    """Per while loop: its body's name and the (dtype, dims) of its stacked
+    buffers, the elements of its state whose leading dimension is `length`."""
+    loops = []
+    for instruction in (i for lines in computations(hlo).values() for i in lines):
+        if " while(" not in instruction:
+            continue
+        state = instruction.split(" while(")[0]
+        stacked = {(dtype, dims) for dtype, dims in re.findall(_ARRAY, state)
+                   if dims.split(",")[0] == str(length)}
+        body, = re.findall(r"\bbody=%([\w.\-]+)", instruction)
+        loops.append((body, stacked))
+    return loops
+
+
+def stacked_results_in_loops(hlo: str, length: int) -> list[tuple[str, str, str]]:
+    """(computation, opcode, instruction) of each instruction run by a while
+    body (in it or in a computation it calls, such as a fusion) whose result
+    has the shape of one of that loop's stacked buffers."""
+    found = computations(hlo)
+    results = []
+    for body, stacked in while_loops(hlo, length):
+        reached, pending = set(), [body]
+        while pending:
+            name = pending.pop()
+            if name in reached:
+                continue
+            reached.add(name)
+            for instruction in found[name]:
+                pending += callees(instruction)
+                shape = _RESULT_SHAPE.search(instruction)
+                if shape and shape.groups() in stacked:
+                    opcode = _OPCODE.search(instruction).group(1)
+                    results.append((name, opcode, instruction))
+    return results
+
+
+def stacked_copies_in_loops(hlo: str, length: int) -> list[str]:
+    """The copies run by a while body whose shape is one of that loop's
+    stacked buffers."""
+    return [f"{name}: {instruction}" for name, opcode, instruction
+            in stacked_results_in_loops(hlo, length) if opcode in ("copy", "copy-start")]
+
+
+def copies_of_initial_buffers(hlo: str, length: int) -> list[str]:
+    """Whole [length, ...] copies of a broadcast: XLA merged the identical
+    initial buffers of several stacked outputs and copies the one it kept."""
+    return [line for lines in computations(hlo).values() for line in lines
+            if re.search(rf"= \w+\[{length},[\d,]*\]\S* copy\(%broadcast", line)]
