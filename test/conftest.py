@@ -7,6 +7,13 @@ from isolated import ForkServer
 # Tests run on PJRT's CPU backend unless the caller chose a device; the package
 # itself never chooses one.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# XLA:CPU keeps each compiled graph's kernels in memory mappings of their own
+# (about three a kernel; a graph of a few layers has hundreds), and torch_xla
+# keeps its compiled graphs: the suite compiles thousands, and at Linux's limit
+# of 65530 mappings (vm.max_map_count) a process dies in its next mmap ("LLVM
+# compilation error: Cannot allocate memory", or a segfault). Keeping the last
+# 128 graphs bounds the mappings; no test reuses an older one.
+os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "128")
 
 
 @pytest.fixture(scope="session")
