@@ -1,5 +1,6 @@
 """stack_layers on unmodified transformers causal LMs, against the same model unconverted."""
 import copy
+import glob
 import os
 import re
 import warnings
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import torch_xla_ext as tx
+from optimized_hlo import callees, computations, stacked_results_in_loops, while_loops
 from reference import host_copies
 from torch_xla_ext.hf import StackedLayers, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
@@ -276,6 +278,23 @@ def test_generation_with_a_cache_gives_the_unconverted_tokens(family):
     assert torch.equal(actual, expected)
 
 
+def left_padded_prompts(padding, device):
+    """Prompts of SEQ tokens, row i padded on the left by padding[i] tokens."""
+    ids = torch.randint(1, VOCAB, (len(padding), SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[0] * pad + [1] * (SEQ - pad) for pad in padding])
+    return ids.to(device), mask.to(device)
+
+
+def seeded_generate(model, ids, mask, **options) -> list:
+    """2 new tokens (a prefill and a decoding step; each token compiles) from
+    generate() on the prompts' device, every RNG seeded."""
+    torch.manual_seed(0)
+    xm.set_rng_state(0)
+    with torch.no_grad():
+        return model.to(ids.device).eval().generate(
+            ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **options).cpu().tolist()
+
+
 GREEDY = dict(do_sample=False)
 # What generate() is asked for, as users call it: greedy for every family (Mistral
 # with its sliding window on, shorter than the prompt), sampling with a seed,
@@ -297,19 +316,14 @@ GENERATIONS = {
 def test_generation_on_the_xla_device_gives_the_unconverted_tokens_with_a_scanned_prefill(
         device, family, config, options, padding):
     reference, model = converted_pair(family, use_cache=True, **config)
-    ids = torch.randint(1, VOCAB, (len(padding), SEQ),
-                        generator=torch.Generator().manual_seed(1)).to(device)
-    mask = torch.tensor([[0] * pad + [1] * (SEQ - pad) for pad in padding]).to(device)
+    ids, mask = left_padded_prompts(padding, device)
     tokens = []
     for which in (reference, model):
-        torch.manual_seed(0)
-        xm.set_rng_state(0)
         traces_before = tx.cache_info().misses
-        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            tokens.append(which.to(device).eval().generate(
-                ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, **options).cpu())
-    assert tokens[1].tolist() == tokens[0].tolist()
+            tokens.append(seeded_generate(which, ids, mask, **options))
+    assert tokens[1] == tokens[0]
     assert tx.cache_info().misses - traces_before == 1  # the prompt's prefill: one scan
     # Each decoding step reads the filled cache: layer by layer, with the reason.
     reasons = {str(w.message) for w in caught if w.category is LayerByLayerWarning}
@@ -381,6 +395,109 @@ def test_a_decoding_step_over_a_filled_cache_runs_layer_by_layer_with_the_unconv
                                     past_key_values=cache).logits)
     assert any("already holds tokens" in str(w.message) for w in caught)
     close(logits[1], logits[0])
+
+
+STATIC = {  # Llama greedy: with three prompts
+    "qwen3": ("qwen3", GREEDY, (0, 2)),
+    "sampling": ("llama", dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9), (0, 2)),
+    "beam-search": ("llama", dict(do_sample=False, num_beams=2), (0, 2)),
+    "three-prompts": ("llama", GREEDY, (0, 3, 5)),
+}
+
+
+@pytest.mark.parametrize("family, options, padding", STATIC.values(), ids=STATIC)
+def test_generation_with_a_static_cache_runs_the_prefill_and_every_step_as_one_scan(
+        device, family, options, padding):
+    reference, model = converted_pair(family, use_cache=True)
+    ids, mask = left_padded_prompts(padding, device)
+    tokens = []
+    for which in (reference, model):
+        traces_before = tx.cache_info().misses
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            tokens.append(seeded_generate(which, ids, mask, cache_implementation="static",
+                                          **options))
+    assert tokens[1] == tokens[0]
+    # Two traces: the prefill fills the empty cache; the decoding steps write it.
+    assert tx.cache_info().misses - traces_before == 2
+
+
+def test_a_static_cache_keeps_its_api_over_stacked_buffers(device):
+    reference, model = converted_pair(use_cache=True)
+    ids, mask = batch(device)
+    results = []
+    for which in (reference, model):
+        which.to(device).eval()
+        cache = transformers.StaticCache(config=which.config, max_cache_len=SEQ + 4)
+        outputs = []
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            for _ in range(2):  # the second time over the cache after reset()
+                step_mask, step_ids = mask, ids
+                logits = []
+                for _ in range(3):
+                    logits.append(which(step_ids, attention_mask=step_mask,
+                                        past_key_values=cache).logits)
+                    step_ids = logits[-1][:, -1:].argmax(-1)
+                    step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+                layers = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+                # Copies: reset() zeroes the cache's tensors in place.
+                outputs.append([t.clone() for t in (cache.get_seq_length(), *logits, *layers)])
+                cache.reset()
+            outputs.append([*(layer.keys for layer in cache.layers), cache.get_seq_length()])
+        results.append(host_copies([t for group in outputs for t in group]))
+    expected, actual = results
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        close(got, want)
+    assert expected[0].item() == SEQ + 2 and expected[-1].item() == 0
+    # reset() zeroed every layer's keys: the stacked buffers, through the views.
+    assert not any(keys.any() for keys in actual[-1 - len(model.model.layers):-1])
+
+
+STATIC_DECODING = """
+import torch, torch_xla, transformers
+import torch_xla_ext as tx
+
+device = torch_xla.device()
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=3, num_attention_heads=4,
+                                  num_key_value_heads=2)
+model = tx.stack_layers(transformers.LlamaForCausalLM(config)).to(device).eval()
+cache = transformers.StaticCache(config=config, max_cache_len=16)
+with torch.no_grad():
+    token = model(torch.randint(1, 128, (2, 8)).to(device), past_key_values=cache).logits
+    torch_xla.sync()
+    for _ in range(2):
+        token = model(token[:, -1:].argmax(-1), past_key_values=cache).logits
+        torch_xla.sync()
+"""
+
+
+def test_a_decoding_step_writes_only_the_new_positions_of_the_stacked_cache(run_isolated,
+                                                                           tmp_path):
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    result = run_isolated(STATIC_DECODING, env={"XLA_FLAGS": flags.strip()})
+    assert result.returncode == 0, result.stderr[-3000:]
+    cache_shape = "f32[3,2,2,16,8]"  # [layers, batch, kv heads, max_cache_len, head_dim]
+    dumps = [open(path).read() for path in glob.glob(f"{tmp_path}/*after_optimizations.txt")]
+    # The decoding steps' graphs: their loops carry the stacked cache.
+    steps = [hlo for hlo in dumps
+             if any(("f32", "3,2,2,16,8") in stacked for _, stacked in while_loops(hlo, 3))]
+    assert steps
+    for step in steps:
+        in_loop = [(name, opcode, line) for name, opcode, line
+                   in stacked_results_in_loops(step, 3) if f"= {cache_shape}" in line]
+        # Read, and written by scatters of the new positions' rows: no copy, no
+        # whole layer written back.
+        assert {opcode for _, opcode, _ in in_loop} == {
+            "parameter", "get-tuple-element", "fusion", "scatter"}, in_loop
+        found = computations(step)
+        for _, opcode, line in in_loop:
+            if opcode == "fusion":
+                fused, = callees(line)
+                assert " scatter(" in found[fused][-1], found[fused]
 
 
 # ---------------------------------------------------------------------------

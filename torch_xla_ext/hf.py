@@ -21,8 +21,10 @@ import inspect
 import re
 import sys
 import textwrap
+import weakref
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from torch_xla_ext.layer_stack import LayerStack
@@ -40,9 +42,10 @@ _PER_LAYER_OUTPUTS = ("hidden_states", "attentions")
 _TRANSFORMERS_CAPTURE_HOOKS = "transformers.utils.output_capturing"
 
 _CACHE_REASON = (
-    "the key/value cache passed (past_key_values) already holds tokens, or is not a "
-    "DynamicCache, and each layer reads and updates its own slot of it; one scan stands for "
-    "the layers when the cache starts empty (training, or a prompt's prefill)")
+    "the key/value cache passed (past_key_values) is a DynamicCache that already holds "
+    "tokens, or a cache of another kind, and each layer reads and updates its own slot of it; "
+    "one scan stands for the layers when a DynamicCache starts empty (training, or a prompt's "
+    "prefill) and for every call with a StaticCache of full-attention layers")
 
 # The cache layers that give back what an update puts in when they start empty,
 # so that a layer computes the same with one of them as with no cache.
@@ -50,16 +53,25 @@ _GROWING_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 
 
 class _RecordingCache:
-    """The cache each layer gets inside the scan in place of an empty
-    DynamicCache: it keeps the keys and values the layer puts in and gives
-    them back unchanged, as an empty DynamicCache does."""
+    """The cache each layer gets inside the scan in place of an empty cache:
+    it keeps the keys and values the layer puts in and gives them back as the
+    empty cache would: unchanged (DynamicCache), or followed by zeros up to
+    the cache's length `padded_to` (StaticCache)."""
 
-    def __init__(self):
+    def __init__(self, padded_to: int | None = None):
         self.keys = self.values = None
+        self.padded_to = padded_to
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         self.keys, self.values = key_states, value_states
-        return key_states, value_states
+        if self.padded_to is None:
+            return key_states, value_states
+        return tuple(_padded(new, self.padded_to) for new in (key_states, value_states))
+
+
+def _padded(keys_or_values: torch.Tensor, length: int) -> torch.Tensor:
+    """Followed by zeros along the sequence (next-to-last) dimension, to `length`."""
+    return torch.nn.functional.pad(keys_or_values, (0, 0, 0, length - keys_or_values.shape[-2]))
 
 
 def _recorded_keys_and_values(cache: _RecordingCache) -> tuple:
@@ -71,11 +83,54 @@ def _recorded_keys_and_values(cache: _RecordingCache) -> tuple:
 
 
 @functools.cache
-def _keys_and_values(parameter: str) -> Recording:
+def _keys_and_values(parameter: str, padded_to: int | None = None) -> Recording:
     """The recording of each layer's keys and values through its cache
     argument `parameter` (`past_key_values`; GPT-NeoX's `layer_past`)."""
-    return Recording(("keys and values", parameter), lambda: {parameter: _RecordingCache()},
+    return Recording(("keys and values", parameter, padded_to),
+                     lambda index, state: {parameter: _RecordingCache(padded_to)},
                      lambda given: _recorded_keys_and_values(given[parameter]))
+
+
+class _StackedCacheWriter:
+    """The cache each layer gets inside the scan over a StaticCache's stacked
+    buffers (the scan's state: keys, values, the cache's length): as
+    StaticLayer.update, its update writes the new keys and values at the
+    cache's next positions and gives back the layer's whole buffers, but it
+    writes them into the layer's slice of the stacked buffers, in place."""
+
+    def __init__(self, index: torch.Tensor, state: tuple):
+        self.index = index.reshape(1)
+        self.keys, self.values, self.length = state
+
+    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
+        batch, heads, length, _ = key_states.shape
+        device = key_states.device
+        # The leading four dimensions' indices, broadcast to [batch, heads,
+        # length]: a scatter of head_dim rows, with no transposition of the
+        # stacked buffers (which would copy them).
+        where = (self.index.view(1, 1, 1),
+                 torch.arange(batch, device=device).view(batch, 1, 1),
+                 torch.arange(heads, device=device).view(1, heads, 1),
+                 (self.length + torch.arange(length, device=device)).view(1, 1, length))
+        for stacked, new in ((self.keys, key_states), (self.values, value_states)):
+            stacked.index_put_(where, new.to(stacked.dtype))
+        return (self.keys.index_select(0, self.index)[0],
+                self.values.index_select(0, self.index)[0])
+
+
+@functools.cache
+def _written_in_place(parameter: str) -> Recording:
+    """Each layer's keys and values written into a StaticCache's stacked
+    buffers, in place."""
+    return Recording(("stacked static cache", parameter),
+                     lambda index, state: {parameter: _StackedCacheWriter(index, state)},
+                     lambda given: ())
+
+
+# Per StaticCache that a stack wrote, its stacked key and value buffers
+# [layers, batch, heads, max_len, head_dim] and the per-layer views of them
+# that its layers hold.
+_STACKED_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class StackedLayers(LayerStack):
@@ -85,8 +140,9 @@ class StackedLayers(LayerStack):
 
     * `layers[a:b]` covering all the layers is `[layers]`: the model's loop calls
       the stack once, which runs every layer as one scan; an empty DynamicCache
-      passed to it is filled from the scan, and a cache holding tokens makes
-      it run layer by layer. Any other slice is the list of those layers;
+      passed to it is filled from the scan; a StaticCache is held as stacked
+      buffers that the scan writes in place (prefill and every decoding step);
+      a DynamicCache holding tokens makes it run layer by layer. Any other slice is the list of those layers;
       `layers[i]` and iteration give per-layer modules whose tensors are views of
       the stacked ones.
     * The template layer reads the model's own config object, so changing it
@@ -141,9 +197,13 @@ class StackedLayers(LayerStack):
         if hidden_states.device.type != "xla":
             reason = (f"the layers run on {hidden_states.device.type}, and the scan is an XLA "
                       f"loop")
-        elif _starts_empty(cache, len(self)):
+        else:
             try:
-                return self._scan_filling(cache, parameter, hidden_states, keywords)
+                static = _static_cache(cache, len(self))
+                if static == "filled":
+                    return self._scan_writing(cache, parameter, hidden_states, keywords)
+                if static == "empty" or _starts_empty(cache, len(self)):
+                    return self._scan_filling(cache, parameter, hidden_states, keywords)
             except Unscannable as unscannable:
                 reason = str(unscannable)
         return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
@@ -154,10 +214,34 @@ class StackedLayers(LayerStack):
         values; they fill `cache` after the loop, layer by layer, as the layers'
         own updates would have."""
         without_cache = {name: value for name, value in keywords.items() if name != parameter}
+        static = _static_cache(cache, len(self)) == "empty"
+        recording = _keys_and_values(parameter, cache.layers[0].max_cache_len if static else None)
         hidden_states, (keys, values) = run_recording(self._layers(), hidden_states, (),
-                                                      without_cache, _keys_and_values(parameter))
+                                                      without_cache, recording)
+        if static:
+            _fill_stacked(cache, keys, values)
+            return hidden_states
         for index in range(len(self)):
             cache.update(keys[index], values[index], index)
+        return hidden_states
+
+    def _scan_writing(self, cache, parameter: str, hidden_states, keywords: dict):
+        """One scan over the layers and the StaticCache's stacked buffers, each
+        layer writing its new keys and values into its slice in place."""
+        if torch.is_grad_enabled() and any(tensor.requires_grad
+                                           for tensor in self.parameters()):
+            raise Unscannable(
+                "a StaticCache that holds tokens is written in place inside the scan, without "
+                "gradients; decode under torch.no_grad() (as generate() does) to run it as one "
+                "scan")
+        keys, values = _stacked_buffers(cache)
+        lengths = [layer.cumulative_length for layer in cache.layers]
+        without_cache = {name: value for name, value in keywords.items() if name != parameter}
+        hidden_states, _ = run_recording(self._layers(), hidden_states, (), without_cache,
+                                         _written_in_place(parameter),
+                                         state=(keys, values, lengths[0]))
+        for length in lengths:
+            length.add_(hidden_states.shape[-2])
         return hidden_states
 
     def _output_requested(self, flag: str, kwargs: dict) -> bool:
@@ -195,6 +279,52 @@ def _hand_on(hidden_states, *args, **kwargs):
     return hidden_states
 
 
+def _static_cache(cache, num_layers: int) -> str | None:
+    """"empty" or "filled" for a StaticCache of full-attention layers, one per
+    layer, not offloaded (what `cache_implementation="static"` makes); else None."""
+    layers = getattr(cache, "layers", None)
+    if (not isinstance(layers, list) or len(layers) != num_layers or getattr(cache, "offloading", False)
+            or any(type(layer).__name__ != "StaticLayer" for layer in layers)):
+        return None
+    initialized = [layer.is_initialized for layer in layers]
+    if all(initialized):
+        return "filled"
+    return "empty" if not any(initialized) else None
+
+
+def _bind_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Makes each cache layer's tensors views of its slice of `keys`/`values`."""
+    for index, layer in enumerate(cache.layers):
+        layer.keys, layer.values = keys[index], values[index]
+    _STACKED_BUFFERS[cache] = (keys, values, [(layer.keys, layer.values) for layer in cache.layers])
+
+
+def _fill_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Fills an empty StaticCache with a prefill's stacked keys and values
+    [layers, batch, heads, length, head_dim], its buffers stacked."""
+    for index, layer in enumerate(cache.layers):
+        layer.lazy_initialization(keys[index], values[index])  # shapes; its zeros stay unmade
+    length = keys.shape[-2]
+    _bind_stacked(cache, *(_padded(new.to(layer_tensor.dtype), layer_tensor.shape[-2])
+                           for new, layer_tensor in ((keys, cache.layers[0].keys),
+                                                     (values, cache.layers[0].values))))
+    for layer in cache.layers:
+        layer.cumulative_length.add_(length)
+
+
+def _stacked_buffers(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filled StaticCache's stacked key and value buffers. Stacks them
+    first (one copy) when its layers' tensors are not views of them: a cache
+    filled layer by layer, or after beam search replaced them (`reorder_cache`)."""
+    held = _STACKED_BUFFERS.get(cache)
+    if held is None or any(layer.keys is not view_keys or layer.values is not view_values
+                           for layer, (view_keys, view_values) in zip(cache.layers, held[2])):
+        _bind_stacked(cache, torch.stack([layer.keys for layer in cache.layers]),
+                      torch.stack([layer.values for layer in cache.layers]))
+        held = _STACKED_BUFFERS[cache]
+    return held[0], held[1]
+
+
 def _starts_empty(cache, num_layers: int) -> bool:
     """Whether `cache` is a DynamicCache (of full or sliding-window layers, made
     up front from the config or added at each layer's first update) that holds
@@ -230,11 +360,19 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     `DynamicCache` (what `use_cache=True`, most configs' default, makes in
     training and in a prompt's prefill) the scan records each layer's keys
     and values and fills the cache after the loop, detached from the autograd
-    graph. With a cache that already holds tokens (each decoding step of
-    `model.generate(...)`) or of another kind, the layers run one by one, each
-    with its own cache slot, and give the same results as before the
-    conversion; a `LayerByLayerWarning` says so (once per process, as Python
-    shows a warning).
+    graph. A `StaticCache` of full-attention layers (what
+    `generate(..., cache_implementation="static")` makes, transformers'
+    advice on XLA) runs as one scan in the prefill and in every decoding step:
+    its keys and values live in two stacked buffers
+    `[layers, batch, kv_heads, max_cache_len, head_dim]`, each layer of the
+    cache holds views of its slices (so `get_seq_length`, `reset` and beam
+    reordering work as before), and each step's scan writes only the new
+    positions, in place, under `torch.no_grad()`. With a `DynamicCache` that
+    already holds tokens (each decoding step of `generate()` with the default
+    cache) or a cache of another kind, the layers run one by one, each with
+    its own cache slot, and give the same results as before the conversion;
+    a `LayerByLayerWarning` says so (once per process, as Python shows a
+    warning).
 
     What stays as it was: the model's forward and config, every other module,
     `state_dict()` keys and values (`model.layers.3.self_attn.q_proj.weight`),

@@ -49,7 +49,9 @@ class Recording:
     along the layers. Inside such a call, the layer may hand its per-layer
     attributes on (`cache.update(k, v, self.layer_idx)`) but not use them."""
     key: Hashable  # tells recordings apart: the steps made for them differ
-    make: Callable[[], dict]  # the keyword arguments of one layer call
+    # The keyword arguments of one layer call, from the layer's index (a 0-d
+    # tensor) and the state tensors the call may write in place.
+    make: Callable[[torch.Tensor, tuple], dict]
     recorded: Callable[[dict], tuple]  # the tensors recorded in them by the call
 
 
@@ -60,9 +62,8 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
 
     The tensors among `args`/`kwargs` ride along in the carry unchanged, so they
     reach the layers as loop inputs and gradients flow back to them."""
-    def scanned(step, init):
-        (last_hidden, _), _ = scan(step, init, layers.stacked_tensors,
-                                   partition_fn=layers.partition_fn,
+    def scanned(step, init, xs):
+        (last_hidden, _), _ = scan(step, init, xs, partition_fn=layers.partition_fn,
                                    is_fn_pure=layers.is_layer_pure)
         return last_hidden
 
@@ -73,15 +74,22 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
                                   layers.drop_in, str(reason))
 
 
-def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording):
+def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording,
+                  state: tuple[torch.Tensor, ...] = ()):
     """`run` with `recording`'s keyword arguments given to every layer: returns
     the last hidden state and the recorded tensors, each stacked [num_layers,
-    ...]. Raises Unscannable for a call that one trace cannot stand for; the
-    caller then runs the layers one by one with what they record into."""
-    def scanned(step, init):
-        (last_hidden, _), recorded = scan(step, init, layers.stacked_tensors,
-                                          partition_fn=layers.partition_fn,
-                                          is_fn_pure=layers.is_layer_pure)
+    ...]. The layers may write the `state` tensors (a key/value cache stacked
+    along the layers, say) in place, through what `recording` gives them:
+    state is a carry of the loop, so XLA writes it in place, a few positions
+    at a time, and after the call `state` holds what the loop left. Raises
+    Unscannable for a call that one trace cannot stand for; the caller then
+    runs the layers one by one with what they record into."""
+    def scanned(step, init, xs):
+        (last_hidden, _, final_state), recorded = scan(step, (*init, state), xs,
+                                                       partition_fn=layers.partition_fn,
+                                                       is_fn_pure=layers.is_layer_pure)
+        for tensor, final in zip(state, final_state):
+            tensor.copy_(final)
         return last_hidden, recorded
 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording)
@@ -90,8 +98,8 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
 def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -> Lowered:
     """The HLO of the scan that `run` would run, staged for `device_kind`;
     nothing runs. Raises ValueError for a call that would run layer by layer."""
-    def lowered(step, init):
-        return lower_scan(step, init, layers.stacked_tensors, partition_fn=layers.partition_fn,
+    def lowered(step, init, xs):
+        return lower_scan(step, init, xs, partition_fn=layers.partition_fn,
                           is_fn_pure=layers.is_layer_pure, device_kind=device_kind)
 
     try:
@@ -126,9 +134,11 @@ _TENSOR_ARGUMENT = object()
 
 
 def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
-                  stage: Callable[[Callable, tuple], Any], recording: Recording | None = None):
-    """`stage(step, init)` for the scan step that runs one layer and its initial
-    carry; raises Unscannable when the scan cannot stand for the loop."""
+                  stage: Callable[[Callable, tuple, Any], Any], recording: Recording | None = None):
+    """`stage(step, init, xs)` for the scan step that runs one layer, its
+    initial carry and what it scans over (the stacked tensors, and with a
+    recording each layer's index too); raises Unscannable when the scan cannot
+    stand for the loop."""
     _check_carried(hidden, "input_data" if layers.drop_in else "hidden")
     tensor_arguments, arguments = _split_arguments(args, kwargs)
     key = (layers.layout.trace_key(), arguments, layers.drop_in,
@@ -142,13 +152,20 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
     if not reads:
         try:
             with reads_watched(layers.template, layers.per_layer_paths):
-                return stage(step, (hidden, tensor_arguments))
+                xs = layers.stacked_tensors
+                if recording is not None:
+                    xs = (xs, torch.arange(layers.num_layers, device=_device_of(hidden)))
+                return stage(step, (hidden, tensor_arguments), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
     read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads]
     raise Unscannable(
         f"the layer reads {read}, which differ between layers, so one trace cannot stand for "
         f"all of them (a key/value cache passed to the layers reads its layer index)")
+
+
+def _device_of(hidden) -> torch.device:
+    return tree_flatten(hidden)[0][0].device
 
 
 def _argument_path(path) -> str:
@@ -199,8 +216,11 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
                recording: Recording | None):
     spec, constants = arguments
 
-    def run_one_layer(carry, layer_tensors):
-        hidden, tensor_arguments = carry
+    def run_one_layer(carry, x):
+        # With a recording, the carry ends with the state tensors, and each
+        # step also gets its layer's index.
+        hidden, tensor_arguments, *with_state = carry
+        layer_tensors, index = x if recording else (x, None)
         supplied = iter(tensor_arguments)
         leaves = [next(supplied) if constant is _TENSOR_ARGUMENT else constant[1]
                   for constant in constants]
@@ -210,9 +230,10 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
             return torch.func.functional_call(template_ref(), layer_tensors, layer_args,
                                               layer_kwargs, strict=True)
 
-        given = recording.make() if recording else {}
+        given = recording.make(index, *with_state) if recording else {}
         with reads_recorded_in(reads, opaque=recording is not None):
             hidden = _next_hidden(layer, hidden, args, {**kwargs, **given}, drop_in)
-        return (hidden, tensor_arguments), recording.recorded(given) if recording else None
+        return ((hidden, tensor_arguments, *with_state),
+                recording.recorded(given) if recording else None)
 
     return run_one_layer
