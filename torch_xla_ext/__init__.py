@@ -20,6 +20,7 @@ _DEFINED_IN = {
     "checkpoint_name": "policies",
     "LayerStack": "layer_stack", "scan_layers": "layer_stack",
     "stack_layers": "hf",
+    "generate": "decoding",
 }
 # Submodules reachable as attributes of the package, as they were when importing
 # it imported them all. `scan` is the module torch_xla_ext.scan, which is
@@ -29,8 +30,8 @@ _SUBMODULES = ("_C", "hf", "layer_stack", "placeholders", "policies", "scan")
 
 __all__ = [
     "LayerStack", "LivePlaceholder", "Lowered", "PlaceholderError", "cache_clear", "cache_info",
-    "checkpoint_name", "depends_on_placeholder", "is_placeholder", "live_placeholders", "lower",
-    "placeholder", "placeholder_id", "policies", "scan", "scan_layers", "stack_layers",
+    "checkpoint_name", "depends_on_placeholder", "generate", "is_placeholder", "live_placeholders",
+    "lower", "placeholder", "placeholder_id", "policies", "scan", "scan_layers", "stack_layers",
 ]
 
 
