@@ -46,8 +46,7 @@ WARMUP_STEPS = 2
 # Seconds one (mode, L) may take: the for loop at L=64 compiles for minutes.
 DEFAULT_TIMEOUT = 1800
 # The options a worker is given as the parent has them.
-WORKLOAD_OPTIONS = ("steps", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seq",
-                    "batch")
+WORKLOAD_OPTIONS = ("steps", *harness.LLAMA_SIZE_OPTIONS, "seq", "batch")
 
 
 def make_model(args):
@@ -57,10 +56,7 @@ def make_model(args):
 
     from torch_xla_ext import stack_layers
 
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, use_cache=args.mode == "stack_layers+cache")
+    config = harness.llama_config(args, use_cache=args.mode == "stack_layers+cache")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     if args.mode.startswith("stack_layers"):
@@ -198,11 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = harness.benchmark_parser(__file__, __doc__)
     harness.add_layer_and_mode_options(parser, MODES)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=1024)
+    harness.add_llama_size_options(parser)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
@@ -215,10 +207,9 @@ def main(argv: list[str] | None = None) -> None:
 
     layer_counts, modes = harness.chosen_runs(parser, args, MODES, WARMUP_STEPS)
 
-    print(f"PJRT {harness.device_name()}, LlamaForCausalLM hidden {args.hidden}, {args.heads} "
-          f"heads, {args.kv_heads} key/value heads, intermediate {args.intermediate}, vocab "
-          f"{args.vocab}, seq {args.seq}, batch {args.batch}, SGD, {args.steps} steps (first "
-          f"{WARMUP_STEPS} not steady)", flush=True)
+    print(f"PJRT {harness.device_name()}, {harness.llama_description(args)}, seq {args.seq}, "
+          f"batch {args.batch}, SGD, {args.steps} steps (first {WARMUP_STEPS} not steady)",
+          flush=True)
     outcomes = harness.measure_modes_and_depths(
         os.path.abspath(__file__), modes, layer_counts,
         harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout)

@@ -215,11 +215,41 @@ def add_worker_options(parser: argparse.ArgumentParser, default_timeout: float,
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
+# The sizes of the LlamaForCausalLM the transformers benchmarks build.
+LLAMA_SIZE_OPTIONS = ("hidden", "heads", "kv_heads", "intermediate", "vocab")
+
+
+def add_llama_size_options(parser: argparse.ArgumentParser) -> None:
+    """--hidden, --heads, --kv-heads, --intermediate, --vocab of the model."""
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=1024)
+
+
+def llama_description(args: argparse.Namespace) -> str:
+    """The model's sizes, for the line a script prints first."""
+    return (f"LlamaForCausalLM hidden {args.hidden}, {args.heads} heads, {args.kv_heads} "
+            f"key/value heads, intermediate {args.intermediate}, vocab {args.vocab}")
+
+
+def llama_config(args: argparse.Namespace, **settings):
+    """The LlamaConfig of `args.layers` layers at the sizes of `args`."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, **settings)
+
+
 def chosen_runs(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                modes: Sequence[str], warmup_steps: int) -> tuple[list[int], list[str]]:
+                modes: Sequence[str], warmup_steps: int | None) -> tuple[list[int], list[str]]:
     """The depths and modes that --layers (or --quick) and --modes choose, once
-    --steps is known to leave steady steps after the `warmup_steps`."""
-    if args.steps <= warmup_steps:
+    --steps is known to leave steady steps after the `warmup_steps` (None: a
+    script that runs no steps)."""
+    if warmup_steps is not None and args.steps <= warmup_steps:
         parser.error(f"--steps must exceed the {warmup_steps} warm-up steps")
     layer_counts = [int(n) for n in (args.layers or ("2,4" if args.quick else "8,32,64"))
                     .split(",")]
@@ -336,23 +366,33 @@ def goal_line(label: str, value: float | None, goal: float, width: int,
     return line if spread is None else f"{line:<{width + 32}} ({spread[0]:.3f}-{spread[1]:.3f})"
 
 
+def print_runs_table(outcomes: Mapping[tuple[str, int], Outcome],
+                     columns: Sequence[tuple[str, Callable[[dict], str]]]) -> None:
+    """A line per (mode, L): each column's text made from the run's figures by
+    its function, or the status of a run that gave none."""
+    from torch_xla_ext.metrics.table import render_rows
+
+    rows: list = [["mode", "L", *(header for header, _ in columns)], None]
+    for (mode, layers), outcome in outcomes.items():
+        if outcome.figures is None:
+            rows.append([mode, str(layers), outcome.status])
+        else:
+            rows.append([mode, str(layers), *(text(outcome.figures) for _, text in columns)])
+    print(render_rows(rows))
+
+
 def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome]) -> None:
     """A line per (mode, L): its figures (python_ms, compile_s, compiles,
     execute_ms, forward_ms where measured, peak_rss_mib, param_mib), or the
     status of a run that gave none."""
-    from torch_xla_ext.metrics.table import render_rows
-
     forward = any(o.figures and "forward_ms" in o.figures for o in outcomes.values())
-    rows: list = [["mode", "L", "python ms", "compile s", "compiles", "exec ms",
-                   *(["fwd ms"] if forward else []), "peak RSS MiB", "params MiB"], None]
-    for (mode, layers), outcome in outcomes.items():
-        r = outcome.figures
-        if r is None:
-            rows.append([mode, str(layers), outcome.status])
-            continue
-        rows.append([mode, str(layers), f"{r['python_ms']:.2f}", f"{r['compile_s']:.2f}",
-                     str(r["compiles"]), f"{r['execute_ms']:.1f}",
-                     *([f"{r['forward_ms']:.1f}"] if forward else []),
-                     f"{r['peak_rss_mib']:.0f}",
-                     f"{r['param_mib']:.1f}" + ("" if r["peak_is_steady"] else " (lifetime peak)")])
-    print(render_rows(rows))
+    print_runs_table(outcomes, [
+        ("python ms", lambda r: f"{r['python_ms']:.2f}"),
+        ("compile s", lambda r: f"{r['compile_s']:.2f}"),
+        ("compiles", lambda r: str(r["compiles"])),
+        ("exec ms", lambda r: f"{r['execute_ms']:.1f}"),
+        *([("fwd ms", lambda r: f"{r['forward_ms']:.1f}")] if forward else []),
+        ("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:.0f}"),
+        ("params MiB", lambda r: f"{r['param_mib']:.1f}"
+                                 + ("" if r["peak_is_steady"] else " (lifetime peak)")),
+    ])

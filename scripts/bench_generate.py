@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Benchmark greedy generation with transformers' LlamaForCausalLM four ways.
+
+* hf-generate:               the model as transformers builds it, through its
+                             `generate(..., cache_implementation="static")`,
+* stack_layers+hf-generate:  the model after `torch_xla_ext.stack_layers`,
+                             through the same `generate()`,
+* stack_layers+tx-generate:  the converted model through `torch_xla_ext.generate`
+                             (one compiled decoding step, the stacked static
+                             cache written in place),
+* tx-generate:               the unconverted model through `torch_xla_ext.generate`
+                             (the per-token execution time to compare with).
+
+Each (mode, L) runs in a fresh process (scripts/harness.py, within --timeout
+seconds) on the device PJRT_DEVICE names, CPU if it is not set: build the model
+from a config with random weights (the sizes of bench_hf.py: hidden 256, 4
+heads, 2 key/value heads, intermediate 512, vocab 1024), then generate
+`--new-tokens` tokens after a prompt of `--prompt` tokens (batch `--batch`):
+
+* first call s:  wall time of the first call, compilation included,
+* compile s, compiles: XLA compile time and compilations of the first call,
+* again s:       wall time of a second, identical call (nothing left to compile),
+* prefill ms:    a call that makes one token (the prefill and its choice), in a
+                 warm process (the tx modes),
+* ms/token:      (a call of all the new tokens - a call of one) / the tokens
+                 after the first: the steady decoding step (the tx modes),
+* peak RSS:      peak resident memory of the process.
+
+Warm figures are medians of --repeats calls. Every mode must give the same
+tokens (the script fails otherwise). The summary prints the ratios the issue
+asks for at L=32 and between L=64 and L=8.
+
+  python scripts/bench_generate.py              # L = 8, 32, 64
+  python scripts/bench_generate.py --quick      # L = 2, 4: a quick check
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import harness  # first: it sets the default device before torch_xla is imported
+
+MODES = ("hf-generate", "stack_layers+hf-generate", "stack_layers+tx-generate", "tx-generate")
+# Seconds one (mode, L) may take: the unconverted model at L=64 compiles a
+# graph of 64 layers for nearly every token.
+DEFAULT_TIMEOUT = 3600
+WORKLOAD_OPTIONS = ("prompt", "new_tokens", "batch", "repeats", *harness.LLAMA_SIZE_OPTIONS)
+
+
+def run_worker(args) -> dict:
+    """One (mode, L) measurement in this process; returns the figures."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+    import transformers
+
+    import torch_xla_ext as tx
+    from torch_xla_ext.metrics import peak_rss_bytes
+
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        harness.llama_config(args, use_cache=True, eos_token_id=None))
+    if args.mode.startswith("stack_layers"):
+        tx.stack_layers(model)
+    model = model.to(device).eval()
+    prompt = torch.randint(0, args.vocab, (args.batch, args.prompt),
+                           generator=torch.Generator().manual_seed(1)).to(device)
+    torch_xla.sync()
+    xm.wait_device_ops()
+
+    def generate(new_tokens: int) -> torch.Tensor:
+        if args.mode.endswith("tx-generate"):
+            return tx.generate(model, prompt, new_tokens,
+                               max_cache_len=args.prompt + args.new_tokens)
+        with torch.no_grad():
+            tokens = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
+                                    pad_token_id=0, cache_implementation="static")
+        torch_xla.sync()
+        return tokens
+
+    def timed(new_tokens: int) -> tuple[float, list]:
+        started = time.perf_counter()
+        tokens = generate(new_tokens).cpu().tolist()
+        return time.perf_counter() - started, tokens
+
+    met.clear_all()
+    first_s, tokens = timed(args.new_tokens)
+    compiles, compile_ns, _ = met.metric_data("CompileTime") or (0, 0, None)
+    figures = {"first_call_s": first_s, "compile_s": compile_ns / 1e9, "compiles": compiles,
+               "again_s": timed(args.new_tokens)[0], "tokens": tokens}
+    if args.mode.endswith("tx-generate"):
+        whole = [timed(args.new_tokens)[0] for _ in range(args.repeats)]
+        one = [timed(1)[0] for _ in range(args.repeats)]
+        figures["prefill_ms"] = 1e3 * statistics.median(one)
+        figures["token_ms"] = (1e3 * (statistics.median(whole) - statistics.median(one))
+                               / (args.new_tokens - 1))
+    figures["peak_rss_mib"] = peak_rss_bytes() / 2**20
+    return figures
+
+
+def print_table(outcomes) -> None:
+    def warm(figure, digits):
+        return lambda r: f"{r[figure]:.{digits}f}" if figure in r else "-"
+
+    harness.print_runs_table(outcomes, [
+        ("first call s", lambda r: f"{r['first_call_s']:.2f}"),
+        ("compile s", lambda r: f"{r['compile_s']:.2f}"),
+        ("compiles", lambda r: str(r["compiles"])),
+        ("again s", lambda r: f"{r['again_s']:.2f}"),
+        ("prefill ms", warm("prefill_ms", 1)),
+        ("ms/token", warm("token_ms", 2)),
+        ("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:.0f}"),
+    ])
+
+
+def print_ratios(by_key: dict, layer_counts: list[int]) -> None:
+    middle = 32 if 32 in layer_counts else max(layer_counts)
+    smallest, largest = min(layer_counts), max(layer_counts)
+
+    def ratio(label, numerator, denominator, figure, goal):
+        value = harness.ratio(by_key, numerator, denominator, figure)
+        print(harness.goal_line(label, value, goal, width=60))
+
+    print("\nRatios:")
+    ratio(f"first call stack_layers+hf-generate/hf-generate at L={middle}",
+          ("stack_layers+hf-generate", middle), ("hf-generate", middle), "first_call_s", 0.3)
+    for mode in ("stack_layers+hf-generate", "stack_layers+tx-generate"):
+        ratio(f"compile time {mode} L={largest}/L={smallest}", (mode, largest),
+              (mode, smallest), "compile_s", 1.3)
+    ours, unconverted = ("stack_layers+tx-generate", middle), ("tx-generate", middle)
+    ratio(f"ms/token stack_layers+tx-generate/tx-generate at L={middle}", ours, unconverted,
+          "token_ms", 1.10)
+    ratio(f"prefill stack_layers+tx-generate/tx-generate at L={middle}", ours, unconverted,
+          "prefill_ms", 1.15)
+    ratio(f"peak RSS stack_layers+tx-generate/hf-generate at L={middle}", ours,
+          ("hf-generate", middle), "peak_rss_mib", 1.05)
+
+
+def tokens_problem(outcomes) -> str | None:
+    """Which runs gave other tokens than the first run at the same depth, if any."""
+    different = []
+    for (mode, layers), outcome in outcomes.items():
+        first = next(o for (m, n), o in outcomes.items() if n == layers and o.ok)
+        if outcome.ok and outcome.figures["tokens"] != first.figures["tokens"]:
+            different.append(f"{mode} L={layers}")
+    return f"tokens differ from the first mode's: {', '.join(different)}" if different else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.benchmark_parser(__file__, __doc__)
+    harness.add_layer_and_mode_options(parser, MODES)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    harness.add_llama_size_options(parser)
+    harness.add_worker_options(parser, DEFAULT_TIMEOUT)
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2: the steady step is timed after the first")
+
+    if args.worker:
+        args.layers = int(args.layers)
+        harness.report_result(run_worker(args))
+        return
+
+    layer_counts, modes = harness.chosen_runs(parser, args, MODES, None)
+    print(f"PJRT {harness.device_name()}, {harness.llama_description(args)}; greedy, batch "
+          f"{args.batch}, prompt {args.prompt} tokens, {args.new_tokens} new tokens, static "
+          f"cache", flush=True)
+    outcomes = harness.measure_modes_and_depths(
+        os.path.abspath(__file__), modes, layer_counts,
+        harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout)
+    print()
+    print_table(outcomes)
+    print_ratios({key: outcome.figures for key, outcome in outcomes.items() if outcome.ok},
+                 layer_counts)
+    problem = tokens_problem(outcomes)
+    print("\nTokens: " + (problem or "every mode gave the same tokens"))
+    harness.exit_if_runs_failed(parser.prog, outcomes)
+    harness.exit_on_problems(parser.prog, [problem])
+
+
+if __name__ == "__main__":
+    main()

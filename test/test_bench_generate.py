@@ -1,0 +1,50 @@
+"""scripts/bench_generate.py on a tiny LlamaForCausalLM: every mode generates
+in a process of its own, the same tokens, and the table and the issue's ratios
+are printed. The command line runs in pytest's process, its workers forked
+(benchmark_scripts.py)."""
+import re
+
+import pytest
+
+from benchmark_scripts import forked_workers, worker_figures  # noqa: F401 (a fixture)
+import bench_generate
+
+TINY = ["--prompt", "6", "--new-tokens", "2", "--repeats", "1", "--hidden", "32", "--heads", "4",
+        "--kv-heads", "2", "--intermediate", "64", "--vocab", "64"]
+
+
+def test_the_modes_give_the_same_tokens_and_ours_compile_one_decoding_step(scenario_server):
+    figures = {mode: worker_figures(scenario_server, "bench_generate.py", "--mode", mode,
+                                    "--layers", "2", *TINY)
+               for mode in bench_generate.MODES}
+    tokens = {mode: f["tokens"] for mode, f in figures.items()}
+    assert len({str(t) for t in tokens.values()}) == 1, tokens
+    assert len(tokens["hf-generate"][0]) == 6 + 2
+    # transformers' generate() compiles a graph for nearly every token, and the
+    # converted model as many; torch_xla_ext.generate one decoding step.
+    assert (figures["stack_layers+hf-generate"]["compiles"]
+            <= figures["hf-generate"]["compiles"])
+    assert figures["stack_layers+tx-generate"]["compiles"] < figures["hf-generate"]["compiles"]
+    # Warm timings for our modes only (at these sizes, the per-token figure, a
+    # difference of two timings, is mostly noise).
+    for mode in ("stack_layers+tx-generate", "tx-generate"):
+        assert figures[mode]["prefill_ms"] > 0 and isinstance(figures[mode]["token_ms"], float)
+    assert "token_ms" not in figures["hf-generate"]
+
+
+def test_the_table_ratios_and_token_check_are_printed(forked_workers, capsys):
+    bench_generate.main(["--layers", "2", "--modes", "stack_layers+tx-generate,tx-generate",
+                         *TINY])
+    printed = capsys.readouterr().out
+    assert re.search(r"^stack_layers\+tx-generate  2 +[\d.]+ +[\d.]+ +\d+ ", printed,
+                     re.MULTILINE), printed
+    assert re.search(r"ms/token stack_layers\+tx-generate/tx-generate at L=2 +[\d.]+", printed)
+    assert "first call stack_layers+hf-generate/hf-generate at L=2" in printed
+    assert "n/a (missing run)" in printed
+    assert "Tokens: every mode gave the same tokens" in printed
+
+
+def test_too_few_new_tokens_are_refused(capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench_generate.main(["--new-tokens", "1"])
+    assert exited.value.code == 2 and "--new-tokens must be at least 2" in capsys.readouterr().err
