@@ -44,7 +44,6 @@ from typing import Callable
 import torch
 import torch_xla.runtime
 from functorch.compile import default_partition
-from torch.utils._pytree import tree_leaves
 
 from torch_xla_ext import policies
 from torch_xla_ext.placeholders import (
@@ -121,21 +120,16 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     TypeError: cast it back to the dtype of `init`.
     """
     partition_fn = policies.resolve(partition_fn)
-    with xla_rng_kept(_tensor_leaves(init, xs)):
-        call = _Call(fn, init, xs, partition_fn, is_fn_pure)
-        if call.length == 0:
-            return init, call.traced.y_tree.unflatten(
-                [empty_stack(a, call.carry_leaves + call.xs_leaves) for a in call.traced.y_avals])
-        carry_out, ys = call.traced.run(fn, partition_fn, call.carry_leaves, call.xs_leaves,
-                                        call.captures, reverse, call.needs_grad)
+    call = _Call(fn, init, xs, partition_fn, is_fn_pure)
+    if call.length == 0:
+        return init, call.traced.y_tree.unflatten(
+            [empty_stack(a, call.carry_leaves + call.xs_leaves) for a in call.traced.y_avals])
+    carry_out, ys = call.traced.run(fn, partition_fn, call.carry_leaves, call.xs_leaves,
+                                    call.captures, reverse, call.needs_grad)
     # Scanning placeholders stages out HLO; its results must then guard reads like them.
     mark_derived((carry_out, ys),
                  placeholder_sources((call.carry_leaves, call.xs_leaves, call.captures)))
     return call.carry_tree.unflatten(carry_out), call.traced.y_tree.unflatten(ys)
-
-
-def _tensor_leaves(*trees) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(trees) if isinstance(leaf, torch.Tensor)]
 
 
 class _Call:
@@ -167,8 +161,10 @@ class _Call:
             autocast_state())
         found = CACHE.lookup(key, fn) if cacheable else None
         if found is None:
-            new_trace = trace(key, fn)
-            self.traced, self.captures = Traced(key, new_trace, fn), new_trace.lifter.captured
+            with xla_rng_kept(self.carry_leaves + self.xs_leaves):
+                new_trace = trace(key, fn)
+                self.traced = Traced(key, new_trace, fn)
+            self.captures = new_trace.lifter.captured
             if cacheable:
                 CACHE.store(key, self.traced, fn)
         else:
@@ -205,10 +201,10 @@ def lower(fn: Callable, init, xs, partition_fn: Callable = policies.save_everyth
         raise TypeError(f"lower: device_kind must be a str such as 'TPU' or 'CPU', "
                         f"got {device_kind!r}")
     init, xs = as_placeholders(init, "init"), as_placeholders(xs, "xs")
-    with xla_rng_kept(_tensor_leaves(init, xs)):
-        call = _Call(fn, init, xs, partition_fn, is_fn_pure)
-        if call.length == 0:
-            raise ValueError("lower: xs has 0 steps; a scan of no steps runs no loop")
+    call = _Call(fn, init, xs, partition_fn, is_fn_pure)
+    if call.length == 0:
+        raise ValueError("lower: xs has 0 steps; a scan of no steps runs no loop")
+    with xla_rng_kept(call.carry_leaves + call.xs_leaves):
         forward, backward = call.traced.loops(fn, partition_fn, call.captures, call.needs_grad,
                                               device_kind.upper())
     return Lowered(hlo_text(forward.computation(call.length, reverse)),

@@ -124,10 +124,11 @@ def _may_be_seed(data: torch.Tensor) -> bool:
 def xla_rng_kept(tensors: Sequence[torch.Tensor]):
     """Puts back the XLA RNG state of the tensors' devices after the block.
 
-    Tracing draws from it (the traced random ops, the seed probes above), but a
-    scan's loop draws its seeds from torch's generator: without this, the
-    caller's later XLA random numbers (sampling after a scanned forward) would
-    differ from those of the for loop."""
+    Tracing and lowering draw from it (the traced random ops, the seed probes
+    above), but a scan's loop draws its seeds from torch's generator: without
+    this, the caller's later XLA random numbers (sampling after a scanned
+    forward) would differ from those of the for loop. Only those stages need
+    it, so a call that reuses its trace and loops does not pay for it."""
     devices = {t.device for t in tensors if t.device.type == "xla"}
     states = {device: xm.get_rng_state(device) for device in devices}
     try:

@@ -14,7 +14,7 @@ from torch_xla_ext.scan.autograd import TrainingPlan
 from torch_xla_ext.scan.avals import Aval, avals
 from torch_xla_ext.scan.cache import CacheKey
 from torch_xla_ext.object_graph import find_paths, resolve
-from torch_xla_ext.scan.loop import Loop, lower_body
+from torch_xla_ext.scan.loop import Loop, lower_body, xla_rng_kept
 from torch_xla_ext.scan.signature import CallLayout, split_list
 from torch_xla_ext.scan.tracing import Trace
 
@@ -77,8 +77,9 @@ class Traced:
             return self._inference(carry, xs, captures, reverse)
         with self._lock:
             if self._training is None:
-                self._training = TrainingPlan(self, fn, partition_fn, captures,
-                                              torch_xla.runtime.device_type())
+                with xla_rng_kept([*carry, *xs]):
+                    self._training = TrainingPlan(self, fn, partition_fn, captures,
+                                                  torch_xla.runtime.device_type())
         return self._training(carry, xs, captures, reverse)
 
     def loops(self, fn, partition_fn, captures, needs_grad, device_kind) -> tuple:
