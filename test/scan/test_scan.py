@@ -408,31 +408,3 @@ def test_scanning_placeholders_stages_hlo_and_never_crashes(run_isolated):
     result = run_isolated(SCAN_OF_PLACEHOLDERS)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "survived" in result.stdout
-
-
-def test_a_scan_inside_fn_of_another_scan_says_nested_scans_are_not_supported():
-    def inner(c, x):
-        return c * 0.5 + x, c.sum()
-
-    def outer(c, x):
-        return tx.scan(inner, c, x)
-
-    init = torch.randn(2, 4, device=DEV)
-    xs = torch.randn(3, 5, 2, 4, device=DEV)
-    for needs_grad in (False, True):
-        with pytest.raises(NotImplementedError,
-                           match=r"scan: called while another scan traces its fn \(scan's fn "
-                                 r"'.*outer'\): nested scans are not supported yet"):
-            tx.scan(outer, init.requires_grad_(needs_grad), xs)
-    # Nothing is left half-made: the inner loop as a Python loop inside fn works.
-    def outer_loop(c, x):
-        ys = []
-        for step in x:
-            c, y = inner(c, step)
-            ys.append(y)
-        return c, torch.stack(ys)
-
-    carry, ys = tx.scan(outer_loop, init.detach(), xs)
-    expected_carry, expected_ys = scan_loop(outer_loop, init.detach(), xs)
-    torch.testing.assert_close(carry.cpu(), expected_carry.cpu())
-    torch.testing.assert_close(ys.cpu(), expected_ys.cpu())

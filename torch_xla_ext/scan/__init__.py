@@ -33,6 +33,9 @@ How one call runs, one module a stage:
    backward graphs (`partition_fn`, a policy of `torch_xla_ext.policies`,
    deciding what is saved), both run as While loops (the backward in reverse).
    `traced` holds a trace and its loops; `lower` returns their HLO unrun.
+
+`inline`: a scan called while another scan traces its fn skips all of this and
+runs as its for loop, unrolled into the outer step.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack,
                                       scan_length)
 from torch_xla_ext.scan.loop import hlo_text, xla_rng_kept
 from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, fingerprint
+from torch_xla_ext.scan.inline import inline_scan
 from torch_xla_ext.scan.traced import Traced
 from torch_xla_ext.scan.tracing import autocast_state, trace
 
@@ -118,8 +122,19 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     `torch.autocast`, `fn` is traced with the caller's autocast state; a carry
     whose dtype autocast changes (a linear layer's bf16 output) raises a
     TypeError: cast it back to the dtype of `init`.
+
+    Nested scans (a scan called inside the `fn` of another, or in the forward
+    of a `LayerStack` layer) run as their for loop, inlined: each outer step
+    holds every inner step, unrolled, in the one outer trace, and the inner
+    `fn` runs its Python body only while the outer `fn` is traced. The inner
+    call's `partition_fn` and `is_fn_pure` have no effect (the outer call's
+    decide); `lower` of a nested scan raises.
     """
     partition_fn = policies.resolve(partition_fn)
+    _check_fn(fn, is_fn_pure)
+    if is_tracing():
+        # Within the outer trace, which holds the RNG state and the cache entry.
+        return inline_scan(fn, init, xs, reverse)
     call = _Call(fn, init, xs, partition_fn, is_fn_pure)
     if call.length == 0:
         return init, call.traced.y_tree.unflatten(
@@ -132,20 +147,17 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     return call.carry_tree.unflatten(carry_out), call.traced.y_tree.unflatten(ys)
 
 
+def _check_fn(fn, is_fn_pure) -> None:
+    if not callable(fn):
+        raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
+    if is_fn_pure not in (None, True, False):
+        raise TypeError(f"scan: is_fn_pure must be None, True or False, got {is_fn_pure!r}")
+
+
 class _Call:
     """One call's inputs and its trace: from the cache, else traced now."""
 
     def __init__(self, fn, init, xs, partition_fn, is_fn_pure):
-        if is_tracing():
-            raise NotImplementedError(
-                f"scan: called while another scan traces its fn ({tracing_what()}): nested "
-                f"scans are not supported yet. Run the inner loop as a Python for loop inside "
-                f"the outer fn (its steps then become part of each outer step), or call the "
-                f"inner scan outside the outer fn.")
-        if not callable(fn):
-            raise TypeError(f"scan: fn must be callable, got {type(fn).__name__} {fn!r}")
-        if is_fn_pure not in (None, True, False):
-            raise TypeError(f"scan: is_fn_pure must be None, True or False, got {is_fn_pure!r}")
         self.carry_leaves, self.carry_tree = flatten_inputs(init, "init")
         self.xs_leaves, xs_tree = flatten_inputs(xs, "xs")
         self.length = scan_length(self.xs_leaves, xs_tree)
@@ -195,6 +207,13 @@ def lower(fn: Callable, init, xs, partition_fn: Callable = policies.save_everyth
     a TPU would run (an `offload` policy's host placements, say) on a machine
     without one."""
     partition_fn = policies.resolve(partition_fn, "lower")
+    _check_fn(fn, is_fn_pure)
+    if is_tracing():
+        raise NotImplementedError(
+            f"lower: called while another scan traces its fn ({tracing_what()}); lowering "
+            f"nested scans on their own is not supported, since a nested scan has no loop of "
+            f"its own: its steps are unrolled into the outer step. Lower the outer scan to "
+            f"see them, or call lower outside the outer fn")
     if device_kind is None:
         device_kind = torch_xla.runtime.device_type()
     if not isinstance(device_kind, str) or not device_kind:

@@ -118,6 +118,17 @@ def check_carry_types(init_structure: Structure, init_avals, out_carry) -> list:
     return out_leaves
 
 
+def check_y_leaves(y_out) -> tuple[list, Structure]:
+    """The y `fn` returns as its tensor leaves (`None` leaves are kept out) and
+    its structure; other leaves raise."""
+    y_leaves, y_tree = flatten(y_out)
+    for i, leaf in enumerate(y_leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"scan: fn returned {type(leaf).__name__} for "
+                            f"{y_tree.leaf_path('y', i)}; y leaves must be tensors or None")
+    return y_leaves, y_tree
+
+
 def empty_stack(aval: Aval, like: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.empty((0, *aval.shape), dtype=aval.dtype, device=like[0].device)
 

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch_xla_ext.placeholders import (
     PlaceholderTensor, _mutates_arguments, placeholder, tracing, unguarded_placeholder)
 from torch_xla_ext.scan import regions
-from torch_xla_ext.scan.avals import Aval, Structure, check_carry_types, flatten
+from torch_xla_ext.scan.avals import Aval, Structure, check_carry_types, check_y_leaves
 from torch_xla_ext.scan.mutation import Writes
 from torch_xla_ext.scan.sharding import as_fn_arguments
 
@@ -174,11 +174,7 @@ def trace(key, fn) -> Trace:
             carry_out, y_out = call_body(fn, key.carry_tree.unflatten(carry_arg),
                                          key.xs_tree.unflatten(x_arg))
     carry_out = check_carry_types(key.carry_tree, key.carry_avals, carry_out)
-    y_leaves, y_tree = flatten(y_out)
-    for i, leaf in enumerate(y_leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"scan: fn returned {type(leaf).__name__} for "
-                            f"{y_tree.leaf_path('y', i)}; y leaves must be tensors or None")
+    y_leaves, y_tree = check_y_leaves(y_out)
     return Trace(lifter, carry_in, carry_arg, x_in, x_arg, carry_out, y_leaves, y_tree)
 
 
