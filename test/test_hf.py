@@ -45,9 +45,11 @@ def converted_pair(family="llama", layers=4, **config):
 
 
 def per_layer_grads(model) -> dict:
-    """Every parameter's gradient under the unconverted model's name."""
+    """Every gradient under its parameter's unconverted name (frozen parameters have none)."""
     grads = {}
     for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
         if ".stacked." in name:
             prefix, _, rest = name.partition(".stacked.")
             for index in range(param.shape[0]):

@@ -19,7 +19,7 @@ _DEFINED_IN = {
     "Lowered": "scan", "cache_clear": "scan", "cache_info": "scan", "lower": "scan",
     "checkpoint_name": "policies",
     "LayerStack": "layer_stack", "scan_layers": "layer_stack",
-    "stack_layers": "hf",
+    "stack_layers": "hf", "unstack_layers": "hf",
     "generate": "decoding",
 }
 # Submodules reachable as attributes of the package, as they were when importing
@@ -32,6 +32,7 @@ __all__ = [
     "LayerStack", "LivePlaceholder", "Lowered", "PlaceholderError", "cache_clear", "cache_info",
     "checkpoint_name", "depends_on_placeholder", "generate", "is_placeholder", "live_placeholders",
     "lower", "placeholder", "placeholder_id", "policies", "scan", "scan_layers", "stack_layers",
+    "unstack_layers",
 ]
 
 

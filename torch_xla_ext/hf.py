@@ -16,6 +16,7 @@ per-layer names of its `state_dict()`.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import re
@@ -31,7 +32,7 @@ from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.layer_stack.running import (
     Recording, Unscannable, run_layer_by_layer, run_recording)
 
-__all__ = ["StackedLayers", "stack_layers"]
+__all__ = ["StackedLayers", "stack_layers", "unstack_layers"]
 
 # Output flags of transformers models that collect something from every layer
 # (`output_hidden_states`, `output_attentions`, ...); a scan has no per-layer outputs.
@@ -383,6 +384,15 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     (`model.layers.stacked.mlp.up_proj.weight`), which can be sharded with
     `mark_sharding` along any dimension but the first.
 
+    peft: `stack_layers(get_peft_model(model, config))` trains the LoRA
+    adapters as one scan (the base weights stay stacked and frozen);
+    `save_pretrained`, `merge_and_unload` and `unload` of the PeftModel work
+    as unconverted (merge_and_unload returns the merged model stacked; see
+    `torch_xla_ext.hf_peft`). Apply get_peft_model first: after
+    stack_layers, peft finds no modules to adapt and refuses. peft's other
+    whole-model operations (`disable_adapter`, `set_adapter`, ...) do not
+    reach the stacked layers; `unstack_layers(model)` undoes the conversion.
+
     Not supported, and refused with an error that says so: layers that are not
     all alike (a sliding window on some layers only, a setting changed on one
     layer: the scan runs layer 0's code with each layer's weights), layers
@@ -427,7 +437,59 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
     stack.iterated_by = iterated_by
     setattr(owner, name, stack)
+    from torch_xla_ext import hf_peft  # peft, if the model is a PeftModel
+    hf_peft.reach_stacked_adapters(model)
     return model
+
+
+def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
+    """Undoes `stack_layers` in place; returns `model`.
+
+    The `StackedLayers` at `path` (by default the model's one StackedLayers)
+    becomes an `nn.ModuleList` of the layers, each holding parameters and
+    buffers of its own, copied from its slices of the stacked ones (which
+    are dropped). For code that must find each layer among the model's
+    modules; `stack_layers(model)` stacks them again."""
+    path = _stacked_path(model) if path is None else path
+    stack = _submodule(model, path)
+    if not isinstance(stack, StackedLayers):
+        raise TypeError(f"unstack_layers: {path!r} is a {type(stack).__name__}, not the "
+                        f"StackedLayers that stack_layers made; pass the path of that.")
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), name,
+            nn.ModuleList(stack.unstacked()).train(stack.training))
+    return model
+
+
+@contextlib.contextmanager
+def layers_as_modules(model: nn.Module):
+    """While the block runs, each StackedLayers of the model is replaced by an
+    `nn.ModuleList` of its layers `stack[i]`, whose tensors are views of the
+    stacked ones (no copies): for code that reads each layer as a module of
+    the model, such as peft's save_pretrained."""
+    stacks = [(model.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2],
+               model.get_submodule(path)) for path in _stacked_paths(model)]
+    for parent, name, stack in stacks:
+        # By index: a slice of all the layers of a StackedLayers is the stack itself.
+        setattr(parent, name, nn.ModuleList([stack[index] for index in range(len(stack))]))
+    try:
+        yield
+    finally:
+        for parent, name, stack in stacks:
+            setattr(parent, name, stack)
+
+
+def _stacked_paths(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, StackedLayers)]
+
+
+def _stacked_path(model: nn.Module) -> str:
+    """The path of the model's one StackedLayers."""
+    found = _stacked_paths(model)
+    if len(found) != 1:
+        raise ValueError(f"unstack_layers: {type(model).__name__} holds {len(found)} "
+                         f"StackedLayers ({found}); pass path='...' naming the one meant.")
+    return found[0]
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module:

@@ -23,7 +23,10 @@ arguments; bound methods by their function and the settings of their `self`;
 the layer's own submodules, parameters and buffers by their place in the
 layer. What cannot be compared by value (a tensor or module held outside the
 layer's registries, an object without attributes) must be the very same
-object in every layer. A layer that differs is refused with an error naming it
+object in every layer. A setting that differs only in strings naming its own
+module in the model ('model.layers.3.self_attn.q_proj' in layer 3: peft keeps
+one per adapted module) is a per-layer attribute (below): it tells the
+modules apart rather than configuring them. A layer that differs is refused with an error naming it
 and the attribute, since the stack would otherwise silently compute something
 else than the loop.
 

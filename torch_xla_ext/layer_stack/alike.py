@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from torch_xla_ext.layer_stack.forms import (
-    Composite, FormBuilder, LayerReference, by_identity, describe, first_difference)
+    Composite, Constant, FormBuilder, LayerReference, by_identity, describe, differences)
 
 # Keys that every nn.Module puts in its __dict__ for its own bookkeeping (hooks,
 # registries); `training` is not among them because it changes the computation.
@@ -129,9 +129,23 @@ def _setting_difference(index: int, name: str, where: tuple, reference, other,
         f"computation does not read it.")
 
 
+def _names_its_module(index: int, owner_path: str, reference, other) -> bool:
+    """Whether two strings are the dotted names in the model of submodule
+    `owner_path` of layer 0 and of layer `index` ('model.layers.0.self_attn.q_proj'
+    and 'model.layers.3.self_attn.q_proj': peft keeps one in each adapted module),
+    which tell the modules apart rather than configure them."""
+    if not (isinstance(reference, Constant) and isinstance(other, Constant)
+            and reference.kind is other.kind is str):
+        return False
+    in_layer_0, in_layer = (f"{layer}.{owner_path}".rstrip(".") for layer in (0, index))
+    prefix = reference.value[:-len(in_layer_0)]
+    return reference.value.endswith("." + in_layer_0) and other.value == prefix + in_layer
+
+
 def _check_same_layout(index: int, reference: LayerLayout, other: LayerLayout,
-                       per_layer_attributes: frozenset[str]) -> None:
-    """Raises TypeError/ValueError naming the first thing layer `index` does differently."""
+                       per_layer_attributes: frozenset[str]) -> set[str]:
+    """Raises TypeError/ValueError naming the first thing layer `index` does
+    differently; returns the settings that differ only in naming their module."""
     message = _key_difference(index, "submodules", reference.modules, other.modules)
     if message:
         raise ValueError(message)
@@ -153,32 +167,40 @@ def _check_same_layout(index: int, reference: LayerLayout, other: LayerLayout,
     message = _key_difference(index, "settings", reference.settings, other.settings)
     if message:
         raise ValueError(message)
+    naming = set()
     for name, form in reference.settings.items():
-        if name.rpartition(".")[2] in per_layer_attributes:
+        owner_path, _, attribute = name.rpartition(".")
+        if attribute in per_layer_attributes:
             continue
-        difference = first_difference(form, other.settings[name])
-        if difference is not None:
-            raise ValueError(_setting_difference(index, name, *difference,
-                                                 per_layer_attributes))
+        for difference in differences(form, other.settings[name]):
+            if not _names_its_module(index, owner_path, *difference[1:]):
+                raise ValueError(_setting_difference(index, name, *difference,
+                                                     per_layer_attributes))
+            naming.add(name)
+    return naming
 
 
 def check_identical_layers(layers: list, per_layer_attributes: frozenset[str]
                            ) -> tuple[LayerLayout, dict[str, tuple]]:
     """Layer 0's layout, after checking that every layer shares it, and the
-    per-layer attributes that differ: 'path.attribute' -> each layer's value."""
+    settings kept per layer: 'path.attribute' -> each layer's value, for the
+    per-layer attributes that differ and for the settings that differ only in
+    naming their module (which are per-layer attributes too: a trace that
+    reads one runs layer by layer)."""
     for index, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
             raise TypeError(f"Layer {index} is a {type(layer).__name__}, not an nn.Module; "
                             f"pass a list or nn.ModuleList of layers.")
     layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
     reference = layouts[0]
+    naming = set()
     for index, other in enumerate(layouts[1:], start=1):
-        _check_same_layout(index, reference, other, per_layer_attributes)
+        naming |= _check_same_layout(index, reference, other, per_layer_attributes)
     per_layer_values = {
         name: tuple(each.values[name] for each in layouts)
         for name, form in reference.settings.items()
-        if name.rpartition(".")[2] in per_layer_attributes
-        and any(each.settings[name] != form for each in layouts)
+        if name in naming or (name.rpartition(".")[2] in per_layer_attributes
+                              and any(each.settings[name] != form for each in layouts))
     }
     return reference, per_layer_values
 

@@ -177,17 +177,16 @@ class FormBuilder:
         return Composite(key, parts, shown)
 
 
-def first_difference(reference, other) -> tuple[tuple, Any, Any] | None:
-    """(where, reference's form there, other's form there) for the innermost part
-    where two forms differ, or None if they are equal."""
+def differences(reference, other):
+    """(where, reference's form there, other's form there) for each innermost part
+    where two forms differ, in order; nothing if they are equal."""
     if reference == other:
-        return None
+        return
     if (isinstance(reference, Composite) and isinstance(other, Composite)
             and reference.kind == other.kind
             and [label for label, _ in reference.parts] == [label for label, _ in other.parts]):
         for (part_label, reference_part), (_, other_part) in zip(reference.parts, other.parts):
-            found = first_difference(reference_part, other_part)
-            if found is not None:
-                where, reference_form, other_form = found
-                return (part_label, *where), reference_form, other_form
-    return (), reference, other
+            for where, reference_form, other_form in differences(reference_part, other_part):
+                yield (part_label, *where), reference_form, other_form
+        return
+    yield (), reference, other

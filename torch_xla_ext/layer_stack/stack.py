@@ -22,6 +22,13 @@ from torch_xla_ext.scan import Lowered
 class _StackedTensors(nn.Module):
     """Holds the stacked tensors of one submodule path of the layers."""
 
+    def extra_repr(self) -> str:
+        # What a library that finds this module by name (peft's get_peft_model,
+        # which then refuses it) shows of it: say what it is and what to do.
+        return ("every layer's tensors, stacked by torch_xla_ext's stack_layers or LayerStack; "
+                "adapt the layers first (peft: get_peft_model(model, config)), then stack them "
+                "(stack_layers(model))")
+
 
 def _meta_copy(layer: nn.Module, shared: Iterable) -> nn.Module:
     """A deep copy of `layer` whose parameters and buffers are meta tensors (no
@@ -163,6 +170,16 @@ class LayerStack(nn.Module):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(len(self))[index]]
+        return self._layer(index, copied=False)
+
+    def unstacked(self) -> list[nn.Module]:
+        """The layers as modules of their own: each with parameters and
+        buffers copied from its slices (parameters keep `requires_grad`), as
+        the layers were before stacking."""
+        return [self._layer(index, copied=True) for index in range(len(self))]
+
+    def _layer(self, index, copied: bool) -> nn.Module:
+        """Layer `index`, holding views of its slices, or copies of them."""
         index = operator.index(index)
         if not -len(self) <= index < len(self):
             raise IndexError(f"Layer index {index} is out of range for a LayerStack of "
@@ -171,8 +188,11 @@ class LayerStack(nn.Module):
         for name, tensor in self._stacked_tensors().items():
             owner_path, _, local_name = name.rpartition(".")
             owner = layer.get_submodule(owner_path)
-            registry = owner._parameters if local_name in owner._parameters else owner._buffers
-            registry[local_name] = tensor[index]
+            is_parameter = local_name in owner._parameters
+            piece = tensor[index].detach().clone() if copied else tensor[index]
+            if copied and is_parameter:
+                piece = nn.Parameter(piece, requires_grad=tensor.requires_grad)
+            (owner._parameters if is_parameter else owner._buffers)[local_name] = piece
         for path, values in self.per_layer_values.items():
             owner_path, _, name = path.rpartition(".")
             setattr(layer.get_submodule(owner_path), name, values[index])

@@ -1,0 +1,142 @@
+"""stack_layers on peft's LoRA models (get_peft_model first, then stack_layers),
+against the same peft model unconverted."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch_xla
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+
+from test_hf import batch, close, device, make_model, per_layer_grads  # noqa: F401 (fixture)
+from torch_xla_ext.hf import StackedLayers, stack_layers
+from torch_xla_ext.layer_stack import LayerByLayerWarning
+
+LAYERS = 2
+Q_AND_V = dict(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def peft_model(seed=0, **config):
+    """A LoRA model of a small Llama whose adapters all compute something
+    (peft starts lora_B at zero)."""
+    model = get_peft_model(make_model(layers=LAYERS), LoraConfig(**config))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    return model
+
+
+def peft_pair(**config):
+    reference = peft_model(**config)
+    return reference, stack_layers(copy.deepcopy(reference))
+
+
+def stacked(model) -> StackedLayers:
+    return model.base_model.model.model.layers
+
+
+@pytest.mark.parametrize("config", [
+    Q_AND_V,
+    dict(r=4, target_modules="all-linear", modules_to_save=["lm_head"], lora_dropout=0.0),
+], ids=["q-and-v", "all-linear-and-lm_head"])
+def test_training_is_one_scan_with_the_unconverted_losses_and_adapter_gradients(device, config):
+    reference, model = peft_pair(**config)
+    assert type(stacked(model)) is StackedLayers
+    assert not stacked(model).stacked.self_attn.q_proj.base_layer.weight.requires_grad
+    assert stacked(model)[1].self_attn.q_proj.kwargs["target_name"] == (
+        "model.layers.1.self_attn.q_proj")
+    ids, mask = batch(device)
+    results = []
+    for which in (reference, model):
+        which.to(device).train()
+        optimizer = torch.optim.AdamW([p for p in which.parameters() if p.requires_grad], lr=1e-2)
+        steps = []
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", LayerByLayerWarning)
+                loss = which(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            if step == 0:
+                hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
+                assert ("while" in hlo) == (which is model)
+            steps.append((loss.detach(), {name: grad.detach().clone()
+                                          for name, grad in per_layer_grads(which).items()}))
+            optimizer.step()
+            torch_xla.sync()
+        results.append(steps)
+    for (reference_loss, reference_grads), (loss, grads) in zip(*results):
+        close(loss, reference_loss)
+        assert grads.keys() == reference_grads.keys()
+        assert all("lora_" in name or "modules_to_save" in name for name in grads)
+        for name, grad in reference_grads.items():
+            close(grads[name], grad, atol=1e-5)
+
+
+def test_lora_dropout_draws_a_mask_per_layer_inside_the_scan(device):
+    model = stack_layers(peft_model(r=4, target_modules=["v_proj"], lora_dropout=0.5))
+    model.to(device).train()
+    ids, _ = batch(device)
+    # One token (whose attention output is its value): lora_A's gradient is
+    # zero exactly in the input features its layer's dropout mask dropped.
+    logits = model(input_ids=ids[:1, :1]).logits
+    logits.square().mean().backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([logits])
+    grad = stacked(model).stacked.self_attn.v_proj.lora_A.default.weight.grad.cpu()
+    assert "while" in hlo and torch.isfinite(grad).all()
+    kept = grad.abs().sum(dim=1) != 0  # [layers, input features]
+    assert all(0.2 < fraction < 0.8 for fraction in kept.float().mean(dim=1).tolist())
+    assert not torch.equal(kept[0], kept[1])
+
+
+def test_save_pretrained_and_merge_and_unload_give_the_unconverted_results(device, tmp_path):
+    reference, model = peft_pair(**Q_AND_V)
+    reference.save_pretrained(tmp_path / "reference")
+    model.save_pretrained(tmp_path / "converted")
+    expected = load_file(tmp_path / "reference" / "adapter_model.safetensors")
+    saved = load_file(tmp_path / "converted" / "adapter_model.safetensors")
+    assert list(saved) == list(expected) and len(saved) == 4 * LAYERS
+    for key, value in expected.items():
+        assert torch.equal(saved[key], value), key
+    assert type(stacked(model)) is StackedLayers  # the stack is back after saving
+    loaded = PeftModel.from_pretrained(make_model(layers=LAYERS), tmp_path / "converted")
+    for key, value in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+    ids, mask = batch(device)
+    logits = []
+    for which in (reference, model):
+        merged = which.merge_and_unload().to(device).eval()
+        with torch.no_grad():
+            logits.append(merged(input_ids=ids, attention_mask=mask).logits)
+        torch_xla.sync()
+    merged_layers = merged.model.layers
+    assert type(merged_layers) is StackedLayers
+    assert type(merged_layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert not any("lora" in name for name in merged.state_dict())
+    close(logits[1], logits[0], atol=1e-5)
+
+
+def test_layers_whose_lora_settings_differ_are_refused():
+    with pytest.raises(ValueError, match=r"[Ll]ayer 1 parameter "
+                                         r"'self_attn\.q_proj\.lora_A\.default\.weight' has "
+                                         r"shape \(8, 32\)"):
+        stack_layers(peft_model(**Q_AND_V, rank_pattern={"layers.1.self_attn.q_proj": 8}))
+    with pytest.raises(ValueError, match=r"[Ll]ayer 1 setting 'self_attn\.q_proj\.lora_alpha' "
+                                         r"differs from layer 0's in its key 'default': 32"):
+        stack_layers(peft_model(**Q_AND_V, alpha_pattern={"layers.1.self_attn.q_proj": 32}))
+    model = peft_model(**{**Q_AND_V, "lora_dropout": 0.1})
+    model.base_model.model.model.layers[1].self_attn.v_proj.lora_dropout.default.p = 0.2
+    with pytest.raises(ValueError, match=r"[Ll]ayer 1 setting "
+                                         r"'self_attn\.v_proj\.lora_dropout\.default\.p' is 0\.2"):
+        stack_layers(model)
+
+
+def test_get_peft_model_after_stack_layers_says_to_apply_it_first():
+    with pytest.raises(ValueError, match=r"stacked by torch_xla_ext's stack_layers .*adapt the "
+                                         r"layers first \(peft: get_peft_model\(model, config\)\), "
+                                         r"then stack them"):
+        get_peft_model(stack_layers(make_model(layers=LAYERS)), LoraConfig(**Q_AND_V))
