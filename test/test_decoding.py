@@ -20,7 +20,7 @@ FAMILIES = {
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
 
 
-def make_model(family="llama", converted=True):
+def make_model(family="llama", converted=True, device=None):
     config_class, model_class = FAMILIES[family]
     torch.manual_seed(0)
     model = model_class(config_class(
@@ -28,7 +28,7 @@ def make_model(family="llama", converted=True):
         num_attention_heads=4, num_key_value_heads=2, use_cache=True, eos_token_id=None))
     if converted:
         model = tx.stack_layers(model)
-    return model.to(torch_xla.device()).eval()
+    return model.to(device or torch_xla.device()).eval()
 
 
 def prompts(padding=(0, 2)):
@@ -73,6 +73,18 @@ def test_the_tokens_of_transformers_generate_with_a_static_cache(family, options
     assert our_tokens(model, ids, mask, 4, **options) == expected
     # Unconverted, generate() runs the same steps, unrolled.
     assert our_tokens(reference, ids, mask, 4, **options) == expected
+
+
+def test_64_new_tokens_are_those_of_transformers_generate():
+    # transformers' generate() on the XLA device compiles a graph per token, so
+    # the unconverted model runs it on the CPU, eagerly (float32 both ways).
+    ids, mask = prompts()
+    with torch.no_grad():
+        expected = make_model(converted=False, device="cpu").generate(
+            ids.cpu(), attention_mask=mask.cpu(), max_new_tokens=64, pad_token_id=0,
+            do_sample=False, cache_implementation="static").tolist()
+    assert all(len(set(row[PROMPT:])) > 10 for row in expected)  # not one token repeated
+    assert our_tokens(make_model(), ids, mask, 64) == expected
 
 
 def test_one_decoding_graph_serves_any_number_of_new_tokens():
