@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark a training step of transformers' LlamaForCausalLM four ways.
+"""Benchmark a training step of transformers causal LMs (LlamaForCausalLM by
+default; --family llama,qwen3,gemma2,gpt2; --lora) four ways.
 
 * loop:            the model as transformers builds it (its forward's for loop
                    over the decoder layers),
@@ -11,7 +12,14 @@
 * torch-xla-scan:  the layers run by torch_xla's `scan_layers`, through a small
                    wrapper module put in place of `model.model.layers` that
                    broadcasts the extra arguments (rotary embeddings, mask) to
-                   every layer through the carry, as users do today.
+                   every layer through the carry, as users do today
+                   (Llama's layer call, without --lora; skipped otherwise).
+
+--family runs each family in turn, at the same sizes (hidden, heads,
+intermediate, vocab; GPT-2 has as many key/value heads as heads), dropout off.
+--lora trains LoRA adapters (peft, r=8, on the attention's query and value
+projections; GPT-2's fused c_attn) in every mode: get_peft_model first, then
+stack_layers; only the adapters are trained.
 
 Each (mode, L) runs in a fresh process (scripts/harness.py, within --timeout
 seconds) on the device PJRT_DEVICE names, CPU if it is not set: build the model
@@ -33,6 +41,7 @@ summary prints the ratios the issue asks for at L=32 and between L=64 and L=8.
 
   python scripts/bench_hf.py              # L = 8, 32, 64
   python scripts/bench_hf.py --quick      # L = 2, 4: a quick check
+  python scripts/bench_hf.py --family llama,qwen3,gemma2,gpt2 --lora
 """
 from __future__ import annotations
 
@@ -42,11 +51,40 @@ import statistics
 import harness  # first: it sets the default device before torch_xla is imported
 
 MODES = ("loop", "stack_layers", "stack_layers+cache", "torch-xla-scan")
+FAMILIES = ("llama", "qwen3", "gemma2", "gpt2")
+# What LoRA adapts in each family: the attention's query and value projections.
+LORA_TARGETS = {"gpt2": ["c_attn"]}
+DEFAULT_LORA_TARGETS = ["q_proj", "v_proj"]
 WARMUP_STEPS = 2
 # Seconds one (mode, L) may take: the for loop at L=64 compiles for minutes.
 DEFAULT_TIMEOUT = 1800
 # The options a worker is given as the parent has them.
 WORKLOAD_OPTIONS = ("steps", *harness.LLAMA_SIZE_OPTIONS, "seq", "batch")
+
+
+def runs_torch_xla_scan(family: str, lora: bool) -> bool:
+    """The torch_xla scan_layers wrapper knows Llama's layer call only."""
+    return family == "llama" and not lora
+
+
+def model_config(args, use_cache: bool):
+    """The config of `args.family` with `args.layers` layers at the sizes of `args`."""
+    import transformers
+
+    if args.family == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+            n_inner=args.intermediate, n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, use_cache=use_cache)
+    if args.family == "llama":
+        return harness.llama_config(args, use_cache=use_cache)
+    config_class = {"qwen3": transformers.Qwen3Config,
+                    "gemma2": transformers.Gemma2Config}[args.family]
+    return config_class(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        use_cache=use_cache)
 
 
 def make_model(args):
@@ -56,9 +94,15 @@ def make_model(args):
 
     from torch_xla_ext import stack_layers
 
-    config = harness.llama_config(args, use_cache=args.mode == "stack_layers+cache")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.AutoModelForCausalLM.from_config(
+        model_config(args, use_cache=args.mode == "stack_layers+cache"))
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=8, lora_dropout=0.0,
+            target_modules=LORA_TARGETS.get(args.family, DEFAULT_LORA_TARGETS)))
     if args.mode.startswith("stack_layers"):
         stack_layers(model)
     elif args.mode == "torch-xla-scan":
@@ -115,7 +159,7 @@ def run_worker(args) -> dict:
     model = make_model(args).to(device).train()
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     torch_xla.sync()
     xm.wait_device_ops()
     met.clear_all()
@@ -197,6 +241,10 @@ def main(argv: list[str] | None = None) -> None:
     harness.add_llama_size_options(parser)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--family", default="llama",
+                        help=f"comma-separated families among {', '.join(FAMILIES)}")
+    parser.add_argument("--lora", action="store_true",
+                        help="train LoRA adapters (peft) instead of every weight")
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
     args = parser.parse_args(argv)
 
@@ -206,18 +254,33 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     layer_counts, modes = harness.chosen_runs(parser, args, MODES, WARMUP_STEPS)
+    families = args.family.split(",")
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
 
-    print(f"PJRT {harness.device_name()}, {harness.llama_description(args)}, seq {args.seq}, "
-          f"batch {args.batch}, SGD, {args.steps} steps (first {WARMUP_STEPS} not steady)",
-          flush=True)
-    outcomes = harness.measure_modes_and_depths(
-        os.path.abspath(__file__), modes, layer_counts,
-        harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout)
-    print()
-    harness.print_layer_table(outcomes)
-    print_ratios({key: outcome.figures for key, outcome in outcomes.items() if outcome.ok},
-                 layer_counts, args.steps)
-    harness.exit_if_runs_failed(parser.prog, outcomes)
+    training = "LoRA r=8" if args.lora else "every weight"
+    print(f"PJRT {harness.device_name()}, hidden {args.hidden}, {args.heads} heads, "
+          f"{args.kv_heads} key/value heads, intermediate {args.intermediate}, vocab "
+          f"{args.vocab}, seq {args.seq}, batch {args.batch}, SGD on {training}, {args.steps} "
+          f"steps (first {WARMUP_STEPS} not steady)", flush=True)
+    all_outcomes = {}
+    for family in families:
+        family_modes = [mode for mode in modes
+                        if mode != "torch-xla-scan" or runs_torch_xla_scan(family, args.lora)]
+        print(f"\n{family}{' with LoRA' if args.lora else ''}: modes {', '.join(family_modes)}",
+              flush=True)
+        outcomes = harness.measure_modes_and_depths(
+            os.path.abspath(__file__), family_modes, layer_counts,
+            [*harness.passed_on(args, WORKLOAD_OPTIONS), "--family", family,
+             *(["--lora"] if args.lora else [])], args.timeout)
+        print()
+        harness.print_layer_table(outcomes)
+        print_ratios({key: outcome.figures for key, outcome in outcomes.items() if outcome.ok},
+                     layer_counts, args.steps)
+        all_outcomes.update({(f"{family} {mode}", layers): outcome
+                             for (mode, layers), outcome in outcomes.items()})
+    harness.exit_if_runs_failed(parser.prog, all_outcomes)
 
 
 if __name__ == "__main__":

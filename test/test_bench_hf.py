@@ -28,6 +28,15 @@ def test_every_mode_trains_the_same_steps(scenario_server):
     assert figures["stack_layers+cache"]["compiles"] == figures["loop"]["compiles"] - 1
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gpt2"])
+def test_lora_on_other_families_trains_the_same_steps_converted(scenario_server, family):
+    figures = {mode: worker_figures(scenario_server, "bench_hf.py", "--mode", mode, "--layers",
+                                    "2", "--family", family, "--lora", *TINY)
+               for mode in ("loop", "stack_layers")}
+    assert abs(figures["stack_layers"]["last_loss"] - figures["loop"]["last_loss"]) < 1e-4
+    assert figures["stack_layers"]["step_compiles"] == 1, figures
+
+
 def test_the_table_and_ratios_are_printed(forked_workers, capsys):
     bench_hf.main(["--layers", "2", "--modes", "stack_layers", *TINY])
     printed = capsys.readouterr().out
@@ -38,7 +47,11 @@ def test_the_table_and_ratios_are_printed(forked_workers, capsys):
     assert "step graph compilations in 3 steps, stack_layers L=2" in printed
 
 
-def test_unknown_modes_are_refused(capsys):
+@pytest.mark.parametrize("arguments, message", [
+    (["--modes", "loop,bogus"], "unknown modes ['bogus']"),
+    (["--family", "llama,bert"], "unknown families ['bert']"),
+])
+def test_unknown_modes_and_families_are_refused(arguments, message, capsys):
     with pytest.raises(SystemExit) as exited:
-        bench_hf.main(["--modes", "loop,bogus"])
-    assert exited.value.code == 2 and "unknown modes ['bogus']" in capsys.readouterr().err
+        bench_hf.main(arguments)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
