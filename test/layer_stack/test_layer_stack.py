@@ -349,6 +349,20 @@ def test_other_differing_attributes_name_per_layer_attributes():
     assert [layer.self_attn.block_id for layer in stack] == [0, 1]
 
 
+def test_a_setting_that_only_names_its_module_is_kept_per_layer():
+    # peft keeps each adapted module's name in the module (kwargs["target_name"]).
+    def named(index, path):
+        return with_attribute(DecoderBlock(HIDDEN, HEADS), "self_attn.kwargs",
+                              {"target_name": f"model.blocks.{index}.{path}", "rank": 4})
+    stack = LayerStack([named(index, "self_attn") for index in range(3)])
+    assert [layer.self_attn.kwargs["target_name"] for layer in stack] == [
+        "model.blocks.0.self_attn", "model.blocks.1.self_attn", "model.blocks.2.self_attn"]
+    # A name of another module is a setting like any other.
+    with pytest.raises(ValueError, match=r"Layer 1 setting 'self_attn.kwargs' differs from "
+                       r"layer 0's in its key 'target_name'"):
+        LayerStack([named(0, "self_attn"), named(1, "mlp")])
+
+
 def test_ignored_attributes_is_deprecated_in_favour_of_per_layer_attributes():
     layers = [with_attribute(DecoderBlock(HIDDEN, HEADS), "self_attn.block_id", i)
               for i in range(2)]
