@@ -267,8 +267,10 @@ class StackedLayerKinds(GroupedLayers):
         _refuse_per_layer_outputs(self, kwargs)
         if any(_is_cache(value) for value in (*args, *kwargs.values())):
             return ("a key/value cache is passed (past_key_values), and the layers of a model "
-                    "whose config.layer_types mixes kinds run one scan per pattern of kinds "
-                    "only without one")
+                    "whose config.layer_types mixes kinds run as scans only without one; to "
+                    "train as scans, call the model with use_cache=False (or set "
+                    "model.config.use_cache = False: most configs default to True, which makes "
+                    "an empty cache even in training)")
         return None
 
 

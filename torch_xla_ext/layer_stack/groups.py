@@ -27,7 +27,6 @@ import operator
 import re
 from typing import Callable, Hashable, Iterable, Sequence
 
-import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten_with_path
 
@@ -35,7 +34,7 @@ from torch_xla_ext.layer_stack import running
 from torch_xla_ext.layer_stack.stack import LayerStack
 from torch_xla_ext.object_graph import VALUE_TYPES
 
-__all__ = ["GroupedLayers", "LayerGroup", "Segment", "plan_segments"]
+__all__ = ["GroupedLayers", "LayerGroup", "Segment", "plan_segments", "unconverted_name"]
 
 
 class LayerGroup(nn.Module):
