@@ -11,7 +11,7 @@ import torch_xla
 import transformers
 
 from test_hf import batch, close, compilations, device, per_layer_grads  # noqa: F401 (fixture)
-from torch_xla_ext.hf import StackedLayerKinds, stack_layers
+from torch_xla_ext.hf import StackedLayerKinds, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 from torch_xla_ext.layer_stack.groups import Segment, unconverted_name
 
@@ -84,8 +84,13 @@ def test_training_matches_the_unconverted_model_as_scans(device, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_state_dict_and_layers_look_unconverted(family):
+def test_state_dict_and_layers_look_unconverted(family, tmp_path):
     reference, model = converted_pair(family)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded.model.layers) is torch.nn.ModuleList
+    for key, value in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
     expected, actual = reference.state_dict(), model.state_dict()
     assert list(actual) == list(expected)
     for key, value in expected.items():
@@ -107,6 +112,10 @@ def test_state_dict_and_layers_look_unconverted(family):
     del expected[f"model.layers.{last}.mlp.up_proj.weight"]
     missing = other.load_state_dict(expected, strict=False).missing_keys
     assert missing == [f"model.layers.{last}.mlp.up_proj.weight"]
+    unstack_layers(model)
+    assert type(model.model.layers) is torch.nn.ModuleList
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
 
 
 def test_a_later_group_given_other_arguments_is_refused(device):
