@@ -504,11 +504,13 @@ def test_a_decoding_step_writes_only_the_new_positions_of_the_stacked_cache(run_
 
 
 def test_layers_that_differ_are_refused_and_the_model_is_unchanged():
-    # Qwen2 with a sliding window from layer 2 on.
+    # Qwen2 with a sliding window from layer 2 on (layers 2 and 3 are one scan),
+    # and a setting changed on layer 3.
     qwen = make_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    qwen.model.layers[3].self_attn.scaling = 0.5
     before = {k: v.clone() for k, v in qwen.state_dict().items()}
-    with pytest.raises(ValueError, match=r"layer 2 differs .*layer_types\[2\] is "
-                                         r"'sliding_attention'"):
+    with pytest.raises(ValueError, match=r"layers 2-3 \(2 groups of 1 layer\) run as one scan.*"
+                                         r"Layer 1 setting 'layers\.0\.self_attn\.scaling'"):
         stack_layers(qwen)
     assert type(qwen.model.layers) is nn.ModuleList
     assert all(torch.equal(v, before[k]) for k, v in qwen.state_dict().items())

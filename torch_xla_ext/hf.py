@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 from torch_xla_ext.layer_stack import LayerStack
+from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
 from torch_xla_ext.layer_stack.running import (
     Recording, Unscannable, run_layer_by_layer, run_recording)
 
-__all__ = ["StackedLayers", "stack_layers", "unstack_layers"]
+__all__ = ["StackedLayerKinds", "StackedLayers", "stack_layers", "unstack_layers"]
 
 # Output flags of transformers models that collect something from every layer
 # (`output_hidden_states`, `output_attentions`, ...); a scan has no per-layer outputs.
@@ -179,15 +180,7 @@ class StackedLayers(LayerStack):
         return super().__iter__()
 
     def forward(self, hidden_states, *args, **kwargs):
-        requested = [name for name in self.recorded_outputs
-                     if self._output_requested(f"output_{name}", kwargs)]
-        if requested:
-            flags = ", ".join(f"output_{name}" for name in requested)
-            raise ValueError(
-                f"stack_layers: the call asks for every decoder layer's output ({flags}), "
-                f"but the stacked layers run as one scan, which has none. Call the model without "
-                f"{flags} (and set it to False in model.config), or use a model that "
-                f"stack_layers did not convert for this call.")
+        _refuse_per_layer_outputs(self, kwargs)
         keywords = (None if self._template is None
                     else _with_cache_by_name(self._template, hidden_states, args, kwargs))
         if keywords is None:
@@ -245,9 +238,62 @@ class StackedLayers(LayerStack):
             length.add_(hidden_states.shape[-2])
         return hidden_states
 
-    def _output_requested(self, flag: str, kwargs: dict) -> bool:
-        # As transformers decides: the call's flag, else the config's.
-        return bool(kwargs[flag] if flag in kwargs else getattr(self.model_config, flag, False))
+
+
+class StackedLayerKinds(GroupedLayers):
+    """The decoder layers of a transformers model whose `config.layer_types`
+    mixes kinds (Gemma2's alternating sliding and full attention, Gemma3's
+    pattern, Qwen2's first `max_window_layers`), stacked as a few scans by
+    their pattern of kinds (see `torch_xla_ext.layer_stack.groups`): the
+    model's loop `for i, layer in enumerate(self.layers[: n])` calls each
+    layer with its kind's mask and rotary table, and each segment's layers
+    run as one scan. A call with a key/value cache runs the layers one by
+    one (each reads and updates its own slot), with a LayerByLayerWarning.
+    Calls that ask for each layer's output raise, as StackedLayers'."""
+
+    def __init__(self, layers: Iterable[nn.Module], kinds: list, config,
+                 recorded_outputs: Iterable[str] = _PER_LAYER_OUTPUTS, **options):
+        layers = list(layers)
+        super().__init__(layers, kinds, **options)
+        self.model_config = config
+        self.recorded_outputs = tuple(recorded_outputs)
+        if config is not None:
+            for segment, stack in zip(self.plan, self.segments):
+                _share_config(stack._template,
+                              LayerGroup(layers[segment.start:segment.start + segment.period]),
+                              config)
+
+    def _layer_by_layer_reason(self, hidden, args: tuple, kwargs: dict) -> str | None:
+        _refuse_per_layer_outputs(self, kwargs)
+        if any(_is_cache(value) for value in (*args, *kwargs.values())):
+            return ("a key/value cache is passed (past_key_values), and the layers of a model "
+                    "whose config.layer_types mixes kinds run as scans only without one; to "
+                    "train as scans, call the model with use_cache=False (or set "
+                    "model.config.use_cache = False: most configs default to True, which makes "
+                    "an empty cache even in training)")
+        return None
+
+
+# The stacks that stack_layers makes.
+_STACKS = (StackedLayers, StackedLayerKinds)
+
+
+def _refuse_per_layer_outputs(stack: nn.Module, kwargs: dict) -> None:
+    """Raises if the call asks for every layer's output, which a scan does not have."""
+    requested = [name for name in stack.recorded_outputs
+                 if _output_requested(stack.model_config, f"output_{name}", kwargs)]
+    if requested:
+        flags = ", ".join(f"output_{name}" for name in requested)
+        raise ValueError(
+            f"stack_layers: the call asks for every decoder layer's output ({flags}), "
+            f"but the stacked layers run as one scan, which has none. Call the model without "
+            f"{flags} (and set it to False in model.config), or use a model that "
+            f"stack_layers did not convert for this call.")
+
+
+def _output_requested(config, flag: str, kwargs: dict) -> bool:
+    # As transformers decides: the call's flag, else the config's.
+    return bool(kwargs[flag] if flag in kwargs else getattr(config, flag, False))
 
 
 def _is_cache(value) -> bool:
@@ -384,6 +430,20 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     (`model.layers.stacked.mlp.up_proj.weight`), which can be sharded with
     `mark_sharding` along any dimension but the first.
 
+    Layers of several kinds (`config.layer_types` not all the same: Gemma2's
+    alternating sliding and full attention, Gemma3's pattern, Qwen2's
+    `max_window_layers`) become a `StackedLayerKinds`: the smallest repeating
+    pattern of kinds runs as one scan over groups of one period of layers,
+    and what does not fit whole periods (or a model whose kinds come in
+    blocks) as one scan per run of one kind; a few scans in one step graph.
+    The model's loop gets a callable per layer, so each layer still gets its
+    kind's mask and rotary table; a later group given other arguments than
+    the first group's raises. Its `state_dict()`, `len()` and `layers[i]` are
+    as above; `named_parameters()` names the stacked tensors per segment
+    (`model.layers.segments.0.stacked.layers.1.mlp.up_proj.weight`:
+    position 1 of each group). With a key/value cache these layers run one
+    by one, with a `LayerByLayerWarning`; peft is untested on them.
+
     peft: `stack_layers(get_peft_model(model, config))` trains the LoRA
     adapters as one scan (the base weights stay stacked and frozen);
     `save_pretrained`, `merge_and_unload` and `unload` of the PeftModel work
@@ -393,9 +453,10 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     whole-model operations (`disable_adapter`, `set_adapter`, ...) do not
     reach the stacked layers; `unstack_layers(model)` undoes the conversion.
 
-    Not supported, and refused with an error that says so: layers that are not
-    all alike (a sliding window on some layers only, a setting changed on one
-    layer: the scan runs layer 0's code with each layer's weights), layers
+    Not supported, and refused with an error that says so: layers of one kind
+    that are not alike (a setting changed on one layer: the scan runs the
+    first layer's code with each layer's weights), layers of several kinds
+    under a forward that iterates over them (`for block in self.h`), layers
     with hooks or gradient checkpointing enabled (neither would run inside the
     scan), a forward that neither loops over `self.layers[...]` nor iterates
     over `self.layers` calling each layer on the hidden state alone, and calls with
@@ -419,7 +480,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
     path = _layers_path(model) if path is None else path
     layers = _submodule(model, path)
-    if isinstance(layers, StackedLayers):
+    if isinstance(layers, _STACKS):
         return model  # converted already
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"stack_layers: {path!r} is a {type(layers).__name__}, not the "
@@ -428,14 +489,24 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     owner = model.get_submodule(parent_path)
     iterated_by = _layer_loop(owner, name, path)
     config = getattr(owner, "config", getattr(model, "config", None))
-    _check_layer_types(config, len(layers))
+    kinds = _mixed_layer_types(config, len(layers))
+    if kinds is not None and iterated_by is not None:
+        raise ValueError(
+            f"stack_layers: the layers at {path!r} are of several kinds (config.layer_types: "
+            f"{sorted(set(kinds))}), and {type(owner).__qualname__}.forward iterates over "
+            f"them (`for layer in self.{name}`); stack_layers runs layers of several kinds "
+            f"only under a loop over a slice `self.{name}[: n]`, which hands each layer its "
+            f"kind's arguments. The model is unchanged.")
     for index, layer in enumerate(layers):
         _check_no_hooks_or_checkpointing(layer, f"{path}.{index}")
     try:
-        stack = StackedLayers(layers, config, _recorded_outputs(owner), **options)
+        if kinds is None:
+            stack = StackedLayers(layers, config, _recorded_outputs(owner), **options)
+            stack.iterated_by = iterated_by
+        else:
+            stack = StackedLayerKinds(layers, kinds, config, _recorded_outputs(owner), **options)
     except (TypeError, ValueError) as error:
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
-    stack.iterated_by = iterated_by
     setattr(owner, name, stack)
     from torch_xla_ext import hf_peft  # peft, if the model is a PeftModel
     hf_peft.reach_stacked_adapters(model)
@@ -452,9 +523,10 @@ def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
     modules; `stack_layers(model)` stacks them again."""
     path = _stacked_path(model) if path is None else path
     stack = _submodule(model, path)
-    if not isinstance(stack, StackedLayers):
+    if not isinstance(stack, _STACKS):
         raise TypeError(f"unstack_layers: {path!r} is a {type(stack).__name__}, not the "
-                        f"StackedLayers that stack_layers made; pass the path of that.")
+                        f"StackedLayers or StackedLayerKinds that stack_layers made; pass the "
+                        f"path of that.")
     parent_path, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent_path), name,
             nn.ModuleList(stack.unstacked()).train(stack.training))
@@ -480,7 +552,7 @@ def layers_as_modules(model: nn.Module):
 
 
 def _stacked_paths(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, StackedLayers)]
+    return [name for name, module in model.named_modules() if isinstance(module, _STACKS)]
 
 
 def _stacked_path(model: nn.Module) -> str:
@@ -505,7 +577,7 @@ def _layers_path(model: nn.Module) -> str:
     """The path of the model's one nn.ModuleList of decoder layers."""
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     found = [name for name, module in model.named_modules()
-             if isinstance(module, (nn.ModuleList, StackedLayers)) and len(module)
+             if isinstance(module, (nn.ModuleList, *_STACKS)) and len(module)
              and _one_class_among(module, layer_classes)]
     if len(found) == 1:
         return found[0]
@@ -521,6 +593,8 @@ def _layers_path(model: nn.Module) -> str:
 def _one_class_among(layers: nn.Module, class_names: set) -> bool:
     if isinstance(layers, StackedLayers):
         return type(layers._template).__name__ in class_names
+    if isinstance(layers, StackedLayerKinds):
+        return type(layers.segments[0]._template.layers[0]).__name__ in class_names
     classes = {type(layer) for layer in layers}
     return len(classes) == 1 and next(iter(classes)).__name__ in class_names
 
@@ -586,17 +660,18 @@ def _only_calls_the_layer(statement: ast.stmt, layer: ast.expr) -> bool:
             and isinstance(call.args[0], ast.Name) and call.args[0].id == statement.targets[0].id)
 
 
-def _check_layer_types(config, count: int) -> None:
+def _mixed_layer_types(config, count: int) -> list | None:
     """transformers configs list per-layer kinds (full or sliding attention) in
-    `layer_types`; the forward then passes each layer the mask of its kind."""
+    `layer_types`, and the forward passes each layer the mask of its kind:
+    the kinds when they are not all the same, else None."""
     layer_types = list(getattr(config, "layer_types", None) or ())[:count]
-    for index, layer_type in enumerate(layer_types):
-        if layer_type != layer_types[0]:
-            raise ValueError(
-                f"stack_layers: layer {index} differs from layer 0: config.layer_types[{index}] "
-                f"is {layer_type!r} but config.layer_types[0] is {layer_types[0]!r}. The scan "
-                f"runs one computation for every layer, so stack_layers converts only models "
-                f"whose layers are all alike; the model is unchanged.")
+    if len(set(layer_types)) < 2:
+        return None
+    if len(layer_types) < count:
+        raise ValueError(
+            f"stack_layers: config.layer_types lists {len(layer_types)} kinds for {count} "
+            f"layers; give every layer its kind (or one kind for all). The model is unchanged.")
+    return layer_types
 
 
 def _check_no_hooks_or_checkpointing(layer: nn.Module, path: str) -> None:

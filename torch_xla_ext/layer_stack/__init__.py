@@ -45,7 +45,8 @@ The modules, one job each: `alike` (layer layouts and the check that layers
 are alike, with its messages; `forms` holds the comparable forms it uses),
 `per_layer` (watching per-layer attributes), `running` (running a stack as one
 scan, lowering it, and the layer-by-layer fallback), `stack` (`LayerStack` and
-its state_dict mapping), `layer_list` (`scan_layers`).
+its state_dict mapping), `layer_list` (`scan_layers`), `groups` (layers of
+several kinds: a `LayerStack` per segment of their pattern of kinds).
 """
 from torch_xla_ext.layer_stack.running import LayerByLayerWarning
 from torch_xla_ext.layer_stack.stack import LayerStack

@@ -1,0 +1,139 @@
+"""stack_layers on transformers models whose config.layer_types mixes kinds
+(Gemma2, Gemma3, Qwen2 with a sliding window on its later layers), against
+the same model unconverted."""
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+import torch_xla
+import transformers
+
+from test_hf import batch, close, compilations, device, per_layer_grads  # noqa: F401 (fixture)
+from torch_xla_ext.hf import StackedLayerKinds, stack_layers, unstack_layers
+from torch_xla_ext.layer_stack import LayerByLayerWarning
+from torch_xla_ext.layer_stack.groups import Segment, unconverted_name
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# sliding_window 4 < the batch's 8 tokens, so the two kinds of mask differ.
+COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, sliding_window=4, use_cache=False)
+FAMILIES = {
+    "gemma2": (lambda **config: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        num_hidden_layers=4, **config)), [Segment(0, 2, 2)]),
+    "gemma3": (lambda **config: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        num_hidden_layers=7, layer_types=[SLIDING, SLIDING, FULL] * 2 + [SLIDING], **config)),
+        [Segment(0, 3, 2), Segment(6, 1, 1)]),
+    "qwen2": (lambda **config: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, max_window_layers=2, **config)),
+        [Segment(0, 1, 2), Segment(2, 1, 2)]),
+}
+
+
+def converted_pair(family, **config):
+    """An unconverted model and a converted copy with the same weights."""
+    torch.manual_seed(0)
+    reference = FAMILIES[family][0](**{**COMMON, **config})
+    return reference, stack_layers(copy.deepcopy(reference))
+
+
+def unconverted_grads(model) -> dict:
+    """Every gradient under its parameter's unconverted name."""
+    prefix = "model.layers."
+    return {prefix + unconverted_name(model.model.layers, name[len(prefix):])
+            if name.startswith(prefix) else name: grad
+            for name, grad in per_layer_grads(model).items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_matches_the_unconverted_model_as_scans(device, family):
+    reference, model = converted_pair(family)
+    assert type(model.model.layers) is StackedLayerKinds
+    assert model.model.layers.plan == FAMILIES[family][1]
+    ids, mask = batch(device)
+    results = {}
+    for which in (reference, model):
+        which.to(device).train()
+        optimizer = torch.optim.AdamW(which.parameters(), lr=1e-2)
+        steps = []
+        for step in range(3):
+            if step == 2:
+                compiles_before = compilations()
+            optimizer.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", LayerByLayerWarning)
+                loss = which(ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            if step == 0 and which is model:
+                hlo = torch_xla._XLAC._get_xla_tensors_hlo(
+                    [loss, *(p.grad for p in model.parameters())])
+                # A forward and a backward loop per segment.
+                assert len(re.findall(r"\bwhile\(", hlo)) == 2 * len(model.model.layers.plan)
+            grads = unconverted_grads(which) if which is model else per_layer_grads(which)
+            steps.append((loss.detach(), {k: g.detach().clone() for k, g in grads.items()}))
+            optimizer.step()
+            torch_xla.sync()
+        assert compilations() == compiles_before, "the steady step recompiled"
+        results[which is model] = steps
+    for (loss, grads), (reference_loss, reference_grads) in zip(results[True], results[False]):
+        close(loss, reference_loss)
+        assert grads.keys() == reference_grads.keys()
+        for name, grad in reference_grads.items():
+            close(grads[name], grad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_and_layers_look_unconverted(family, tmp_path):
+    reference, model = converted_pair(family)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded.model.layers) is torch.nn.ModuleList
+    for key, value in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    expected, actual = reference.state_dict(), model.state_dict()
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+    layers, reference_layers = model.model.layers, reference.model.layers
+    assert len(layers) == len(reference_layers)
+    last = len(layers) - 1
+    assert type(layers[last]) is type(reference_layers[last])
+    assert layers[last].self_attn.sliding_window == reference_layers[last].self_attn.sliding_window
+    assert ([name for name, _ in layers[last].named_parameters()]
+            == [name for name, _ in reference_layers[last].named_parameters()])
+    # A checkpoint of the unconverted model loads under its per-layer keys.
+    torch.manual_seed(1)
+    other = stack_layers(FAMILIES[family][0](**COMMON))
+    result = other.load_state_dict(expected)
+    assert not result.missing_keys and not result.unexpected_keys
+    for key, value in expected.items():
+        assert torch.equal(other.state_dict()[key], value), key
+    del expected[f"model.layers.{last}.mlp.up_proj.weight"]
+    missing = other.load_state_dict(expected, strict=False).missing_keys
+    assert missing == [f"model.layers.{last}.mlp.up_proj.weight"]
+    unstack_layers(model)
+    assert type(model.model.layers) is torch.nn.ModuleList
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_a_later_group_given_other_arguments_is_refused(device):
+    reference, model = converted_pair("gemma2")
+    model.to(device).train()
+    ids, mask = batch(device)
+    # Layer 3 is now given the sliding-window mask; layer 1, at its position in
+    # the first group, got the full one, which the scan used for layer 3.
+    model.config.layer_types = [SLIDING, FULL, SLIDING, SLIDING]
+    with pytest.raises(ValueError, match=r"layer 3 .* argument kwargs\['attention_mask'\] "
+                                         r"is not the one layer 1 got"):
+        model(ids, attention_mask=mask)
+
+
+def test_a_cache_runs_layer_by_layer_with_the_unconverted_logits():
+    # On the CPU: one by one, the layers need no XLA loop.
+    reference, model = converted_pair("gemma2", use_cache=True)
+    ids, mask = batch("cpu")
+    expected = reference(ids, attention_mask=mask).logits
+    with pytest.warns(LayerByLayerWarning, match="key/value cache"):
+        close(model(ids, attention_mask=mask).logits, expected)

@@ -1,0 +1,293 @@
+"""Layers of several kinds (full and sliding-window attention, ...) run as a
+few scans, under a loop that calls each layer with its kind's arguments.
+
+The layers' kinds (one hashable per layer) are split into segments of
+consecutive layers: a repeating pattern of kinds (period p, as Gemma2's
+sliding/full alternation) is one segment whose scan runs a `LayerGroup` of p
+consecutive layers per iteration; what follows the last whole period, and
+models whose kinds come in blocks (Qwen2's first `max_window_layers`), are
+segments of one kind each, scanned one layer per iteration. Each segment is
+a `LayerStack`, so group g's position j must be alike to group 0's position
+j, while the positions of a group may differ from each other.
+
+`GroupedLayers` holds the segments and looks like the `nn.ModuleList` of the
+layers it replaced: `len`, `stack[i]` (layer i, holding views of its slices)
+and `state_dict()`/`load_state_dict()` with per-layer names. A loop over all
+of it (`for i, layer in enumerate(stack[:n])`) gets one callable per layer,
+called in order, each with that layer's kind of arguments: the calls of a
+segment's first group record their arguments, the last of them runs the
+segment's scan with them, and the later calls hand the hidden state on,
+after checking that they pass the very arguments the scan used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import re
+from typing import Callable, Hashable, Iterable, Sequence
+
+from torch import nn
+from torch.utils._pytree import tree_flatten_with_path
+
+from torch_xla_ext.layer_stack import running
+from torch_xla_ext.layer_stack.stack import LayerStack
+from torch_xla_ext.object_graph import VALUE_TYPES
+
+__all__ = ["GroupedLayers", "LayerGroup", "Segment", "plan_segments", "unconverted_name"]
+
+
+class LayerGroup(nn.Module):
+    """Consecutive layers run in order, each with its own arguments: the
+    "layer" that a segment's scan runs per iteration."""
+
+    def __init__(self, layers: Iterable[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, hidden, calls: Sequence[tuple[tuple, dict]]):
+        """`calls[j]` is layer j's (args, kwargs) after the hidden state."""
+        for layer, (args, kwargs) in zip(self.layers, calls):
+            hidden = running._next_hidden(layer, hidden, args, kwargs, drop_in=False)
+        return hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Layers start, ..., stop - 1, scanned as `groups` groups of `period` layers."""
+    start: int
+    period: int
+    groups: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.groups
+
+    def __str__(self) -> str:
+        return (f"layers {self.start}-{self.stop - 1} "
+                f"({self.groups} groups of {self.period} layer{'s' * (self.period > 1)})")
+
+
+def plan_segments(kinds: Sequence[Hashable]) -> list[Segment]:
+    """The segments for layers of `kinds`: the whole periods of the smallest
+    period that repeats at least twice, if any, then runs of one kind."""
+    segments = []
+    period = _smallest_period(kinds)
+    if period is not None:
+        segments.append(Segment(0, period, len(kinds) // period))
+    start = segments[0].stop if segments else 0
+    while start < len(kinds):
+        stop = start + 1
+        while stop < len(kinds) and kinds[stop] == kinds[start]:
+            stop += 1
+        segments.append(Segment(start, 1, stop - start))
+        start = stop
+    return segments
+
+
+def _smallest_period(kinds: Sequence[Hashable]) -> int | None:
+    for period in range(1, len(kinds) // 2 + 1):
+        covered = period * (len(kinds) // period)
+        if all(kinds[index] == kinds[index % period] for index in range(covered)):
+            return period
+    return None
+
+
+@dataclasses.dataclass
+class _Recorded:
+    """What the calls of the current segment's first group passed."""
+    hidden: object  # the segment's input, which the recording calls hand on unchanged
+    calls: list = dataclasses.field(default_factory=list)  # per position: (args, kwargs)
+
+
+# 'segments.3.5.layers.1.rest': segment 3, group 5, position 1.
+_GROUPED_NAME = re.compile(r"segments\.(\d+)\.(\d+)\.layers\.(\d+)(\.|$)")
+_LAYER_NAME = re.compile(r"(\d+)(\.|$)")
+
+
+class GroupedLayers(nn.Module):
+    """Layers of several kinds, stacked per segment (see the module docstring).
+
+    Args:
+      layers: the layers, in order.
+      kinds: each layer's kind; consecutive layers of a segment may differ,
+        the layers at the same position of its groups must be alike.
+      options: passed to each segment's `LayerStack`.
+    """
+
+    def __init__(self, layers: Iterable[nn.Module], kinds: Sequence[Hashable], **options):
+        super().__init__()
+        layers = list(layers)
+        if len(kinds) != len(layers):
+            raise ValueError(f"GroupedLayers: {len(kinds)} kinds given for {len(layers)} "
+                             f"layers; pass one kind per layer.")
+        self.plan = plan_segments(list(kinds))
+        self.segments = nn.ModuleList()
+        for segment in self.plan:
+            groups = [LayerGroup(layers[first:first + segment.period])
+                      for first in range(segment.start, segment.stop, segment.period)]
+            try:
+                self.segments.append(LayerStack(groups, **options))
+            except (TypeError, ValueError) as error:
+                raise type(error)(
+                    f"{segment} run as one scan, so the layers at the same position of each "
+                    f"group must be alike (in the message, 'Layer g' is group g and "
+                    f"'layers.j' its position j): {error}") from error
+        self._recorded: _Recorded | None = None
+        self.register_state_dict_post_hook(_state_dict_per_layer)
+        self.register_load_state_dict_post_hook(_missing_and_unexpected_per_layer)
+
+    def __len__(self) -> int:
+        return self.plan[-1].stop if self.plan else 0
+
+    def _place(self, index: int) -> tuple[int, int, int]:
+        """(segment, group, position) of layer `index`."""
+        for number, segment in enumerate(self.plan):
+            if index < segment.stop:
+                group, position = divmod(index - segment.start, segment.period)
+                return number, group, position
+        raise IndexError(f"Layer index {index} is out of range for {len(self)} layers.")
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            indices = range(len(self))[index]
+            if indices == range(len(self)):
+                return [functools.partial(self._called, each) for each in indices]
+            return [self[each] for each in indices]
+        index = operator.index(index)
+        number, group, position = self._place(index + len(self) if index < 0 else index)
+        return self.segments[number][group].layers[position]
+
+    def __iter__(self):
+        return (self[index] for index in range(len(self)))
+
+    def unstacked(self) -> list[nn.Module]:
+        """The layers as modules of their own, their tensors copied (LayerStack.unstacked)."""
+        return [layer for stack in self.segments for group in stack.unstacked()
+                for layer in group.layers]
+
+    def _layer_by_layer_reason(self, hidden, args: tuple, kwargs: dict) -> str | None:
+        """Why the layers must run one by one with these arguments (a
+        subclass's arguments that a scan cannot stand for), or None."""
+        return None
+
+    def _called(self, index: int, hidden, *args, **kwargs):
+        """Layer `index` of the loop over all layers, called in order."""
+        try:
+            return self._call(index, hidden, args, kwargs)
+        finally:
+            if index == len(self) - 1:
+                self._recorded = None  # holds the call's tensors
+
+    def _call(self, index: int, hidden, args: tuple, kwargs: dict):
+        number, group, position = self._place(index)
+        segment, stack = self.plan[number], self.segments[number]
+        if group > 0:
+            self._check_same_arguments(index, segment, position, args, kwargs)
+            return hidden  # the segment's scan ran this layer
+        if position == 0:
+            self._recorded = _Recorded(hidden)
+        elif self._recorded is None or hidden is not self._recorded.hidden:
+            raise RuntimeError(
+                f"GroupedLayers: layer {index} got another hidden state than layer "
+                f"{index - position}, whose call only recorded its arguments: the layers of "
+                f"{segment} run as one scan when layer {segment.start + segment.period - 1} "
+                f"is called, so call them in order, each on what the previous one returned, "
+                f"with nothing between them.")
+        self._recorded.calls.append((args, kwargs))
+        if position < segment.period - 1:
+            return hidden
+        calls = tuple(self._recorded.calls)
+        reason = self._layer_by_layer_reason(hidden, args, kwargs)
+        if reason is not None:
+            return running.run_layer_by_layer(stack.__getitem__, segment.groups, hidden, (),
+                                              {"calls": calls}, drop_in=False, reason=reason)
+        return stack(hidden, calls=calls)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        # Per-layer keys as the segments' per-group ones, which they then load.
+        # Keys of layers beyond len(self) stay, reported as unexpected.
+        for key in [key for key in state_dict if key.startswith(prefix)]:
+            match = _LAYER_NAME.match(key[len(prefix):])
+            if match and int(match.group(1)) < len(self):
+                state_dict[prefix + _grouped_name(self, key[len(prefix):])] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
+    def _check_same_arguments(self, index: int, segment: Segment, position: int,
+                              args: tuple, kwargs: dict) -> None:
+        first = segment.start + position
+        recorded = self._recorded.calls[position] if self._recorded else None
+        differing = (None if recorded is None
+                     else _differing_argument(recorded, (args, kwargs)))
+        if recorded is None or differing is not None:
+            what = ("its first group was not called first" if recorded is None
+                    else f"its argument {differing} is not the one layer {first} got")
+            raise ValueError(
+                f"GroupedLayers: layer {index} is called with other arguments than layer "
+                f"{first}: {what}. The layers of {segment} run as one scan with the first "
+                f"group's arguments, so layer {index} would silently get layer {first}'s. "
+                f"Pass each layer at the same position of the pattern the same argument "
+                f"objects (per kind of layer), or run this model unconverted.")
+
+
+def _differing_argument(first: tuple, other: tuple) -> str | None:
+    """The first argument of `other` ('kwargs['attention_mask']') that is not
+    `first`'s: the same object, or an equal plain constant of the same type."""
+    first_leaves, other_leaves = (tree_flatten_with_path(each)[0] for each in (first, other))
+    first_paths = [path for path, _ in first_leaves]
+    for path, leaf in other_leaves:
+        if path not in first_paths:
+            return running._argument_path(path)
+        reference = first_leaves[first_paths.index(path)][1]
+        same = leaf is reference or (isinstance(leaf, VALUE_TYPES) and type(leaf) is type(reference)
+                                     and leaf == reference)
+        if not same:
+            return running._argument_path(path)
+    missing = [path for path in first_paths if path not in {path for path, _ in other_leaves}]
+    return running._argument_path(missing[0]) if missing else None
+
+
+def _renamed(name: str, pattern: re.Pattern, rename: Callable) -> str:
+    match = pattern.match(name)
+    return name if match is None else rename(match) + match.group(match.lastindex) + name[match.end():]
+
+
+def unconverted_name(stack: GroupedLayers, name: str) -> str:
+    """'segments.1.2.layers.0.mlp.up_proj.weight' (of a per-group state_dict
+    key, relative to the stack) as the layer's own name '4.mlp.up_proj.weight'."""
+    def layer_index(match):
+        segment = stack.plan[int(match.group(1))]
+        return str(segment.start + int(match.group(2)) * segment.period + int(match.group(3)))
+    return _renamed(name, _GROUPED_NAME, layer_index)
+
+
+def _grouped_name(stack: GroupedLayers, name: str) -> str:
+    """The inverse of `unconverted_name`."""
+    def placed(match):
+        number, group, position = stack._place(int(match.group(1)))
+        return f"segments.{number}.{group}.layers.{position}"
+    return _renamed(name, _LAYER_NAME, placed)
+
+
+def _state_dict_per_layer(stack: GroupedLayers, state_dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook: the segments' per-group keys as per-layer ones."""
+    def renamed(key):
+        return prefix + unconverted_name(stack, key[len(prefix):])
+    for key in [key for key in state_dict if key.startswith(prefix + "segments.")]:
+        state_dict[renamed(key)] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [key for key in metadata if key.startswith(prefix + "segments")]:
+            entry = metadata.pop(key)
+            if _GROUPED_NAME.match(key[len(prefix):]):
+                metadata[renamed(key)] = entry
+
+
+def _missing_and_unexpected_per_layer(stack: GroupedLayers, incompatible_keys) -> None:
+    """load_state_dict post-hook: reports keys by their per-layer names."""
+    for keys in incompatible_keys:
+        keys[:] = [re.sub(r"(^|\.)(segments\.\d+\.\d+\.layers\.\d+(?:\.|$))",
+                          lambda match: match.group(1) + unconverted_name(stack, match.group(2)),
+                          key) for key in keys]
