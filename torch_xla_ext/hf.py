@@ -22,7 +22,6 @@ import inspect
 import re
 import sys
 import textwrap
-import weakref
 from typing import Iterable
 
 import torch
@@ -129,10 +128,30 @@ def _written_in_place(parameter: str) -> Recording:
                      lambda given: ())
 
 
-# Per StaticCache that a stack wrote, its stacked key and value buffers
-# [layers, batch, heads, max_len, head_dim] and the per-layer views of them
-# that its layers hold.
-_STACKED_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _stacked_slice(buffer: str) -> property:
+    """A cache layer's `keys` or `values` as its slice of the stacked buffer,
+    taken at each read; assigning it (beam search's reordering) writes the slice."""
+
+    def read(layer) -> torch.Tensor:
+        return getattr(layer, buffer)[layer._stacked_index]
+
+    def write(layer, new: torch.Tensor) -> None:
+        getattr(layer, buffer)[layer._stacked_index].copy_(new)
+
+    return property(read, write)
+
+
+@functools.cache
+def _reading_stacked_buffers(layer_class: type) -> type:
+    """The class a StaticCache layer takes once its cache is stacked: a
+    subclass of the same name (what checks a cache layer's kind by name still
+    sees it) whose keys and values are its slices of the stacked buffers. A
+    view held by the layer would not do: torch_xla materializes every live
+    view at a sync, which would keep a second copy of the cache."""
+    return type(layer_class.__name__, (layer_class,), {
+        "__module__": layer_class.__module__, "__qualname__": layer_class.__qualname__,
+        "keys": _stacked_slice("_stacked_keys"), "values": _stacked_slice("_stacked_values"),
+        "reads_stacked_buffers": True})
 
 
 class StackedLayers(LayerStack):
@@ -340,10 +359,13 @@ def _static_cache(cache, num_layers: int) -> str | None:
 
 
 def _bind_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Makes each cache layer's tensors views of its slice of `keys`/`values`."""
+    """Makes each cache layer's tensors its slices of `keys`/`values`."""
     for index, layer in enumerate(cache.layers):
-        layer.keys, layer.values = keys[index], values[index]
-    _STACKED_BUFFERS[cache] = (keys, values, [(layer.keys, layer.values) for layer in cache.layers])
+        # Its own tensors go: the slices replace them.
+        layer.__dict__.pop("keys", None)
+        layer.__dict__.pop("values", None)
+        layer.__class__ = _reading_stacked_buffers(type(layer))
+        layer._stacked_keys, layer._stacked_values, layer._stacked_index = keys, values, index
 
 
 def _fill_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -360,16 +382,12 @@ def _fill_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def _stacked_buffers(cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The filled StaticCache's stacked key and value buffers. Stacks them
-    first (one copy) when its layers' tensors are not views of them: a cache
-    filled layer by layer, or after beam search replaced them (`reorder_cache`)."""
-    held = _STACKED_BUFFERS.get(cache)
-    if held is None or any(layer.keys is not view_keys or layer.values is not view_values
-                           for layer, (view_keys, view_values) in zip(cache.layers, held[2])):
+    """The filled StaticCache's stacked key and value buffers. Stacks its
+    layers' tensors first (one copy) when it was filled layer by layer."""
+    if not all(getattr(layer, "reads_stacked_buffers", False) for layer in cache.layers):
         _bind_stacked(cache, torch.stack([layer.keys for layer in cache.layers]),
                       torch.stack([layer.values for layer in cache.layers]))
-        held = _STACKED_BUFFERS[cache]
-    return held[0], held[1]
+    return cache.layers[0]._stacked_keys, cache.layers[0]._stacked_values
 
 
 def _starts_empty(cache, num_layers: int) -> bool:
@@ -412,8 +430,9 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     advice on XLA) runs as one scan in the prefill and in every decoding step:
     its keys and values live in two stacked buffers
     `[layers, batch, kv_heads, max_cache_len, head_dim]`, each layer of the
-    cache holds views of its slices (so `get_seq_length`, `reset` and beam
-    reordering work as before), and each step's scan writes only the new
+    cache reads and writes its slices as its `keys` and `values` (so
+    `get_seq_length`, `reset` and beam reordering work as before; no view is
+    kept, which torch_xla would materialize as a copy), and each step's scan writes only the new
     positions, in place, under `torch.no_grad()`. With a `DynamicCache` that
     already holds tokens (each decoding step of `generate()` with the default
     cache) or a cache of another kind, the layers run one by one, each with
