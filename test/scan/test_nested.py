@@ -6,29 +6,20 @@ import pytest
 import torch
 import torch_xla
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 import torch_xla_ext as tx
 from torch_xla_ext.layer_stack import LayerStack
 from reference import scan_loop
+from test_scan import DEV, assert_trees_close, randn
 
-DEV = torch_xla.device()
-
-
-def randn(*shape, grad=False):
-    return torch.randn(*shape, device=DEV).requires_grad_(grad)
 
 
 def assert_close(actual, expected):
     torch_xla.sync()  # one execution for all, not one per tensor read
-    actual, actual_spec = tree_flatten(actual)
-    expected, expected_spec = tree_flatten(expected)
-    assert actual_spec == expected_spec
-    for a, e in zip(actual, expected):
-        if a is None or e is None:
-            assert a is None and e is None
-        else:
-            torch.testing.assert_close(a.detach().cpu(), e.detach().cpu(), rtol=1e-4, atol=1e-5)
+    assert_trees_close(tree_map_only(torch.Tensor, torch.Tensor.detach, actual),
+                       tree_map_only(torch.Tensor, torch.Tensor.detach, expected),
+                       rtol=1e-4, atol=1e-5)
 
 
 def grads(output, tensors):
