@@ -48,7 +48,9 @@ def unconverted_grads(model) -> dict:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_matches_the_unconverted_model_as_scans(device, family):
-    reference, model = converted_pair(family)
+    # use_cache=True, the configs' default: the model makes itself an empty
+    # DynamicCache, which the scans fill.
+    reference, model = converted_pair(family, use_cache=True)
     assert type(model.model.layers) is StackedLayerKinds
     assert model.model.layers.plan == FAMILIES[family][1]
     ids, mask = batch(device)
@@ -130,10 +132,27 @@ def test_a_later_group_given_other_arguments_is_refused(device):
         model(ids, attention_mask=mask)
 
 
-def test_a_cache_runs_layer_by_layer_with_the_unconverted_logits():
-    # On the CPU: one by one, the layers need no XLA loop.
-    reference, model = converted_pair("gemma2", use_cache=True)
-    ids, mask = batch("cpu")
-    expected = reference(ids, attention_mask=mask).logits
-    with pytest.warns(LayerByLayerWarning, match="key/value cache"):
-        close(model(ids, attention_mask=mask).logits, expected)
+@pytest.mark.parametrize("family", ["gemma2", "qwen2"])
+def test_a_prefill_fills_the_cache_and_decoding_runs_layer_by_layer(device, family):
+    reference, model = converted_pair(family, use_cache=True)
+    ids, mask = batch(device)
+    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    results = []
+    for which in (reference, model):
+        which.to(device).eval()
+        with torch.no_grad():
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", LayerByLayerWarning)
+                output = which(ids, attention_mask=mask)
+            cache = output.past_key_values
+            layers = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step = which(output.logits[:, -1:].argmax(-1), attention_mask=step_mask,
+                             past_key_values=cache).logits
+        results.append([output.logits, *layers, step])
+    assert any("already holds tokens" in str(w.message) for w in caught)
+    # Every layer's keys and values, a sliding layer's cut to its window, as unconverted.
+    assert [t.shape for t in results[1]] == [t.shape for t in results[0]]
+    for actual, expected in zip(*results):
+        close(actual, expected)

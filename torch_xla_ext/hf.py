@@ -266,9 +266,13 @@ class StackedLayerKinds(GroupedLayers):
     their pattern of kinds (see `torch_xla_ext.layer_stack.groups`): the
     model's loop `for i, layer in enumerate(self.layers[: n])` calls each
     layer with its kind's mask and rotary table, and each segment's layers
-    run as one scan. A call with a key/value cache runs the layers one by
-    one (each reads and updates its own slot), with a LayerByLayerWarning.
-    Calls that ask for each layer's output raise, as StackedLayers'."""
+    run as one scan. With an empty DynamicCache (what use_cache=True, most
+    configs' default, makes in training and in a prompt's prefill) each
+    segment's scan records every layer's keys and values and fills the
+    cache after it; a call with a cache that holds tokens, or of another
+    kind, runs the layers one by one (each reads and updates its own slot),
+    with a LayerByLayerWarning. Calls that ask for each layer's output raise,
+    as StackedLayers'."""
 
     def __init__(self, layers: Iterable[nn.Module], kinds: list, config,
                  recorded_outputs: Iterable[str] = _PER_LAYER_OUTPUTS, **options):
@@ -282,15 +286,52 @@ class StackedLayerKinds(GroupedLayers):
                               LayerGroup(layers[segment.start:segment.start + segment.period]),
                               config)
 
-    def _layer_by_layer_reason(self, hidden, args: tuple, kwargs: dict) -> str | None:
-        _refuse_per_layer_outputs(self, kwargs)
-        if any(_is_cache(value) for value in (*args, *kwargs.values())):
-            return ("a key/value cache is passed (past_key_values), and the layers of a model "
-                    "whose config.layer_types mixes kinds run as scans only without one; to "
-                    "train as scans, call the model with use_cache=False (or set "
-                    "model.config.use_cache = False: most configs default to True, which makes "
-                    "an empty cache even in training)")
-        return None
+    def _run_segment(self, segment, stack, hidden, calls: tuple):
+        _refuse_per_layer_outputs(self, calls[-1][1])
+        caches = {(name, id(value)): value for _, kwargs in calls
+                  for name, value in kwargs.items() if _is_cache(value)}
+        if not caches and not any(_is_cache(value) for args, _ in calls for value in args):
+            return stack(hidden, calls=calls)
+        reason = _CACHE_REASON
+        if hidden.device.type != "xla":
+            reason = (f"the layers run on {hidden.device.type}, and the scan is an XLA loop")
+        elif len(caches) == 1:
+            (parameter, _), cache = next(iter(caches.items()))
+            if _segment_starts_empty(cache, segment.start, segment.stop):
+                try:
+                    return _scan_filling_groups(stack, segment, cache, parameter, hidden, calls)
+                except Unscannable as unscannable:
+                    reason = str(unscannable)
+        return run_layer_by_layer(stack.__getitem__, segment.groups, hidden, (),
+                                  {"calls": calls}, drop_in=False, reason=reason)
+
+
+def _scan_filling_groups(stack, segment, cache, parameter: str, hidden, calls: tuple):
+    """One scan over a segment's groups, each layer given a cache that records
+    its keys and values; they fill `cache` after the loop, layer by layer in
+    order, as the layers' own updates would have."""
+    without_cache = tuple((args, {name: value for name, value in kwargs.items()
+                                  if name != parameter}) for args, kwargs in calls)
+    hidden, recorded = run_recording(stack._layers(), hidden, (), {"calls": without_cache},
+                                     _keys_and_values_per_position(parameter, segment.period))
+    for group in range(segment.groups):
+        for position in range(segment.period):
+            keys, values = recorded[2 * position], recorded[2 * position + 1]
+            cache.update(keys[group], values[group],
+                         segment.start + group * segment.period + position)
+    return hidden
+
+
+@functools.cache
+def _keys_and_values_per_position(parameter: str, period: int) -> Recording:
+    """The recording of the keys and values of each layer of a group of
+    `period` layers, through their cache argument `parameter`."""
+    return Recording(
+        ("keys and values per position", parameter, period),
+        lambda index, state: {"per_position": tuple({parameter: _RecordingCache()}
+                                                    for _ in range(period))},
+        lambda given: tuple(tensor for position in given["per_position"]
+                            for tensor in _recorded_keys_and_values(position[parameter])))
 
 
 # The stacks that stack_layers makes.
@@ -390,19 +431,25 @@ def _stacked_buffers(cache) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.layers[0]._stacked_keys, cache.layers[0]._stacked_values
 
 
-def _starts_empty(cache, num_layers: int) -> bool:
-    """Whether `cache` is a DynamicCache (of full or sliding-window layers, made
-    up front from the config or added at each layer's first update) that holds
-    nothing yet."""
+def _segment_starts_empty(cache, start: int, stop: int) -> bool:
+    """Whether layers start, ..., stop - 1 of a DynamicCache hold nothing yet
+    (the layers before them may: an earlier segment's scan filled them)."""
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list):
         return False
     added = getattr(cache, "layer_class_to_replicate", None)
-    if not layers and added is not None:
+    if len(layers) == start and added is not None:
         return added.__name__ in _GROWING_CACHE_LAYERS
-    return (len(layers) >= num_layers
-            and all(type(layer).__name__ in _GROWING_CACHE_LAYERS for layer in layers)
-            and not any(getattr(layer, "is_initialized", True) for layer in layers))
+    return (len(layers) >= stop
+            and all(type(layer).__name__ in _GROWING_CACHE_LAYERS for layer in layers[start:stop])
+            and not any(getattr(layer, "is_initialized", True) for layer in layers[start:stop]))
+
+
+def _starts_empty(cache, num_layers: int) -> bool:
+    """Whether `cache` is a DynamicCache (of full or sliding-window layers, made
+    up front from the config or added at each layer's first update) whose
+    layers hold nothing yet."""
+    return _segment_starts_empty(cache, 0, num_layers)
 
 
 def _share_config(template: nn.Module, layer: nn.Module, config) -> None:
@@ -460,8 +507,10 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     the first group's raises. Its `state_dict()`, `len()` and `layers[i]` are
     as above; `named_parameters()` names the stacked tensors per segment
     (`model.layers.segments.0.stacked.layers.1.mlp.up_proj.weight`:
-    position 1 of each group). With a key/value cache these layers run one
-    by one, with a `LayerByLayerWarning`; peft is untested on them.
+    position 1 of each group). An empty DynamicCache (use_cache=True, in
+    training or a prompt's prefill) is filled from the scans, as above; with
+    a cache that holds tokens (each decoding step) or a StaticCache these
+    layers run one by one, with a `LayerByLayerWarning`.
 
     peft: `stack_layers(get_peft_model(model, config))` trains the LoRA
     adapters as one scan (the base weights stay stacked and frozen);

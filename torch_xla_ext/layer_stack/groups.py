@@ -45,9 +45,14 @@ class LayerGroup(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, hidden, calls: Sequence[tuple[tuple, dict]]):
-        """`calls[j]` is layer j's (args, kwargs) after the hidden state."""
-        for layer, (args, kwargs) in zip(self.layers, calls):
+    def forward(self, hidden, calls: Sequence[tuple[tuple, dict]],
+                per_position: Sequence[dict] | None = None):
+        """`calls[j]` is layer j's (args, kwargs) after the hidden state;
+        `per_position[j]`, if given, adds to its kwargs (what a recording
+        hands each layer of the group)."""
+        for position, (layer, (args, kwargs)) in enumerate(zip(self.layers, calls)):
+            if per_position is not None:
+                kwargs = {**kwargs, **per_position[position]}
             hidden = running._next_hidden(layer, hidden, args, kwargs, drop_in=False)
         return hidden
 
@@ -166,10 +171,11 @@ class GroupedLayers(nn.Module):
         return [layer for stack in self.segments for group in stack.unstacked()
                 for layer in group.layers]
 
-    def _layer_by_layer_reason(self, hidden, args: tuple, kwargs: dict) -> str | None:
-        """Why the layers must run one by one with these arguments (a
-        subclass's arguments that a scan cannot stand for), or None."""
-        return None
+    def _run_segment(self, segment: Segment, stack: LayerStack, hidden, calls: tuple):
+        """Runs a segment's layers on `hidden`, its first group having been
+        called with `calls`: one scan (a subclass may run it otherwise, for
+        arguments that a scan cannot take as they are)."""
+        return stack(hidden, calls=calls)
 
     def _called(self, index: int, hidden, *args, **kwargs):
         """Layer `index` of the loop over all layers, called in order."""
@@ -197,12 +203,7 @@ class GroupedLayers(nn.Module):
         self._recorded.calls.append((args, kwargs))
         if position < segment.period - 1:
             return hidden
-        calls = tuple(self._recorded.calls)
-        reason = self._layer_by_layer_reason(hidden, args, kwargs)
-        if reason is not None:
-            return running.run_layer_by_layer(stack.__getitem__, segment.groups, hidden, (),
-                                              {"calls": calls}, drop_in=False, reason=reason)
-        return stack(hidden, calls=calls)
+        return self._run_segment(segment, stack, hidden, tuple(self._recorded.calls))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):
