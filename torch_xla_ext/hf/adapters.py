@@ -38,7 +38,8 @@ def reach_stacked_adapters(model: nn.Module) -> None:
 
 @functools.cache
 def _reaching_stacked_adapters(peft_model_class: type) -> type:
-    from torch_xla_ext.hf import StackedLayers, layers_as_modules, stack_layers, unstack_layers
+    from torch_xla_ext.hf import layers_as_modules, stack_layers, unstack_layers
+    from torch_xla_ext.hf.stacks import StackedLayers
 
     def save_pretrained(self, *args, **kwargs):
         with layers_as_modules(self):

@@ -1,0 +1,203 @@
+"""Hugging Face transformers models whose decoder layers run as one `scan`,
+under the model's own, unmodified `forward`.
+
+`stack_layers(model)` replaces the decoder-layer `nn.ModuleList` of a
+transformers model (`model.model.layers` of Llama, Mistral, Qwen2, ...) by a
+`StackedLayers`: a `LayerStack` that holds every weight once, stacked along a
+leading layer dimension. The model's forward loops
+`for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
+of all the layers of a `StackedLayers` is a list of one callable, the stack
+itself, which runs every layer as one scan. A forward that iterates over the
+layers (`for block in self.h`, GPT-2's) gets the stack first, then callables
+that hand the hidden state on. Everything else about the model
+stays as it was: its forward, its config, the rest of its modules, and the
+per-layer names of its `state_dict()`.
+
+The modules, one job each: `inspection` (reading the model: its layer list,
+its forward's loop, its layer kinds, what a scan cannot run), `stacks` (the
+stacks put in place of the layer list), `caches` (transformers' key/value
+caches around the scan), `adapters` (peft's whole-model operations on a
+stacked PeftModel).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+from torch_xla_ext.hf import adapters
+from torch_xla_ext.hf.inspection import (
+    check_no_hooks_or_checkpointing, layer_loop, layers_path, mixed_layer_types,
+    recorded_outputs, submodule)
+from torch_xla_ext.hf.stacks import STACKS, StackedLayerKinds, StackedLayers
+
+__all__ = ["StackedLayerKinds", "StackedLayers", "stack_layers", "unstack_layers"]
+
+
+def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Module:
+    """Stacks the decoder layers of a transformers model in place; returns `model`.
+
+    After it, the model's own `forward` runs all decoder layers as one `scan`
+    (one trace, one XLA While loop forward and backward); its weights are
+    held once, stacked (`model.model.layers.stacked.self_attn.q_proj.weight`
+    is `[num_layers, out, in]`), and receive the gradients. With an empty
+    `DynamicCache` (what `use_cache=True`, most configs' default, makes in
+    training and in a prompt's prefill) the scan records each layer's keys
+    and values and fills the cache after the loop, detached from the autograd
+    graph. A `StaticCache` of full-attention layers (what
+    `generate(..., cache_implementation="static")` makes, transformers'
+    advice on XLA) runs as one scan in the prefill and in every decoding step:
+    its keys and values live in two stacked buffers
+    `[layers, batch, kv_heads, max_cache_len, head_dim]`, each layer of the
+    cache reads and writes its slices as its `keys` and `values` (so
+    `get_seq_length`, `reset` and beam reordering work as before; no view is
+    kept, which torch_xla would materialize as a copy), and each step's scan writes only the new
+    positions, in place, under `torch.no_grad()`. With a `DynamicCache` that
+    already holds tokens (each decoding step of `generate()` with the default
+    cache) or a cache of another kind, the layers run one by one, each with
+    its own cache slot, and give the same results as before the conversion;
+    a `LayerByLayerWarning` says so (once per process, as Python shows a
+    warning).
+
+    What stays as it was: the model's forward and config, every other module,
+    `state_dict()` keys and values (`model.layers.3.self_attn.q_proj.weight`),
+    so `save_pretrained()` writes an ordinary checkpoint and
+    `load_state_dict()` of one works; `model.model.layers[i]` (a module whose
+    tensors are views of slice i of the stacked ones) and `len()`.
+    `named_parameters()` names the stacked tensors
+    (`model.layers.stacked.mlp.up_proj.weight`), which can be sharded with
+    `mark_sharding` along any dimension but the first.
+
+    Layers of several kinds (`config.layer_types` not all the same: Gemma2's
+    alternating sliding and full attention, Gemma3's pattern, Qwen2's
+    `max_window_layers`) become a `StackedLayerKinds`: the smallest repeating
+    pattern of kinds runs as one scan over groups of one period of layers,
+    and what does not fit whole periods (or a model whose kinds come in
+    blocks) as one scan per run of one kind; a few scans in one step graph.
+    The model's loop gets a callable per layer, so each layer still gets its
+    kind's mask and rotary table; a later group given other arguments than
+    the first group's raises. Its `state_dict()`, `len()` and `layers[i]` are
+    as above; `named_parameters()` names the stacked tensors per segment
+    (`model.layers.segments.0.stacked.layers.1.mlp.up_proj.weight`:
+    position 1 of each group). An empty DynamicCache (use_cache=True, in
+    training or a prompt's prefill) is filled from the scans, as above; with
+    a cache that holds tokens (each decoding step) or a StaticCache these
+    layers run one by one, with a `LayerByLayerWarning`.
+
+    peft: `stack_layers(get_peft_model(model, config))` trains the LoRA
+    adapters as one scan (the base weights stay stacked and frozen);
+    `save_pretrained`, `merge_and_unload` and `unload` of the PeftModel work
+    as unconverted (merge_and_unload returns the merged model stacked; see
+    `torch_xla_ext.hf.adapters`). Apply get_peft_model first: after
+    stack_layers, peft finds no modules to adapt and refuses. peft's other
+    whole-model operations (`disable_adapter`, `set_adapter`, ...) do not
+    reach the stacked layers; `unstack_layers(model)` undoes the conversion.
+
+    Not supported, and refused with an error that says so: layers of one kind
+    that are not alike (a setting changed on one layer: the scan runs the
+    first layer's code with each layer's weights), layers of several kinds
+    under a forward that iterates over them (`for block in self.h`), layers
+    with hooks or gradient checkpointing enabled (neither would run inside the
+    scan), a forward that neither loops over `self.layers[...]` nor iterates
+    over `self.layers` calling each layer on the hidden state alone, and calls with
+    `output_hidden_states` or `output_attentions`. Gradient checkpointing
+    enabled after the conversion does not reach the layers; the scan's
+    partitioner decides what its backward recomputes. Without a cache, a
+    converted model runs on XLA devices only (the scan is an XLA loop).
+
+    Args:
+      model: a transformers model (`LlamaForCausalLM`, `MistralForCausalLM`,
+        `Qwen2ForCausalLM`, their base models, ...), on any device.
+      path: the attribute path of the decoder-layer `nn.ModuleList`, such as
+        "model.layers"; by default the one `nn.ModuleList` of the model whose
+        layers are all of a class the model names in `_no_split_modules`.
+      options: passed to `LayerStack`: `partition_fn` (what the forward loop
+        keeps for the backward: a policy of `torch_xla_ext.policies` or its
+        name, `"save_nothing"` to recompute each layer in the backward),
+        `is_layer_pure`, `per_layer_attributes` (default `("layer_idx",)`).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
+    path = layers_path(model) if path is None else path
+    layers = submodule(model, path)
+    if isinstance(layers, STACKS):
+        return model  # converted already
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"stack_layers: {path!r} is a {type(layers).__name__}, not the "
+                        f"nn.ModuleList of decoder layers; pass the path of that list.")
+    parent_path, _, name = path.rpartition(".")
+    owner = model.get_submodule(parent_path)
+    iterated_by = layer_loop(owner, name, path)
+    config = getattr(owner, "config", getattr(model, "config", None))
+    kinds = mixed_layer_types(config, len(layers))
+    if kinds is not None and iterated_by is not None:
+        raise ValueError(
+            f"stack_layers: the layers at {path!r} are of several kinds (config.layer_types: "
+            f"{sorted(set(kinds))}), and {type(owner).__qualname__}.forward iterates over "
+            f"them (`for layer in self.{name}`); stack_layers runs layers of several kinds "
+            f"only under a loop over a slice `self.{name}[: n]`, which hands each layer its "
+            f"kind's arguments. The model is unchanged.")
+    for index, layer in enumerate(layers):
+        check_no_hooks_or_checkpointing(layer, f"{path}.{index}")
+    try:
+        if kinds is None:
+            stack = StackedLayers(layers, config, recorded_outputs(owner), **options)
+            stack.iterated_by = iterated_by
+        else:
+            stack = StackedLayerKinds(layers, kinds, config, recorded_outputs(owner), **options)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
+    setattr(owner, name, stack)
+    adapters.reach_stacked_adapters(model)
+    return model
+
+
+def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
+    """Undoes `stack_layers` in place; returns `model`.
+
+    The `StackedLayers` at `path` (by default the model's one StackedLayers)
+    becomes an `nn.ModuleList` of the layers, each holding parameters and
+    buffers of its own, copied from its slices of the stacked ones (which
+    are dropped). For code that must find each layer among the model's
+    modules; `stack_layers(model)` stacks them again."""
+    path = _stacked_path(model) if path is None else path
+    stack = submodule(model, path)
+    if not isinstance(stack, STACKS):
+        raise TypeError(f"unstack_layers: {path!r} is a {type(stack).__name__}, not the "
+                        f"StackedLayers or StackedLayerKinds that stack_layers made; pass the "
+                        f"path of that.")
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), name,
+            nn.ModuleList(stack.unstacked()).train(stack.training))
+    return model
+
+
+@contextlib.contextmanager
+def layers_as_modules(model: nn.Module):
+    """While the block runs, each StackedLayers of the model is replaced by an
+    `nn.ModuleList` of its layers `stack[i]`, whose tensors are views of the
+    stacked ones (no copies): for code that reads each layer as a module of
+    the model, such as peft's save_pretrained."""
+    stacks = [(model.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2],
+               model.get_submodule(path)) for path in _stacked_paths(model)]
+    for parent, name, stack in stacks:
+        # By index: a slice of all the layers of a StackedLayers is the stack itself.
+        setattr(parent, name, nn.ModuleList([stack[index] for index in range(len(stack))]))
+    try:
+        yield
+    finally:
+        for parent, name, stack in stacks:
+            setattr(parent, name, stack)
+
+
+def _stacked_paths(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, STACKS)]
+
+
+def _stacked_path(model: nn.Module) -> str:
+    """The path of the model's one StackedLayers."""
+    found = _stacked_paths(model)
+    if len(found) != 1:
+        raise ValueError(f"unstack_layers: {type(model).__name__} holds {len(found)} "
+                         f"StackedLayers ({found}); pass path='...' naming the one meant.")
+    return found[0]

@@ -1,0 +1,211 @@
+"""transformers' key/value caches around a scan of the decoder layers.
+
+The stand-in cache each traced layer call gets to record the keys and values
+it puts in (`keys_and_values`: an empty DynamicCache or StaticCache, filled
+after the loop), the writer of a StaticCache's stacked buffers inside the loop
+(`written_in_place`: every decoding step), and a StaticCache held as those two
+stacked buffers, its layers reading their slices (`fill_stacked`,
+`stacked_buffers`)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from torch_xla_ext.layer_stack.running import Recording
+
+
+CACHE_REASON = (
+    "the key/value cache passed (past_key_values) is a DynamicCache that already holds "
+    "tokens, or a cache of another kind, and each layer reads and updates its own slot of it; "
+    "one scan stands for the layers when a DynamicCache starts empty (training, or a prompt's "
+    "prefill) and for every call with a StaticCache of full-attention layers")
+
+
+# The cache layers that give back what an update puts in when they start empty,
+# so that a layer computes the same with one of them as with no cache.
+_GROWING_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+class _RecordingCache:
+    """The cache each layer gets inside the scan in place of an empty cache:
+    it keeps the keys and values the layer puts in and gives them back as the
+    empty cache would: unchanged (DynamicCache), or followed by zeros up to
+    the cache's length `padded_to` (StaticCache)."""
+
+    def __init__(self, padded_to: int | None = None):
+        self.keys = self.values = None
+        self.padded_to = padded_to
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.keys, self.values = key_states, value_states
+        if self.padded_to is None:
+            return key_states, value_states
+        return tuple(_padded(new, self.padded_to) for new in (key_states, value_states))
+
+
+def _padded(keys_or_values: torch.Tensor, length: int) -> torch.Tensor:
+    """Followed by zeros along the sequence (next-to-last) dimension, to `length`."""
+    return torch.nn.functional.pad(keys_or_values, (0, 0, 0, length - keys_or_values.shape[-2]))
+
+
+def _recorded_keys_and_values(cache: _RecordingCache) -> tuple:
+    if cache.keys is None:
+        raise ValueError("stack_layers: the decoder layer called with a key/value cache did not "
+                         "update it, so there are no keys and values to fill the cache with")
+    # Detached: what the cache holds is read by later decoding steps, not differentiated.
+    return cache.keys.detach(), cache.values.detach()
+
+
+@functools.cache
+def keys_and_values(parameter: str, padded_to: int | None = None) -> Recording:
+    """The recording of each layer's keys and values through its cache
+    argument `parameter` (`past_key_values`; GPT-NeoX's `layer_past`)."""
+    return Recording(("keys and values", parameter, padded_to),
+                     lambda index, state: {parameter: _RecordingCache(padded_to)},
+                     lambda given: _recorded_keys_and_values(given[parameter]))
+
+
+class _StackedCacheWriter:
+    """The cache each layer gets inside the scan over a StaticCache's stacked
+    buffers (the scan's state: keys, values, the cache's length): as
+    StaticLayer.update, its update writes the new keys and values at the
+    cache's next positions and gives back the layer's whole buffers, but it
+    writes them into the layer's slice of the stacked buffers, in place."""
+
+    def __init__(self, index: torch.Tensor, state: tuple):
+        self.index = index.reshape(1)
+        self.keys, self.values, self.length = state
+
+    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
+        batch, heads, length, _ = key_states.shape
+        device = key_states.device
+        # The leading four dimensions' indices, broadcast to [batch, heads,
+        # length]: a scatter of head_dim rows, with no transposition of the
+        # stacked buffers (which would copy them).
+        where = (self.index.view(1, 1, 1),
+                 torch.arange(batch, device=device).view(batch, 1, 1),
+                 torch.arange(heads, device=device).view(1, heads, 1),
+                 (self.length + torch.arange(length, device=device)).view(1, 1, length))
+        for stacked, new in ((self.keys, key_states), (self.values, value_states)):
+            stacked.index_put_(where, new.to(stacked.dtype))
+        return (self.keys.index_select(0, self.index)[0],
+                self.values.index_select(0, self.index)[0])
+
+
+@functools.cache
+def written_in_place(parameter: str) -> Recording:
+    """Each layer's keys and values written into a StaticCache's stacked
+    buffers, in place."""
+    return Recording(("stacked static cache", parameter),
+                     lambda index, state: {parameter: _StackedCacheWriter(index, state)},
+                     lambda given: ())
+
+
+@functools.cache
+def keys_and_values_per_position(parameter: str, period: int) -> Recording:
+    """The recording of the keys and values of each layer of a group of
+    `period` layers, through their cache argument `parameter`."""
+    return Recording(
+        ("keys and values per position", parameter, period),
+        lambda index, state: {"per_position": tuple({parameter: _RecordingCache()}
+                                                    for _ in range(period))},
+        lambda given: tuple(tensor for position in given["per_position"]
+                            for tensor in _recorded_keys_and_values(position[parameter])))
+
+
+def is_cache(value) -> bool:
+    """A transformers key/value cache (`Cache`: DynamicCache, StaticCache, ...)."""
+    return hasattr(value, "get_seq_length") and hasattr(value, "update")
+
+
+def _stacked_slice(buffer: str) -> property:
+    """A cache layer's `keys` or `values` as its slice of the stacked buffer,
+    taken at each read; assigning it (beam search's reordering) writes the slice."""
+
+    def read(layer) -> torch.Tensor:
+        return getattr(layer, buffer)[layer._stacked_index]
+
+    def write(layer, new: torch.Tensor) -> None:
+        getattr(layer, buffer)[layer._stacked_index].copy_(new)
+
+    return property(read, write)
+
+
+@functools.cache
+def _reading_stacked_buffers(layer_class: type) -> type:
+    """The class a StaticCache layer takes once its cache is stacked: a
+    subclass of the same name (what checks a cache layer's kind by name still
+    sees it) whose keys and values are its slices of the stacked buffers. A
+    view held by the layer would not do: torch_xla materializes every live
+    view at a sync, which would keep a second copy of the cache."""
+    return type(layer_class.__name__, (layer_class,), {
+        "__module__": layer_class.__module__, "__qualname__": layer_class.__qualname__,
+        "keys": _stacked_slice("_stacked_keys"), "values": _stacked_slice("_stacked_values"),
+        "reads_stacked_buffers": True})
+
+
+def static_cache(cache, num_layers: int) -> str | None:
+    """"empty" or "filled" for a StaticCache of full-attention layers, one per
+    layer, not offloaded (what `cache_implementation="static"` makes); else None."""
+    layers = getattr(cache, "layers", None)
+    if (not isinstance(layers, list) or len(layers) != num_layers or getattr(cache, "offloading", False)
+            or any(type(layer).__name__ != "StaticLayer" for layer in layers)):
+        return None
+    initialized = [layer.is_initialized for layer in layers]
+    if all(initialized):
+        return "filled"
+    return "empty" if not any(initialized) else None
+
+
+def _bind_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Makes each cache layer's tensors its slices of `keys`/`values`."""
+    for index, layer in enumerate(cache.layers):
+        # Its own tensors go: the slices replace them.
+        layer.__dict__.pop("keys", None)
+        layer.__dict__.pop("values", None)
+        layer.__class__ = _reading_stacked_buffers(type(layer))
+        layer._stacked_keys, layer._stacked_values, layer._stacked_index = keys, values, index
+
+
+def fill_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Fills an empty StaticCache with a prefill's stacked keys and values
+    [layers, batch, heads, length, head_dim], its buffers stacked."""
+    for index, layer in enumerate(cache.layers):
+        layer.lazy_initialization(keys[index], values[index])  # shapes; its zeros stay unmade
+    length = keys.shape[-2]
+    _bind_stacked(cache, *(_padded(new.to(layer_tensor.dtype), layer_tensor.shape[-2])
+                           for new, layer_tensor in ((keys, cache.layers[0].keys),
+                                                     (values, cache.layers[0].values))))
+    for layer in cache.layers:
+        layer.cumulative_length.add_(length)
+
+
+def stacked_buffers(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filled StaticCache's stacked key and value buffers. Stacks its
+    layers' tensors first (one copy) when it was filled layer by layer."""
+    if not all(getattr(layer, "reads_stacked_buffers", False) for layer in cache.layers):
+        _bind_stacked(cache, torch.stack([layer.keys for layer in cache.layers]),
+                      torch.stack([layer.values for layer in cache.layers]))
+    return cache.layers[0]._stacked_keys, cache.layers[0]._stacked_values
+
+
+def segment_starts_empty(cache, start: int, stop: int) -> bool:
+    """Whether layers start, ..., stop - 1 of a DynamicCache hold nothing yet
+    (the layers before them may: an earlier segment's scan filled them)."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return False
+    added = getattr(cache, "layer_class_to_replicate", None)
+    if len(layers) == start and added is not None:
+        return added.__name__ in _GROWING_CACHE_LAYERS
+    return (len(layers) >= stop
+            and all(type(layer).__name__ in _GROWING_CACHE_LAYERS for layer in layers[start:stop])
+            and not any(getattr(layer, "is_initialized", True) for layer in layers[start:stop]))
+
+
+def starts_empty(cache, num_layers: int) -> bool:
+    """Whether `cache` is a DynamicCache (of full or sliding-window layers, made
+    up front from the config or added at each layer's first update) whose
+    layers hold nothing yet."""
+    return segment_starts_empty(cache, 0, num_layers)

@@ -1,0 +1,249 @@
+"""The stacks that `stack_layers` puts in place of a transformers model's
+decoder-layer list: `StackedLayers` (layers of one kind, one scan) and
+`StackedLayerKinds` (several kinds, a few scans); each runs a call with a
+key/value cache as scans where the cache allows (`caches`), else layer by
+layer."""
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from torch_xla_ext.hf.caches import (
+    CACHE_REASON, fill_stacked, is_cache, keys_and_values, keys_and_values_per_position,
+    segment_starts_empty, stacked_buffers, starts_empty, static_cache, written_in_place)
+from torch_xla_ext.layer_stack import LayerStack
+from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
+from torch_xla_ext.layer_stack.running import Unscannable, run_layer_by_layer, run_recording
+
+
+# Output flags of transformers models that collect something from every layer
+# (`output_hidden_states`, `output_attentions`, ...); a scan has no per-layer outputs.
+PER_LAYER_OUTPUTS = ("hidden_states", "attentions")
+
+
+class StackedLayers(LayerStack):
+    """The decoder layers of a transformers model, stacked (see `stack_layers`).
+
+    A `LayerStack` with what a transformers model's forward needs:
+
+    * `layers[a:b]` covering all the layers is `[layers]`: the model's loop calls
+      the stack once, which runs every layer as one scan; an empty DynamicCache
+      passed to it is filled from the scan; a StaticCache is held as stacked
+      buffers that the scan writes in place (prefill and every decoding step);
+      a DynamicCache holding tokens makes it run layer by layer. Any other slice is the list of those layers;
+      `layers[i]` and iteration give per-layer modules whose tensors are views of
+      the stacked ones.
+    * The template layer reads the model's own config object, so changing it
+      (`model.config._attn_implementation = "eager"`, say) reaches the layers as
+      it would reach the original ones.
+    * Calls that ask for each layer's output (`output_hidden_states`,
+      `output_attentions`, in the call or in the config) raise: one scan has no
+      per-layer outputs.
+    """
+
+    def __init__(self, layers: Iterable[nn.Module], config=None,
+                 recorded_outputs: Iterable[str] = PER_LAYER_OUTPUTS, **options):
+        layers = list(layers)
+        super().__init__(layers, **options)
+        self.model_config = config
+        self.recorded_outputs = tuple(recorded_outputs)
+        # (file, first line) of the forward whose loop iterates over the layers, if any.
+        self.iterated_by: tuple[str, int] | None = None
+        if config is not None and self._template is not None:
+            _share_config(self._template, layers[0], config)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and range(len(self))[index] == range(len(self)):
+            return [self]
+        return super().__getitem__(index)
+
+    def __iter__(self):
+        caller = sys._getframe(1).f_code
+        if self.iterated_by == (caller.co_filename, caller.co_firstlineno):
+            # The model's loop calls the stack, which runs every layer, then hands
+            # the hidden state on through the other iterations.
+            return iter([self, *[_hand_on] * (len(self) - 1)])
+        return super().__iter__()
+
+    def forward(self, hidden_states, *args, **kwargs):
+        _refuse_per_layer_outputs(self, kwargs)
+        keywords = (None if self._template is None
+                    else _with_cache_by_name(self._template, hidden_states, args, kwargs))
+        if keywords is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        parameter, cache = next((name, value) for name, value in keywords.items()
+                                if is_cache(value))
+        reason = CACHE_REASON
+        if hidden_states.device.type != "xla":
+            reason = (f"the layers run on {hidden_states.device.type}, and the scan is an XLA "
+                      f"loop")
+        else:
+            try:
+                static = static_cache(cache, len(self))
+                if static == "filled":
+                    return self._scan_writing(cache, parameter, hidden_states, keywords)
+                if static == "empty" or starts_empty(cache, len(self)):
+                    return self._scan_filling(cache, parameter, hidden_states, keywords)
+            except Unscannable as unscannable:
+                reason = str(unscannable)
+        return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
+                                  drop_in=False, reason=reason)
+
+    def _scan_filling(self, cache, parameter: str, hidden_states, keywords: dict):
+        """One scan over the layers, each given a cache that records its keys and
+        values; they fill `cache` after the loop, layer by layer, as the layers'
+        own updates would have."""
+        without_cache = {name: value for name, value in keywords.items() if name != parameter}
+        static = static_cache(cache, len(self)) == "empty"
+        recording = keys_and_values(parameter, cache.layers[0].max_cache_len if static else None)
+        hidden_states, (keys, values) = run_recording(self._layers(), hidden_states, (),
+                                                      without_cache, recording)
+        if static:
+            fill_stacked(cache, keys, values)
+            return hidden_states
+        for index in range(len(self)):
+            cache.update(keys[index], values[index], index)
+        return hidden_states
+
+    def _scan_writing(self, cache, parameter: str, hidden_states, keywords: dict):
+        """One scan over the layers and the StaticCache's stacked buffers, each
+        layer writing its new keys and values into its slice in place."""
+        if torch.is_grad_enabled() and any(tensor.requires_grad
+                                           for tensor in self.parameters()):
+            raise Unscannable(
+                "a StaticCache that holds tokens is written in place inside the scan, without "
+                "gradients; decode under torch.no_grad() (as generate() does) to run it as one "
+                "scan")
+        keys, values = stacked_buffers(cache)
+        lengths = [layer.cumulative_length for layer in cache.layers]
+        without_cache = {name: value for name, value in keywords.items() if name != parameter}
+        hidden_states, _ = run_recording(self._layers(), hidden_states, (), without_cache,
+                                         written_in_place(parameter),
+                                         state=(keys, values, lengths[0]))
+        for length in lengths:
+            length.add_(hidden_states.shape[-2])
+        return hidden_states
+
+
+class StackedLayerKinds(GroupedLayers):
+    """The decoder layers of a transformers model whose `config.layer_types`
+    mixes kinds (Gemma2's alternating sliding and full attention, Gemma3's
+    pattern, Qwen2's first `max_window_layers`), stacked as a few scans by
+    their pattern of kinds (see `torch_xla_ext.layer_stack.groups`): the
+    model's loop `for i, layer in enumerate(self.layers[: n])` calls each
+    layer with its kind's mask and rotary table, and each segment's layers
+    run as one scan. With an empty DynamicCache (what use_cache=True, most
+    configs' default, makes in training and in a prompt's prefill) each
+    segment's scan records every layer's keys and values and fills the
+    cache after it; a call with a cache that holds tokens, or of another
+    kind, runs the layers one by one (each reads and updates its own slot),
+    with a LayerByLayerWarning. Calls that ask for each layer's output raise,
+    as StackedLayers'."""
+
+    def __init__(self, layers: Iterable[nn.Module], kinds: list, config,
+                 recorded_outputs: Iterable[str] = PER_LAYER_OUTPUTS, **options):
+        layers = list(layers)
+        super().__init__(layers, kinds, **options)
+        self.model_config = config
+        self.recorded_outputs = tuple(recorded_outputs)
+        if config is not None:
+            for segment, stack in zip(self.plan, self.segments):
+                _share_config(stack._template,
+                              LayerGroup(layers[segment.start:segment.start + segment.period]),
+                              config)
+
+    def _run_segment(self, segment, stack, hidden, calls: tuple):
+        _refuse_per_layer_outputs(self, calls[-1][1])
+        caches = {(name, id(value)): value for _, kwargs in calls
+                  for name, value in kwargs.items() if is_cache(value)}
+        if not caches and not any(is_cache(value) for args, _ in calls for value in args):
+            return stack(hidden, calls=calls)
+        reason = CACHE_REASON
+        if hidden.device.type != "xla":
+            reason = (f"the layers run on {hidden.device.type}, and the scan is an XLA loop")
+        elif len(caches) == 1:
+            (parameter, _), cache = next(iter(caches.items()))
+            if segment_starts_empty(cache, segment.start, segment.stop):
+                try:
+                    return _scan_filling_groups(stack, segment, cache, parameter, hidden, calls)
+                except Unscannable as unscannable:
+                    reason = str(unscannable)
+        return run_layer_by_layer(stack.__getitem__, segment.groups, hidden, (),
+                                  {"calls": calls}, drop_in=False, reason=reason)
+
+
+def _scan_filling_groups(stack, segment, cache, parameter: str, hidden, calls: tuple):
+    """One scan over a segment's groups, each layer given a cache that records
+    its keys and values; they fill `cache` after the loop, layer by layer in
+    order, as the layers' own updates would have."""
+    without_cache = tuple((args, {name: value for name, value in kwargs.items()
+                                  if name != parameter}) for args, kwargs in calls)
+    hidden, recorded = run_recording(stack._layers(), hidden, (), {"calls": without_cache},
+                                     keys_and_values_per_position(parameter, segment.period))
+    for group in range(segment.groups):
+        for position in range(segment.period):
+            keys, values = recorded[2 * position], recorded[2 * position + 1]
+            cache.update(keys[group], values[group],
+                         segment.start + group * segment.period + position)
+    return hidden
+
+
+# The stacks that stack_layers makes.
+STACKS = (StackedLayers, StackedLayerKinds)
+
+
+def _refuse_per_layer_outputs(stack: nn.Module, kwargs: dict) -> None:
+    """Raises if the call asks for every layer's output, which a scan does not have."""
+    requested = [name for name in stack.recorded_outputs
+                 if _output_requested(stack.model_config, f"output_{name}", kwargs)]
+    if requested:
+        flags = ", ".join(f"output_{name}" for name in requested)
+        raise ValueError(
+            f"stack_layers: the call asks for every decoder layer's output ({flags}), "
+            f"but the stacked layers run as one scan, which has none. Call the model without "
+            f"{flags} (and set it to False in model.config), or use a model that "
+            f"stack_layers did not convert for this call.")
+
+
+def _output_requested(config, flag: str, kwargs: dict) -> bool:
+    # As transformers decides: the call's flag, else the config's.
+    return bool(kwargs[flag] if flag in kwargs else getattr(config, flag, False))
+
+
+def _with_cache_by_name(template: nn.Module, hidden_states, args: tuple, kwargs: dict
+                        ) -> dict | None:
+    """The call's arguments after the hidden state, each by its parameter's name
+    (GPT-2 passes its cache by position), when one of them is a key/value
+    cache; else None."""
+    if not any(is_cache(value) for value in (*args, *kwargs.values())):
+        return None
+    if not args:
+        return dict(kwargs)
+    signature = inspect.signature(type(template).forward)
+    bound = signature.bind(template, hidden_states, *args, **kwargs)
+    keywords = {}
+    for name, value in list(bound.arguments.items())[2:]:  # after self and the hidden state
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            return None  # positional past the named ones: left to the layer-by-layer path
+        keywords.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+    return keywords
+
+
+def _hand_on(hidden_states, *args, **kwargs):
+    """A layer of an iterating loop after the stack: the stack ran them all."""
+    return hidden_states
+
+
+def _share_config(template: nn.Module, layer: nn.Module, config) -> None:
+    """Points the template's references to `config` back at `config` itself,
+    which the template's deep copy had copied."""
+    originals = dict(layer.named_modules())
+    for path, module in template.named_modules():
+        for attribute, value in vars(originals[path]).items():
+            if value is config:
+                setattr(module, attribute, config)
