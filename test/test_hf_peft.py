@@ -135,8 +135,31 @@ def test_layers_whose_lora_settings_differ_are_refused():
         stack_layers(model)
 
 
-def test_get_peft_model_after_stack_layers_says_to_apply_it_first():
-    with pytest.raises(ValueError, match=r"stacked by torch_xla_ext's stack_layers .*adapt the "
-                                         r"layers first \(peft: get_peft_model\(model, config\)\), "
-                                         r"then stack them"):
-        get_peft_model(stack_layers(make_model(layers=LAYERS)), LoraConfig(**Q_AND_V))
+def test_stack_layers_first_gives_the_same_model(device, tmp_path):
+    # get_peft_model(stack_layers(model)), and an adapter loaded into a stacked
+    # base model, as stack_layers(get_peft_model(model)).
+    reference, model = peft_pair(**Q_AND_V)
+    torch.manual_seed(0)
+    adapted_after = get_peft_model(stack_layers(make_model(layers=LAYERS)), LoraConfig(**Q_AND_V))
+    assert type(stacked(adapted_after)) is StackedLayers
+    assert not stacked(adapted_after).stacked.self_attn.q_proj.base_layer.weight.requires_grad
+    assert [name for name, p in adapted_after.named_parameters() if p.requires_grad] == [
+        name for name, p in model.named_parameters() if p.requires_grad]
+    reference.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(stack_layers(make_model(layers=LAYERS)), tmp_path,
+                                       is_trainable=True)
+    assert type(stacked(loaded)) is StackedLayers
+    for key, value in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    ids, mask = batch(device)
+    losses = []
+    for which in (reference, loaded):
+        which.to(device).train()
+        loss = which(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        losses.append((loss, per_layer_grads(which)))
+    (reference_loss, reference_grads), (loss, grads) = losses
+    close(loss, reference_loss)
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in reference_grads.items():
+        close(grads[name], grad, atol=1e-5)

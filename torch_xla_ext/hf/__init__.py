@@ -84,14 +84,16 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     a cache that holds tokens (each decoding step) or a StaticCache these
     layers run one by one, with a `LayerByLayerWarning`.
 
-    peft: `stack_layers(get_peft_model(model, config))` trains the LoRA
-    adapters as one scan (the base weights stay stacked and frozen);
-    `save_pretrained`, `merge_and_unload` and `unload` of the PeftModel work
-    as unconverted (merge_and_unload returns the merged model stacked; see
-    `torch_xla_ext.hf.adapters`). Apply get_peft_model first: after
-    stack_layers, peft finds no modules to adapt and refuses. peft's other
-    whole-model operations (`disable_adapter`, `set_adapter`, ...) do not
-    reach the stacked layers; `unstack_layers(model)` undoes the conversion.
+    peft: `stack_layers(get_peft_model(model, config))` and
+    `get_peft_model(stack_layers(model), config)` give the same model, whose
+    LoRA adapters train as one scan (the base weights stay stacked and
+    frozen); `save_pretrained`, `PeftModel.from_pretrained` (of a stacked
+    base model too), `merge_and_unload` and `unload` work as unconverted
+    (merge_and_unload returns the merged model stacked). The first call
+    teaches peft's classes to see stacked layers as modules (see
+    `torch_xla_ext.hf.adapters`); peft's other whole-model operations
+    (`disable_adapter`, `set_adapter`, ...) do not reach the stacked layers:
+    `unstack_layers(model)` undoes the conversion.
 
     Not supported, and refused with an error that says so: layers of one kind
     that are not alike (a setting changed on one layer: the scan runs the
@@ -118,6 +120,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
+    adapters.teach_peft()
     path = layers_path(model) if path is None else path
     layers = submodule(model, path)
     if isinstance(layers, STACKS):
@@ -148,7 +151,6 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     except (TypeError, ValueError) as error:
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
     setattr(owner, name, stack)
-    adapters.reach_stacked_adapters(model)
     return model
 
 
@@ -179,7 +181,7 @@ def layers_as_modules(model: nn.Module):
     stacked ones (no copies): for code that reads each layer as a module of
     the model, such as peft's save_pretrained."""
     stacks = [(model.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2],
-               model.get_submodule(path)) for path in _stacked_paths(model)]
+               model.get_submodule(path)) for path in stacked_paths(model)]
     for parent, name, stack in stacks:
         # By index: a slice of all the layers of a StackedLayers is the stack itself.
         setattr(parent, name, nn.ModuleList([stack[index] for index in range(len(stack))]))
@@ -190,13 +192,13 @@ def layers_as_modules(model: nn.Module):
             setattr(parent, name, stack)
 
 
-def _stacked_paths(model: nn.Module) -> list[str]:
+def stacked_paths(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, STACKS)]
 
 
 def _stacked_path(model: nn.Module) -> str:
     """The path of the model's one StackedLayers."""
-    found = _stacked_paths(model)
+    found = stacked_paths(model)
     if len(found) != 1:
         raise ValueError(f"unstack_layers: {type(model).__name__} holds {len(found)} "
                          f"StackedLayers ({found}); pass path='...' naming the one meant.")

@@ -1,19 +1,23 @@
-"""peft's whole-model operations on a PeftModel whose layers stack_layers stacked.
+"""peft's whole-model operations on models whose layers stack_layers stacked.
 
-peft finds the modules it adapted by walking the model's modules for its tuner
-layers (`named_modules()`): in `save_pretrained` (which adapter tensors to
-save) and in `merge_and_unload`/`unload` (which modules to merge and replace).
-A stack keeps the layers' modules in its template, out of that walk: peft
-would save an empty adapter and leave the adapters in the merged model. So
-`stack_layers` gives a PeftModel these three methods, which let peft's own
-code see the layers as modules of the model:
+peft finds the modules it adapts, saves and merges by walking the model's
+modules (`named_modules()`): when it adds an adapter (`get_peft_model`,
+`PeftModel.from_pretrained`, `add_adapter`), when it saves or loads one (which
+adapter tensors there are), and when it merges or drops them
+(`merge_and_unload`, `unload`). A stack keeps the layers' modules in its
+template, out of that walk: peft would refuse the stacked tensors as targets,
+save an empty adapter and leave the adapters in a merged model. So the first
+`stack_layers` call in a process where peft is installed teaches peft's
+classes to see the layers as modules, for a model that holds a stack (any
+other model is left to peft's own code):
 
-* `save_pretrained` runs with the layers as modules whose tensors are views
-  of the stacked ones (no copies; the stack is back afterwards, so training
-  goes on with the same parameters and optimizer);
-* `merge_and_unload` and `unload` unstack the layers (a copy of their
-  tensors), let peft merge or drop the adapters, and stack the layers of the
-  model they return, with the same options.
+* adding an adapter and merging or dropping the adapters unstack the
+  layers (a copy of their tensors), let peft do its work on them, and stack
+  them again with the same options: `get_peft_model(stack_layers(model))`
+  and `stack_layers(get_peft_model(model))` give the same model;
+* saving and loading an adapter run with the layers as modules whose
+  tensors are views of the stacked ones (no copies; the stack is back
+  afterwards, so training goes on with the same parameters and optimizer).
 
 This is the one place that knows about peft; the rest of torch_xla_ext treats
 its modules as any other (peft's `kwargs['target_name']` is a setting that
@@ -21,51 +25,64 @@ only names its module, see `layer_stack.alike`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import sys
+import importlib.util
 
 from torch import nn
 
-
-def reach_stacked_adapters(model: nn.Module) -> None:
-    """Gives `model`, if it is a PeftModel, the methods above, by making it an
-    instance of a subclass of its class (of the same name)."""
-    peft = sys.modules.get("peft")  # a model can only be a PeftModel once peft is imported
-    if (peft is not None and isinstance(model, peft.PeftModel)
-            and not getattr(type(model), "_reaches_stacked_adapters", False)):
-        model.__class__ = _reaching_stacked_adapters(type(model))
+_taught = False
 
 
-@functools.cache
-def _reaching_stacked_adapters(peft_model_class: type) -> type:
-    from torch_xla_ext.hf import layers_as_modules, stack_layers, unstack_layers
-    from torch_xla_ext.hf.stacks import StackedLayers
+def teach_peft() -> None:
+    """Wraps peft's whole-model operations (above), once per process, if peft
+    is installed."""
+    global _taught
+    if _taught or importlib.util.find_spec("peft") is None:
+        return
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
 
-    def save_pretrained(self, *args, **kwargs):
-        with layers_as_modules(self):
-            return peft_model_class.save_pretrained(self, *args, **kwargs)
+    BaseTuner.inject_adapter = _on_unstacked_layers(BaseTuner.inject_adapter,
+                                                    lambda tuner, model, *_, **__: model)
+    for name in ("merge_and_unload", "unload"):
+        setattr(BaseTuner, name, _on_unstacked_layers(getattr(BaseTuner, name),
+                                                      lambda tuner, *_, **__: tuner.model))
+    for name in ("save_pretrained", "load_adapter"):
+        setattr(PeftModel, name, _on_layer_modules(getattr(PeftModel, name)))
+    _taught = True
 
-    def unloaded(self, method: str, args, kwargs) -> nn.Module:
-        stacks = [module for module in self.modules() if isinstance(module, StackedLayers)]
-        if not stacks:  # unstacked already
-            return getattr(self.base_model, method)(*args, **kwargs)
-        options = dict(partition_fn=stacks[0].partition_fn, is_layer_pure=stacks[0].is_layer_pure,
-                       per_layer_attributes=stacks[0].per_layer_attributes)
-        model = getattr(unstack_layers(self).base_model, method)(*args, **kwargs)
-        return stack_layers(model, **options)
 
-    def merge_and_unload(self, *args, **kwargs):
-        return unloaded(self, "merge_and_unload", args, kwargs)
+def _on_unstacked_layers(method, model_of):
+    """`method`, run with the stacks of `model_of(*its arguments)` unstacked."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with _unstacked(model_of(*args, **kwargs)):
+            return method(*args, **kwargs)
+    return wrapper
 
-    def unload(self, *args, **kwargs):
-        return unloaded(self, "unload", args, kwargs)
 
-    return type(peft_model_class.__name__, (peft_model_class,), {
-        "__module__": peft_model_class.__module__,
-        "__qualname__": peft_model_class.__qualname__,
-        "__doc__": peft_model_class.__doc__,
-        "_reaches_stacked_adapters": True,
-        "save_pretrained": save_pretrained,
-        "merge_and_unload": merge_and_unload,
-        "unload": unload,
-    })
+def _on_layer_modules(method):
+    """`method` of a PeftModel, run with its stacks' layers as modules."""
+    @functools.wraps(method)
+    def wrapper(peft_model, *args, **kwargs):
+        from torch_xla_ext.hf import layers_as_modules
+        with layers_as_modules(peft_model):
+            return method(peft_model, *args, **kwargs)
+    return wrapper
+
+
+@contextlib.contextmanager
+def _unstacked(model: nn.Module):
+    """Unstacks the model's stacks for the block (which may replace modules in
+    the layers: peft's adapters), then stacks the layers again, at the same
+    paths and with the same options, whatever the block did or raised."""
+    from torch_xla_ext.hf import stack_layers, stacked_paths, unstack_layers
+    stacks = [(path, model.get_submodule(path).stack_options()) for path in stacked_paths(model)]
+    for path, _ in stacks:
+        unstack_layers(model, path)
+    try:
+        yield
+    finally:
+        for path, options in stacks:
+            stack_layers(model, path, **options)

@@ -166,6 +166,10 @@ class GroupedLayers(nn.Module):
     def __iter__(self):
         return (self[index] for index in range(len(self)))
 
+    def stack_options(self) -> dict:
+        """The options the segments' stacks were made with."""
+        return self.segments[0].stack_options()
+
     def unstacked(self) -> list[nn.Module]:
         """The layers as modules of their own, their tensors copied (LayerStack.unstacked)."""
         return [layer for stack in self.segments for group in stack.unstacked()

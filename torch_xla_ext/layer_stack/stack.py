@@ -22,13 +22,6 @@ from torch_xla_ext.scan import Lowered
 class _StackedTensors(nn.Module):
     """Holds the stacked tensors of one submodule path of the layers."""
 
-    def extra_repr(self) -> str:
-        # What a library that finds this module by name (peft's get_peft_model,
-        # which then refuses it) shows of it: say what it is and what to do.
-        return ("every layer's tensors, stacked by torch_xla_ext's stack_layers or LayerStack; "
-                "adapt the layers first (peft: get_peft_model(model, config)), then stack them "
-                "(stack_layers(model))")
-
 
 def _meta_copy(layer: nn.Module, shared: Iterable) -> nn.Module:
     """A deep copy of `layer` whose parameters and buffers are meta tensors (no
@@ -223,6 +216,11 @@ class LayerStack(nn.Module):
         if device_kind is None:
             device_kind = torch_xla.runtime.device_type()
         return running.lower(self._layers(), hidden, args, kwargs, device_kind)
+
+    def stack_options(self) -> dict:
+        """The options this stack was made with, to make another alike."""
+        return dict(partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
+                    per_layer_attributes=tuple(sorted(self.per_layer_attributes)))
 
     def _layers(self) -> running.Layers:
         return running.Layers(
