@@ -28,7 +28,7 @@ import re
 from typing import Callable, Hashable, Iterable, Sequence
 
 from torch import nn
-from torch.utils._pytree import tree_flatten_with_path
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
 from torch_xla_ext.layer_stack import running
 from torch_xla_ext.layer_stack.stack import LayerStack
@@ -237,18 +237,26 @@ class GroupedLayers(nn.Module):
                 f"objects (per kind of layer), or run this model unconverted.")
 
 
+def _same_leaf(leaf, reference) -> bool:
+    """The same object, or an equal plain constant of the same type."""
+    return leaf is reference or (isinstance(leaf, VALUE_TYPES) and type(leaf) is type(reference)
+                                 and leaf == reference)
+
+
 def _differing_argument(first: tuple, other: tuple) -> str | None:
     """The first argument of `other` ('kwargs['attention_mask']') that is not
-    `first`'s: the same object, or an equal plain constant of the same type."""
+    `first`'s (`_same_leaf`)."""
+    # Every layer after the first group's is checked, each step: the common
+    # case, all the same, without building the arguments' paths.
+    (first_leaves, first_spec), (other_leaves, other_spec) = map(tree_flatten, (first, other))
+    if first_spec == other_spec and all(map(_same_leaf, other_leaves, first_leaves)):
+        return None
     first_leaves, other_leaves = (tree_flatten_with_path(each)[0] for each in (first, other))
     first_paths = [path for path, _ in first_leaves]
     for path, leaf in other_leaves:
         if path not in first_paths:
             return running._argument_path(path)
-        reference = first_leaves[first_paths.index(path)][1]
-        same = leaf is reference or (isinstance(leaf, VALUE_TYPES) and type(leaf) is type(reference)
-                                     and leaf == reference)
-        if not same:
+        if not _same_leaf(leaf, first_leaves[first_paths.index(path)][1]):
             return running._argument_path(path)
     missing = [path for path in first_paths if path not in {path for path, _ in other_leaves}]
     return running._argument_path(missing[0]) if missing else None
