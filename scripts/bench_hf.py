@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Benchmark a training step of transformers causal LMs (LlamaForCausalLM by
-default; --family llama,qwen3,gemma2,gpt2; --lora) four ways.
+default; --family llama,qwen3,gemma2,gemma3,qwen2-window,gpt2; --lora) four
+ways.
 
 * loop:            the model as transformers builds it (its forward's for loop
                    over the decoder layers),
@@ -16,7 +17,10 @@ default; --family llama,qwen3,gemma2,gpt2; --lora) four ways.
                    (Llama's layer call, without --lora; skipped otherwise).
 
 --family runs each family in turn, at the same sizes (hidden, heads,
-intermediate, vocab; GPT-2 has as many key/value heads as heads), dropout off.
+intermediate, vocab; GPT-2 has as many key/value heads as heads), dropout off;
+gemma3 (text) has its default pattern of 5 sliding-window layers and 1 full,
+qwen2-window full attention in its first half and a window of half the
+sequence in the rest.
 --lora trains LoRA adapters (peft, r=8, on the attention's query and value
 projections; GPT-2's fused c_attn) in every mode: get_peft_model first, then
 stack_layers; only the adapters are trained.
@@ -51,7 +55,7 @@ import statistics
 import harness  # first: it sets the default device before torch_xla is imported
 
 MODES = ("loop", "stack_layers", "stack_layers+cache", "torch-xla-scan")
-FAMILIES = ("llama", "qwen3", "gemma2", "gpt2")
+FAMILIES = ("llama", "qwen3", "gemma2", "gemma3", "qwen2-window", "gpt2")
 # What LoRA adapts in each family: the attention's query and value projections.
 LORA_TARGETS = {"gpt2": ["c_attn"]}
 DEFAULT_LORA_TARGETS = ["q_proj", "v_proj"]
@@ -78,13 +82,21 @@ def model_config(args, use_cache: bool):
             attn_pdrop=0.0, use_cache=use_cache)
     if args.family == "llama":
         return harness.llama_config(args, use_cache=use_cache)
-    config_class = {"qwen3": transformers.Qwen3Config,
-                    "gemma2": transformers.Gemma2Config}[args.family]
+    config_class, settings = {
+        "qwen3": (transformers.Qwen3Config, {}),
+        "gemma2": (transformers.Gemma2Config, {}),
+        "gemma3": (transformers.Gemma3TextConfig, {}),
+        # The first half of the layers full attention, the rest a sliding window
+        # shorter than the sequence.
+        "qwen2-window": (transformers.Qwen2Config, dict(
+            use_sliding_window=True, max_window_layers=args.layers // 2,
+            sliding_window=args.seq // 2)),
+    }[args.family]
     return config_class(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-        use_cache=use_cache)
+        use_cache=use_cache, **settings)
 
 
 def make_model(args):
