@@ -163,3 +163,26 @@ def test_stack_layers_first_gives_the_same_model(device, tmp_path):
     assert grads.keys() == reference_grads.keys()
     for name, grad in reference_grads.items():
         close(grads[name], grad, atol=1e-5)
+
+
+PEFT_IMPORTED_AFTER = """
+import sys, torch, transformers
+import torch_xla_ext as tx
+torch.manual_seed(0)
+model = tx.stack_layers(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2)))
+assert "peft" not in sys.modules, "stack_layers imported peft"
+from peft import LoraConfig, get_peft_model
+adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+print(type(adapted.base_model.model.model.layers).__name__,
+      sorted(name for name, p in adapted.named_parameters() if p.requires_grad))
+"""
+
+
+def test_peft_imported_after_stack_layers_is_taught_then(run_isolated):
+    # stack_layers does not import peft (seconds) for users who do not use it.
+    result = run_isolated(PEFT_IMPORTED_AFTER)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("StackedLayers ['base_model.model.model.layers.stacked."
+                                    "self_attn.q_proj.lora_A.default.weight'"), result.stdout

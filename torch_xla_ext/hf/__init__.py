@@ -90,8 +90,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     frozen); `save_pretrained`, `PeftModel.from_pretrained` (of a stacked
     base model too), `merge_and_unload` and `unload` work as unconverted
     (merge_and_unload returns the merged model stacked). The first call
-    teaches peft's classes to see stacked layers as modules (see
-    `torch_xla_ext.hf.adapters`); peft's other whole-model operations
+    teaches peft's classes to see stacked layers as modules, when peft is
+    imported (see `torch_xla_ext.hf.adapters`); peft's other whole-model operations
     (`disable_adapter`, `set_adapter`, ...) do not reach the stacked layers:
     `unstack_layers(model)` undoes the conversion.
 

@@ -9,7 +9,9 @@ template, out of that walk: peft would refuse the stacked tensors as targets,
 save an empty adapter and leave the adapters in a merged model. So the first
 `stack_layers` call in a process where peft is installed teaches peft's
 classes to see the layers as modules, for a model that holds a stack (any
-other model is left to peft's own code):
+other model is left to peft's own code): at once if peft is imported, else
+when it is (importing peft takes seconds, which a user who does not use it
+should not pay):
 
 * adding an adapter and merging or dropping the adapters unstack the
   layers (a copy of their tensors), let peft do its work on them, and stack
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
 import importlib.util
+import sys
 
 from torch import nn
 
@@ -36,10 +40,35 @@ _taught = False
 
 def teach_peft() -> None:
     """Wraps peft's whole-model operations (above), once per process, if peft
-    is installed."""
-    global _taught
-    if _taught or importlib.util.find_spec("peft") is None:
+    is installed: now if it is imported, else as soon as it is."""
+    if _taught or any(isinstance(finder, _TeachingPeftOnImport) for finder in sys.meta_path):
         return
+    if "peft" in sys.modules:
+        _teach()
+    elif importlib.util.find_spec("peft") is not None:
+        sys.meta_path.insert(0, _TeachingPeftOnImport())
+
+
+class _TeachingPeftOnImport(importlib.abc.MetaPathFinder):
+    """Finds peft as the other finders do, and teaches it once it is executed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "peft":
+            return None
+        sys.meta_path.remove(self)  # once; and the search below must not find this finder
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            execute = spec.loader.exec_module
+
+            def execute_and_teach(module):
+                execute(module)
+                _teach()
+            spec.loader.exec_module = execute_and_teach
+        return spec
+
+
+def _teach() -> None:
+    global _taught
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner
 
