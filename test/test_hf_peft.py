@@ -151,6 +151,10 @@ def test_stack_layers_first_gives_the_same_model(device, tmp_path):
     assert type(stacked(loaded)) is StackedLayers
     for key, value in reference.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+    # A second adapter loaded into the stacked model is there, stacked.
+    loaded.load_adapter(tmp_path, adapter_name="second")
+    assert type(stacked(loaded)) is StackedLayers
+    assert stacked(loaded).stacked.self_attn.q_proj.lora_A.second.weight.shape == (LAYERS, 4, 32)
     ids, mask = batch(device)
     losses = []
     for which in (reference, loaded):

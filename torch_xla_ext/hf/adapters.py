@@ -13,13 +13,14 @@ other model is left to peft's own code): at once if peft is imported, else
 when it is (importing peft takes seconds, which a user who does not use it
 should not pay):
 
-* adding an adapter and merging or dropping the adapters unstack the
-  layers (a copy of their tensors), let peft do its work on them, and stack
-  them again with the same options: `get_peft_model(stack_layers(model))`
-  and `stack_layers(get_peft_model(model))` give the same model;
-* saving and loading an adapter run with the layers as modules whose
-  tensors are views of the stacked ones (no copies; the stack is back
-  afterwards, so training goes on with the same parameters and optimizer).
+* adding or loading an adapter and merging or dropping the adapters unstack
+  the layers (a copy of their tensors), let peft do its work on them, and
+  stack them again with the same options: `get_peft_model(stack_layers(model))`
+  and `stack_layers(get_peft_model(model))` give the same model (loading may
+  add modules to the layers, which views of them would lose);
+* saving an adapter runs with the layers as modules whose tensors are views
+  of the stacked ones (no copies; the stack is back afterwards, so training
+  goes on with the same parameters and optimizer).
 
 This is the one place that knows about peft; the rest of torch_xla_ext treats
 its modules as any other (peft's `kwargs['target_name']` is a setting that
@@ -77,8 +78,9 @@ def _teach() -> None:
     for name in ("merge_and_unload", "unload"):
         setattr(BaseTuner, name, _on_unstacked_layers(getattr(BaseTuner, name),
                                                       lambda tuner, *_, **__: tuner.model))
-    for name in ("save_pretrained", "load_adapter"):
-        setattr(PeftModel, name, _on_layer_modules(getattr(PeftModel, name)))
+    PeftModel.load_adapter = _on_unstacked_layers(PeftModel.load_adapter,
+                                                  lambda peft_model, *_, **__: peft_model)
+    PeftModel.save_pretrained = _on_layer_modules(PeftModel.save_pretrained)
     _taught = True
 
 
