@@ -89,7 +89,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         for chosen in range(1, max_new_tokens + 1):
             token = stop.apply(choose(logits))
             sequences.index_copy_(1, (fed + 1).reshape(1), token[:, None].to(sequences.dtype))
-            choose.end_step()
+            _end_step(device, keep_draws=choose.do_sample)
             if chosen == max_new_tokens or stop.all_ended():
                 break
             position, fed = position + 1, fed + 1
@@ -134,7 +134,6 @@ class _TokenChoice:
                 raise ValueError(f"generate: top_k must be >= 0 (0: no cut), got {self.top_k}")
             if not 0 < self.top_p <= 1:
                 raise ValueError(f"generate: top_p must be in (0, 1], got {self.top_p}")
-        self._rng_state = None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.do_sample:
@@ -151,20 +150,18 @@ class _TokenChoice:
             dropped = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
             dropped[:, -1] = False
             logits = logits.masked_fill(dropped.scatter(1, order, dropped), float("-inf"))
-        token = torch.multinomial(logits.softmax(dim=-1), num_samples=1)[:, 0]
-        # transformers never syncs, so its draws follow one seed sequence; a
-        # sync would start a new one. The state after this draw is put back
-        # after the step's sync (end_step), so the next draw is its next.
-        self._rng_state = token.device, xm.get_rng_state(token.device)
-        return token
+        return torch.multinomial(logits.softmax(dim=-1), num_samples=1)[:, 0]
 
-    def end_step(self) -> None:
-        """Cuts the step's graph (the prefill's, then the one every decode step
-        runs), keeping the draws' seed sequence."""
-        torch_xla.sync()
-        if self._rng_state is not None:
-            device, state = self._rng_state
-            xm.set_rng_state(state, device)
+
+def _end_step(device, keep_draws: bool) -> None:
+    """Cuts the step's graph (the prefill's, then the one every decoding step
+    runs). transformers never syncs, so its draws follow one seed sequence; a
+    sync starts a new one, so with `keep_draws` the state after the step's
+    draw is put back after it, and the next draw is its next."""
+    state = xm.get_rng_state(device) if keep_draws else None
+    torch_xla.sync()
+    if state is not None:
+        xm.set_rng_state(state, device)
 
 
 class _Stop:
