@@ -169,6 +169,60 @@ def test_stack_layers_first_gives_the_same_model(device, tmp_path):
         close(grads[name], grad, atol=1e-5)
 
 
+def test_disable_adapter_and_set_adapter_reach_the_stacked_layers(device, tmp_path):
+    # As TRL's DPO does with a LoRA model: the reference logits with the
+    # adapters off, then the policy's loss; and switching between two adapters.
+    reference, model = peft_pair(**Q_AND_V)
+    peft_model(seed=1, **Q_AND_V).save_pretrained(tmp_path)
+    ids, mask = batch(device)
+    results = []
+    for which in (reference, model):
+        which.load_adapter(tmp_path, adapter_name="other")
+        which.to(device).train()
+        optimizer = torch.optim.SGD([p for p in which.parameters() if p.requires_grad], lr=1.0)
+        logits = {}
+        with torch.no_grad(), which.disable_adapter():
+            assert which.get_model_status().enabled is False
+            logits["off"] = which(input_ids=ids, attention_mask=mask).logits
+        assert which.get_model_status().enabled is True
+        loss = which(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        grads = {name: grad.clone() for name, grad in per_layer_grads(which).items()}
+        optimizer.step()  # the optimizer made before set_adapter still holds the parameters
+        which.set_adapter("other")
+        with torch.no_grad():
+            logits["other"] = which(input_ids=ids, attention_mask=mask).logits
+        which.set_adapter("default")
+        with torch.no_grad():
+            logits["default"] = which(input_ids=ids, attention_mask=mask).logits
+        results.append((logits, loss, grads))
+        status = {layer.name: layer.requires_grad for layer in which.get_layer_status()}
+        assert status["model.model.layers.1.self_attn.q_proj"] == {
+            "default": True, "other": False}
+    (reference_logits, reference_loss, reference_grads), (logits, loss, grads) = results
+    for key, value in reference_logits.items():
+        close(logits[key], value, atol=1e-5)
+    assert not torch.allclose(logits["off"].cpu(), logits["default"].cpu(), atol=1e-3)
+    assert not torch.allclose(logits["other"].cpu(), logits["default"].cpu(), atol=1e-3)
+    close(loss, reference_loss)
+    assert grads.keys() == reference_grads.keys() and all("default" in name for name in grads)
+    for name, grad in reference_grads.items():
+        close(grads[name], grad, atol=1e-5)
+    layers = stacked(model).stacked.self_attn.q_proj
+    assert layers.lora_A.default.weight.requires_grad
+    assert not layers.lora_A.other.weight.requires_grad
+    assert not layers.base_layer.weight.requires_grad
+
+
+def test_delete_adapter_removes_it_from_the_stacked_layers(tmp_path):
+    _, model = peft_pair(**Q_AND_V)
+    peft_model(seed=1, **Q_AND_V).save_pretrained(tmp_path)
+    model.load_adapter(tmp_path, adapter_name="other")
+    model.delete_adapter("other")
+    assert type(stacked(model)) is StackedLayers
+    assert not any("other" in name for name in model.state_dict())
+
+
 PEFT_IMPORTED_AFTER = """
 import sys, torch, transformers
 import torch_xla_ext as tx

@@ -89,11 +89,12 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     LoRA adapters train as one scan (the base weights stay stacked and
     frozen); `save_pretrained`, `PeftModel.from_pretrained` (of a stacked
     base model too), `merge_and_unload` and `unload` work as unconverted
-    (merge_and_unload returns the merged model stacked). The first call
-    teaches peft's classes to see stacked layers as modules, when peft is
-    imported (see `torch_xla_ext.hf.adapters`); peft's other whole-model operations
-    (`disable_adapter`, `set_adapter`, ...) do not reach the stacked layers:
-    `unstack_layers(model)` undoes the conversion.
+    (merge_and_unload returns the merged model stacked), and so do
+    `disable_adapter()`, `set_adapter`, `load_adapter`, `delete_adapter` and
+    the adapters' status. The first call teaches peft's classes to see
+    stacked layers as modules, when peft is imported (see
+    `torch_xla_ext.hf.adapters`); `unstack_layers(model)` undoes the
+    conversion, for peft's other operations.
 
     Not supported, and refused with an error that says so: layers of one kind
     that are not alike (a setting changed on one layer: the scan runs the

@@ -18,9 +18,17 @@ should not pay):
   stack them again with the same options: `get_peft_model(stack_layers(model))`
   and `stack_layers(get_peft_model(model))` give the same model (loading may
   add modules to the layers, which views of them would lose);
-* saving an adapter runs with the layers as modules whose tensors are views
+* saving an adapter, and reading the adapters' status (`get_model_status`,
+  `get_layer_status`), run with the layers as modules whose tensors are views
   of the stacked ones (no copies; the stack is back afterwards, so training
-  goes on with the same parameters and optimizer).
+  goes on with the same parameters and optimizer);
+* switching adapters on and off (`disable_adapter()`, `enable_adapter_layers`)
+  and choosing the active ones (`set_adapter`, `set_requires_grad`) run with
+  each stack's template layer (whose settings every layer's step runs) among
+  the model's modules; then each stacked tensor takes its template tensor's
+  `requires_grad`, as peft set it. The stacked parameters stay the same
+  objects, so an optimizer made before keeps them;
+* deleting an adapter unstacks the layers, as adding one does.
 
 This is the one place that knows about peft; the rest of torch_xla_ext treats
 its modules as any other (peft's `kwargs['target_name']` is a setting that
@@ -35,6 +43,8 @@ import importlib.util
 import sys
 
 from torch import nn
+
+from torch_xla_ext.layer_stack import LayerStack
 
 _taught = False
 
@@ -75,12 +85,15 @@ def _teach() -> None:
 
     BaseTuner.inject_adapter = _on_unstacked_layers(BaseTuner.inject_adapter,
                                                     lambda tuner, model, *_, **__: model)
-    for name in ("merge_and_unload", "unload"):
+    for name in ("merge_and_unload", "unload", "delete_adapter"):
         setattr(BaseTuner, name, _on_unstacked_layers(getattr(BaseTuner, name),
                                                       lambda tuner, *_, **__: tuner.model))
     PeftModel.load_adapter = _on_unstacked_layers(PeftModel.load_adapter,
                                                   lambda peft_model, *_, **__: peft_model)
-    PeftModel.save_pretrained = _on_layer_modules(PeftModel.save_pretrained)
+    for name in ("save_pretrained", "get_model_status", "get_layer_status"):
+        setattr(PeftModel, name, _on_layer_modules(getattr(PeftModel, name)))
+    for name in ("_enable_adapter_layers", "set_adapter", "set_requires_grad"):
+        setattr(BaseTuner, name, _on_templates(getattr(BaseTuner, name)))
     _taught = True
 
 
@@ -101,6 +114,34 @@ def _on_layer_modules(method):
         with layers_as_modules(peft_model):
             return method(peft_model, *args, **kwargs)
     return wrapper
+
+
+def _on_templates(method):
+    """`method` of a tuner, run with its model's template layers as modules."""
+    @functools.wraps(method)
+    def wrapper(tuner, *args, **kwargs):
+        with _templates_as_modules(tuner.model):
+            return method(tuner, *args, **kwargs)
+    return wrapper
+
+
+@contextlib.contextmanager
+def _templates_as_modules(model: nn.Module):
+    """While the block runs, each stack's template layer is a submodule of
+    the stack (`<stack>.template`), for peft to change its settings; after
+    it, each stacked tensor takes the `requires_grad` of its template tensor."""
+    stacks = [module for module in model.modules()
+              if isinstance(module, LayerStack) and module._template is not None]
+    for stack in stacks:
+        stack._modules["template"] = stack._template
+    try:
+        yield
+    finally:
+        for stack in stacks:
+            del stack._modules["template"]
+            in_template = dict(stack._template.named_parameters())
+            for name, param in stack.stacked.named_parameters():
+                param.requires_grad_(in_template[name].requires_grad)
 
 
 @contextlib.contextmanager
