@@ -1,6 +1,8 @@
 """stack_layers on transformers models whose config.layer_types mixes kinds
 (Gemma2, Gemma3, Qwen2 with a sliding window on its later layers), against
-the same model unconverted."""
+the same model unconverted: one scan whose layers pick their kind's
+arguments, and the few scans of StackedLayerKinds (for kinds that differ in
+more than their settings)."""
 import copy
 import re
 import warnings
@@ -9,9 +11,10 @@ import pytest
 import torch
 import torch_xla
 import transformers
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from test_hf import batch, close, compilations, device, per_layer_grads  # noqa: F401 (fixture)
-from torch_xla_ext.hf import StackedLayerKinds, stack_layers, unstack_layers
+from torch_xla_ext.hf import StackedLayerKinds, StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 from torch_xla_ext.layer_stack.groups import Segment, unconverted_name
 
@@ -20,22 +23,31 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, sliding_window=4, use_cache=False)
 FAMILIES = {
-    "gemma2": (lambda **config: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        num_hidden_layers=4, **config)), [Segment(0, 2, 2)]),
-    "gemma3": (lambda **config: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+    # Gemma2's default attention is eager (every kind gets a mask); Gemma3 and
+    # Qwen2's SDPA passes full-attention layers None without padding.
+    "gemma2": lambda **config: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        num_hidden_layers=4, **config)),
+    "gemma3": lambda **config: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         num_hidden_layers=7, layer_types=[SLIDING, SLIDING, FULL] * 2 + [SLIDING], **config)),
-        [Segment(0, 3, 2), Segment(6, 1, 1)]),
-    "qwen2": (lambda **config: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+    "qwen2": lambda **config: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         num_hidden_layers=4, use_sliding_window=True, max_window_layers=2, **config)),
-        [Segment(0, 1, 2), Segment(2, 1, 2)]),
 }
+# The plan of StackedLayerKinds for Gemma3's layers: two groups of the pattern, then one layer.
+GEMMA3_GROUPS = [Segment(0, 3, 2), Segment(6, 1, 1)]
 
 
-def converted_pair(family, **config):
-    """An unconverted model and a converted copy with the same weights."""
+def converted_pair(family, groups=False, **config):
+    """An unconverted model and a converted copy with the same weights; with
+    `groups`, its layers are a StackedLayerKinds, as stack_layers makes for
+    kinds that differ in more than their settings."""
     torch.manual_seed(0)
-    reference = FAMILIES[family][0](**{**COMMON, **config})
-    return reference, stack_layers(copy.deepcopy(reference))
+    reference = FAMILIES[family](**{**COMMON, **config})
+    model = copy.deepcopy(reference)
+    if groups:
+        model.model.layers = StackedLayerKinds(model.model.layers, model.config.layer_types,
+                                               model.config)
+        return reference, model
+    return reference, stack_layers(model)
 
 
 def unconverted_grads(model) -> dict:
@@ -46,13 +58,20 @@ def unconverted_grads(model) -> dict:
             for name, grad in per_layer_grads(model).items()}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_training_matches_the_unconverted_model_as_scans(device, family):
+@pytest.mark.parametrize("family, groups", [
+    ("gemma2", False), ("gemma3", False), ("qwen2", False), ("gemma3", True)],
+    ids=["gemma2", "gemma3", "qwen2", "gemma3-groups"])
+def test_training_matches_the_unconverted_model_as_scans(device, family, groups):
     # use_cache=True, the configs' default: the model makes itself an empty
     # DynamicCache, which the scans fill.
-    reference, model = converted_pair(family, use_cache=True)
-    assert type(model.model.layers) is StackedLayerKinds
-    assert model.model.layers.plan == FAMILIES[family][1]
+    reference, model = converted_pair(family, groups, use_cache=True)
+    layers = model.model.layers
+    if groups:
+        assert layers.plan == GEMMA3_GROUPS
+    else:
+        assert type(layers) is StackedLayers and {"sliding_window", "layer_type"} <= (
+            layers.kind_attributes)
+    scans = len(layers.plan) if groups else 1
     ids, mask = batch(device)
     results = {}
     for which in (reference, model):
@@ -70,8 +89,8 @@ def test_training_matches_the_unconverted_model_as_scans(device, family):
             if step == 0 and which is model:
                 hlo = torch_xla._XLAC._get_xla_tensors_hlo(
                     [loss, *(p.grad for p in model.parameters())])
-                # A forward and a backward loop per segment.
-                assert len(re.findall(r"\bwhile\(", hlo)) == 2 * len(model.model.layers.plan)
+                # A forward and a backward loop per scan.
+                assert len(re.findall(r"\bwhile\(", hlo)) == 2 * scans
             grads = unconverted_grads(which) if which is model else per_layer_grads(which)
             steps.append((loss.detach(), {k: g.detach().clone() for k, g in grads.items()}))
             optimizer.step()
@@ -106,7 +125,7 @@ def test_state_dict_and_layers_look_unconverted(family, tmp_path):
             == [name for name, _ in reference_layers[last].named_parameters()])
     # A checkpoint of the unconverted model loads under its per-layer keys.
     torch.manual_seed(1)
-    other = stack_layers(FAMILIES[family][0](**COMMON))
+    other = stack_layers(FAMILIES[family](**COMMON))
     result = other.load_state_dict(expected)
     assert not result.missing_keys and not result.unexpected_keys
     for key, value in expected.items():
@@ -120,15 +139,20 @@ def test_state_dict_and_layers_look_unconverted(family, tmp_path):
         assert torch.equal(model.state_dict()[key], value), key
 
 
-def test_a_later_group_given_other_arguments_is_refused(device):
-    reference, model = converted_pair("gemma2")
+@pytest.mark.parametrize("groups", [False, True], ids=["one-scan", "groups"])
+def test_a_layer_given_another_kinds_arguments_is_refused(device, groups):
+    reference, model = converted_pair("gemma2", groups)
     model.to(device).train()
     ids, mask = batch(device)
-    # Layer 3 is now given the sliding-window mask; layer 1, at its position in
-    # the first group, got the full one, which the scan used for layer 3.
+    # Layer 3 is now given the sliding-window mask; layer 1, the first of its
+    # kind (and at its position in the first group), got the full one, which
+    # the scan used for layer 3.
     model.config.layer_types = [SLIDING, FULL, SLIDING, SLIDING]
-    with pytest.raises(ValueError, match=r"layer 3 .* argument kwargs\['attention_mask'\] "
-                                         r"is not the one layer 1 got"):
+    message = (r"layer 3 .* argument kwargs\['attention_mask'\] is not the one layer 1 got"
+               if groups else r"layer 3 \(kind 'full_attention'\) is called with other "
+               r"arguments than the first layer of its kind \(its argument "
+               r"kwargs\['attention_mask'\]\)")
+    with pytest.raises(ValueError, match=message):
         model(ids, attention_mask=mask)
 
 
@@ -156,3 +180,28 @@ def test_a_prefill_fills_the_cache_and_decoding_runs_layer_by_layer(device, fami
     assert [t.shape for t in results[1]] == [t.shape for t in results[0]]
     for actual, expected in zip(*results):
         close(actual, expected)
+
+def halved_in_sliding_windows(module, query, key, value, attention_mask, sliding_window=None,
+                              **kwargs):
+    """An attention function of a user's own whose result depends on the layer's kind."""
+    output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return (output * 0.5 if sliding_window is not None else output), weights
+
+
+def test_kinds_whose_settings_change_the_computation_run_layer_by_layer(device):
+    transformers.AttentionInterface.register("halved_in_sliding_windows",
+                                             halved_in_sliding_windows)
+    reference, model = converted_pair("qwen2", attn_implementation="halved_in_sliding_windows")
+    assert type(model.model.layers) is StackedLayers
+    ids, mask = batch(device)
+    losses = []
+    for which in (reference, model):
+        which.to(device).train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses.append(which(ids, attention_mask=mask, labels=ids).loss)
+    assert [str(w.message) for w in caught if w.category is LayerByLayerWarning] == [
+        "The 4 layers ran one by one, as the for loop does, instead of as one scan: the layers' "
+        "kinds cannot share one trace: the layer computes another graph with the settings of its "
+        "kind 1 than with those of its kind 0."]
+    close(losses[1], losses[0])

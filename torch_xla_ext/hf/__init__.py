@@ -70,19 +70,33 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
 
     Layers of several kinds (`config.layer_types` not all the same: Gemma2's
     alternating sliding and full attention, Gemma3's pattern, Qwen2's
-    `max_window_layers`) become a `StackedLayerKinds`: the smallest repeating
-    pattern of kinds runs as one scan over groups of one period of layers,
-    and what does not fit whole periods (or a model whose kinds come in
-    blocks) as one scan per run of one kind; a few scans in one step graph.
-    The model's loop gets a callable per layer, so each layer still gets its
-    kind's mask and rotary table; a later group given other arguments than
-    the first group's raises. Its `state_dict()`, `len()` and `layers[i]` are
-    as above; `named_parameters()` names the stacked tensors per segment
+    `max_window_layers`) that differ only in settings telling the kinds apart
+    (`sliding_window`, `layer_type`) are one StackedLayers too, each layer
+    keeping its own settings: the model's loop gets a callable per layer,
+    the calls are recorded until each kind has been called once, and one
+    scan gives each layer its kind's mask and rotary table (each enters the
+    loop once; a step picks its layer's). The scan stands for every kind once
+    each kind's layer is shown, by tracing it on fake tensors, to compute the
+    same graph (transformers' eager and SDPA attention take `sliding_window`
+    and drop it: the mask does the windowing); else the layers run one by
+    one, with a `LayerByLayerWarning`, as they do when the kinds' arguments
+    differ in more than tensors of one shape. Where SDPA's full-attention
+    layers get no mask and the sliding ones a mask, the None becomes the
+    causal mask it stands for. A layer given another argument than the first
+    of its kind raises.
+
+    Kinds whose layers differ in more than that (other submodules or shapes)
+    become a `StackedLayerKinds`: the smallest repeating pattern of kinds
+    runs as one scan over groups of one period of layers, and what does not
+    fit whole periods (or a model whose kinds come in blocks) as one scan per
+    run of one kind; a few scans in one step graph. Its `state_dict()`,
+    `len()` and `layers[i]` are as above; `named_parameters()` names the
+    stacked tensors per segment
     (`model.layers.segments.0.stacked.layers.1.mlp.up_proj.weight`:
     position 1 of each group). An empty DynamicCache (use_cache=True, in
     training or a prompt's prefill) is filled from the scans, as above; with
-    a cache that holds tokens (each decoding step) or a StaticCache these
-    layers run one by one, with a `LayerByLayerWarning`.
+    a cache that holds tokens (each decoding step) or a StaticCache, layers
+    of several kinds run one by one, with a `LayerByLayerWarning`.
 
     peft: `stack_layers(get_peft_model(model, config))` and
     `get_peft_model(stack_layers(model), config)` give the same model, whose
@@ -148,7 +162,13 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
             stack = StackedLayers(layers, config, recorded_outputs(owner), **options)
             stack.iterated_by = iterated_by
         else:
-            stack = StackedLayerKinds(layers, kinds, config, recorded_outputs(owner), **options)
+            try:
+                stack = StackedLayers(layers, config, recorded_outputs(owner), kinds=kinds,
+                                      **options)
+            except (TypeError, ValueError):
+                # Kinds that differ in more than their settings: a few scans.
+                stack = StackedLayerKinds(layers, kinds, config, recorded_outputs(owner),
+                                          **options)
     except (TypeError, ValueError) as error:
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
     setattr(owner, name, stack)

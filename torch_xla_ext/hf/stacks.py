@@ -5,9 +5,12 @@ key/value cache as scans where the cache allows (`caches`), else layer by
 layer."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import inspect
 import sys
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +20,8 @@ from torch_xla_ext.hf.caches import (
     segment_starts_empty, stacked_buffers, starts_empty, static_cache, written_in_place)
 from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
+from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
+from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.running import Unscannable, run_layer_by_layer, run_recording
 
 
@@ -43,12 +48,30 @@ class StackedLayers(LayerStack):
     * Calls that ask for each layer's output (`output_hidden_states`,
       `output_attentions`, in the call or in the config) raise: one scan has no
       per-layer outputs.
+    * Layers of several `kinds` (`config.layer_types`: Gemma's sliding and full
+      attention) that differ only in settings telling the kinds apart
+      (`sliding_window`, ...) run as one scan too: the model's loop over
+      `layers[: n]` then calls each layer with its kind's arguments (see
+      `torch_xla_ext.layer_stack.kinds`), and the scan gives each layer its
+      kind's, once the layer is shown to compute the same with each kind's
+      settings (else the layers run one by one). Where transformers passes one
+      kind's layers no attention mask (SDPA's causal mask, or none, is theirs)
+      and another kind's a mask, the None becomes the mask it stands for.
     """
 
     def __init__(self, layers: Iterable[nn.Module], config=None,
-                 recorded_outputs: Iterable[str] = PER_LAYER_OUTPUTS, **options):
+                 recorded_outputs: Iterable[str] = PER_LAYER_OUTPUTS,
+                 kinds: Sequence | None = None, **options):
         layers = list(layers)
+        # The attributes that tell the kinds apart; each layer keeps its own.
+        per_layer = options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES)
+        self.__dict__["kind_attributes"] = (frozenset() if kinds is None
+                                            else kind_attributes(layers, kinds, per_layer))
+        if self.kind_attributes:
+            options["per_layer_attributes"] = tuple(sorted({*per_layer, *self.kind_attributes}))
         super().__init__(layers, **options)
+        self.layer_kinds = None if kinds is None else KindCalls(kinds)
+        self.__dict__["_given_per_layer_attributes"] = tuple(sorted(per_layer))
         self.model_config = config
         self.recorded_outputs = tuple(recorded_outputs)
         # (file, first line) of the forward whose loop iterates over the layers, if any.
@@ -58,8 +81,55 @@ class StackedLayers(LayerStack):
 
     def __getitem__(self, index):
         if isinstance(index, slice) and range(len(self))[index] == range(len(self)):
+            if self.layer_kinds is not None:
+                return [functools.partial(self._kind_call, each) for each in range(len(self))]
             return [self]
         return super().__getitem__(index)
+
+    def stack_options(self) -> dict:
+        # The per-layer attributes as given: the kinds' own are found again.
+        return {**super().stack_options(), "per_layer_attributes": self._given_per_layer_attributes}
+
+    def _kind_call(self, index: int, hidden_states, *args, **kwargs):
+        """Layer `index` of the model's loop over layers of several kinds: the
+        call of the first layer of the last kind runs them all."""
+        try:
+            if not self.layer_kinds.record(index, hidden_states, args, kwargs):
+                return hidden_states
+            calls = _explicit_attention_masks(self.layer_kinds.calls(), self.model_config,
+                                              self._template)
+            args, kwargs = self.layer_kinds.merged(calls)
+            return self(hidden_states, *args, **kwargs)
+        finally:
+            if index == len(self) - 1:
+                self.layer_kinds.clear()
+
+    def _layers(self):
+        layers = super()._layers()
+        if self.layer_kinds is None:
+            return layers
+        # The attributes that tell the kinds apart are read as the template's
+        # (layer 0's); the scan stands for every kind once each kind's layer
+        # is shown to compute the same.
+        kind_paths = {path for path in layers.per_layer_paths
+                      if path.rpartition(".")[2] in self.kind_attributes}
+        return dataclasses.replace(
+            layers, per_layer_paths=tuple(path for path in layers.per_layer_paths
+                                          if path not in kind_paths),
+            kind_layers=functools.partial(self._kind_templates, tuple(kind_paths)))
+
+    def _kind_templates(self, kind_paths: tuple) -> tuple[nn.Module, ...]:
+        """A copy of the template per kind, with that kind's settings."""
+        firsts = [self.layer_kinds.kinds.index(kind) for kind in self.layer_kinds.order]
+        templates = []
+        for first in firsts:
+            template = copy.deepcopy(self._template)
+            for path in kind_paths:
+                owner_path, _, name = path.rpartition(".")
+                setattr(template.get_submodule(owner_path), name,
+                        self.per_layer_values[path][first])
+            templates.append(template)
+        return tuple(templates)
 
     def __iter__(self):
         caller = sys._getframe(1).f_code
@@ -232,6 +302,32 @@ def _with_cache_by_name(template: nn.Module, hidden_states, args: tuple, kwargs:
             return None  # positional past the named ones: left to the layer-by-layer path
         keywords.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
     return keywords
+
+
+def _explicit_attention_masks(calls: list, config, template: nn.Module) -> list:
+    """The kinds' calls, with an `attention_mask` of None replaced by the mask
+    it stands for when another kind's call has a mask tensor, so that the
+    calls differ in tensors only: transformers passes None where SDPA's own
+    causal mask does the masking (none with one query), and eager attention
+    masks nothing. Other attention implementations keep their calls."""
+    masks = [kwargs.get("attention_mask", False) for _, kwargs in calls]
+    given = next((mask for mask in masks if isinstance(mask, torch.Tensor)), None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if (given is None or not any(mask is None for mask in masks)
+            or implementation not in ("sdpa", "eager")
+            or not all(getattr(module, "is_causal", True) for module in template.modules())):
+        return calls
+    *_, queries, keys = given.shape
+    allowed = torch.ones(queries, keys, dtype=torch.bool, device=given.device)
+    if implementation == "sdpa" and queries > 1:
+        allowed = allowed.tril()  # as SDPA's is_causal, from the top left
+    if given.dtype == torch.bool:
+        explicit = allowed.expand(given.shape)
+    else:
+        explicit = torch.zeros(allowed.shape, dtype=given.dtype, device=given.device).masked_fill(
+            ~allowed, torch.finfo(given.dtype).min).expand(given.shape)
+    return [(args, {**kwargs, "attention_mask": explicit}) if mask is None else (args, kwargs)
+            for (args, kwargs), mask in zip(calls, masks)]
 
 
 def _hand_on(hidden_states, *args, **kwargs):

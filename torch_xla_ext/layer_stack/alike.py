@@ -129,7 +129,7 @@ def _setting_difference(index: int, name: str, where: tuple, reference, other,
         f"computation does not read it.")
 
 
-def _names_its_module(index: int, owner_path: str, reference, other) -> bool:
+def names_its_module(index: int, owner_path: str, reference, other) -> bool:
     """Whether two strings are the dotted names in the model of submodule
     `owner_path` of layer 0 and of layer `index` ('model.layers.0.self_attn.q_proj'
     and 'model.layers.3.self_attn.q_proj': peft keeps one in each adapted module),
@@ -173,7 +173,7 @@ def _check_same_layout(index: int, reference: LayerLayout, other: LayerLayout,
         if attribute in per_layer_attributes:
             continue
         for difference in differences(form, other.settings[name]):
-            if not _names_its_module(index, owner_path, *difference[1:]):
+            if not names_its_module(index, owner_path, *difference[1:]):
                 raise ValueError(_setting_difference(index, name, *difference,
                                                      per_layer_attributes))
             naming.add(name)

@@ -28,11 +28,10 @@ import re
 from typing import Callable, Hashable, Iterable, Sequence
 
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
 from torch_xla_ext.layer_stack import running
+from torch_xla_ext.layer_stack.kinds import differing_argument
 from torch_xla_ext.layer_stack.stack import LayerStack
-from torch_xla_ext.object_graph import VALUE_TYPES
 
 __all__ = ["GroupedLayers", "LayerGroup", "Segment", "plan_segments", "unconverted_name"]
 
@@ -225,7 +224,7 @@ class GroupedLayers(nn.Module):
         first = segment.start + position
         recorded = self._recorded.calls[position] if self._recorded else None
         differing = (None if recorded is None
-                     else _differing_argument(recorded, (args, kwargs)))
+                     else differing_argument(recorded, (args, kwargs)))
         if recorded is None or differing is not None:
             what = ("its first group was not called first" if recorded is None
                     else f"its argument {differing} is not the one layer {first} got")
@@ -235,31 +234,6 @@ class GroupedLayers(nn.Module):
                 f"group's arguments, so layer {index} would silently get layer {first}'s. "
                 f"Pass each layer at the same position of the pattern the same argument "
                 f"objects (per kind of layer), or run this model unconverted.")
-
-
-def _same_leaf(leaf, reference) -> bool:
-    """The same object, or an equal plain constant of the same type."""
-    return leaf is reference or (isinstance(leaf, VALUE_TYPES) and type(leaf) is type(reference)
-                                 and leaf == reference)
-
-
-def _differing_argument(first: tuple, other: tuple) -> str | None:
-    """The first argument of `other` ('kwargs['attention_mask']') that is not
-    `first`'s (`_same_leaf`)."""
-    # Every layer after the first group's is checked, each step: the common
-    # case, all the same, without building the arguments' paths.
-    (first_leaves, first_spec), (other_leaves, other_spec) = map(tree_flatten, (first, other))
-    if first_spec == other_spec and all(map(_same_leaf, other_leaves, first_leaves)):
-        return None
-    first_leaves, other_leaves = (tree_flatten_with_path(each)[0] for each in (first, other))
-    first_paths = [path for path, _ in first_leaves]
-    for path, leaf in other_leaves:
-        if path not in first_paths:
-            return running._argument_path(path)
-        if not _same_leaf(leaf, first_leaves[first_paths.index(path)][1]):
-            return running._argument_path(path)
-    missing = [path for path in first_paths if path not in {path for path, _ in other_leaves}]
-    return running._argument_path(missing[0]) if missing else None
 
 
 def _renamed(name: str, pattern: re.Pattern, rename: Callable) -> str:

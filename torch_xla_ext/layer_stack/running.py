@@ -14,6 +14,8 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from torch_xla_ext.layer_stack.alike import LayerLayout
+from torch_xla_ext.layer_stack.kinds import (
+    argument_path, call_for_layer, is_choice, program_difference)
 from torch_xla_ext.layer_stack.per_layer import (
     PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -39,6 +41,9 @@ class Layers:
     drop_in: bool
     partition_fn: Any
     is_layer_pure: Any
+    # For layers of several kinds: makes one layer of each kind, whose
+    # settings the template's stand for (see `kinds.program_difference`).
+    kind_layers: Callable[[], tuple] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +66,10 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
     stand for runs layer by layer, with a LayerByLayerWarning saying why.
 
     The tensors among `args`/`kwargs` ride along in the carry unchanged, so they
-    reach the layers as loop inputs and gradients flow back to them."""
+    reach the layers as loop inputs and gradients flow back to them. A
+    `kinds.PerLayerChoice` among them gives each layer its own variant: the
+    variants, tensors of one shape and dtype, ride along stacked, and each
+    step picks its layer's."""
     def scanned(step, init, xs):
         (last_hidden, _), _ = scan(step, init, xs, partition_fn=layers.partition_fn,
                                    is_fn_pure=layers.is_layer_pure)
@@ -92,7 +100,7 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
             tensor.copy_(final)
         return last_hidden, recorded
 
-    return _through_scan(layers, hidden, args, kwargs, scanned, recording)
+    return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
 
 
 def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -> Lowered:
@@ -111,11 +119,13 @@ def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -
 
 def run_layer_by_layer(layer_at: Callable[[int], nn.Module], num_layers: int, hidden,
                        args: tuple, kwargs: dict, drop_in: bool, reason: str):
-    """The for loop that a stack stands for, with a LayerByLayerWarning giving `reason`."""
+    """The for loop that a stack stands for, with a LayerByLayerWarning giving
+    `reason`; each layer gets its variant of each PerLayerChoice argument."""
     warnings.warn(f"The {num_layers} layers ran one by one, as the for loop does, instead "
                   f"of as one scan: {reason}.", LayerByLayerWarning, stacklevel=3)
     for index in range(num_layers):
-        hidden = _next_hidden(layer_at(index), hidden, args, kwargs, drop_in)
+        hidden = _next_hidden(layer_at(index), hidden, *call_for_layer(args, kwargs, index),
+                              drop_in)
     return hidden
 
 
@@ -129,18 +139,21 @@ class Unscannable(Exception):
 # arguments keeps its own step.
 _STEPS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
-# Stands in the call key for a tensor argument, which is passed through the carry.
+# Stand in the call key for a tensor argument, which is passed through the
+# carry, and for a PerLayerChoice, whose variants are (stacked).
 _TENSOR_ARGUMENT = object()
+_CHOSEN_ARGUMENT = object()
 
 
 def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
-                  stage: Callable[[Callable, tuple, Any], Any], recording: Recording | None = None):
+                  stage: Callable[[Callable, tuple, Any], Any], recording: Recording | None = None,
+                  state: tuple = ()):
     """`stage(step, init, xs)` for the scan step that runs one layer, its
-    initial carry and what it scans over (the stacked tensors, and with a
-    recording each layer's index too); raises Unscannable when the scan cannot
-    stand for the loop."""
+    initial carry and what it scans over (the stacked tensors, with a
+    recording each layer's index, and each PerLayerChoice's per-layer
+    choice); raises Unscannable when the scan cannot stand for the loop."""
     _check_carried(hidden, "input_data" if layers.drop_in else "hidden")
-    tensor_arguments, arguments = _split_arguments(args, kwargs)
+    tensor_arguments, arguments, choices = _split_arguments(args, kwargs)
     key = (layers.layout.trace_key(), arguments, layers.drop_in,
            recording.key if recording else None)
     steps = _STEPS.setdefault(layers.template, {})
@@ -149,12 +162,17 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
         steps[key] = (_make_step(weakref.ref(layers.template), arguments, layers.drop_in, reads,
                                  recording), reads)
     step, reads = steps[key]
+    if layers.kind_layers is not None:
+        _check_kinds_share_trace(layers, key, hidden, args, kwargs, recording, state)
     if not reads:
         try:
             with reads_watched(layers.template, layers.per_layer_paths):
-                xs = layers.stacked_tensors
+                device = _device_of(hidden)
+                xs = {"tensors": layers.stacked_tensors}
                 if recording is not None:
-                    xs = (xs, torch.arange(layers.num_layers, device=_device_of(hidden)))
+                    xs["index"] = torch.arange(layers.num_layers, device=device)
+                if choices:
+                    xs["choices"] = [torch.tensor(choice, device=device) for choice in choices]
                 return stage(step, (hidden, tensor_arguments), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
@@ -164,13 +182,27 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
         f"all of them (a key/value cache passed to the layers reads its layer index)")
 
 
+# Per template layer of several kinds, whether one trace stands for every
+# kind, per step key and avals of the call's tensors (a layer may branch on
+# a setting only for some shapes).
+_KINDS_SHARE_TRACE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
+def _check_kinds_share_trace(layers: Layers, key, hidden, args: tuple, kwargs: dict,
+                             recording: Recording | None, state: tuple) -> None:
+    tensors = [leaf for leaf in tree_flatten((hidden, call_for_layer(args, kwargs, 0), state))[0]
+               if isinstance(leaf, torch.Tensor)]
+    proofs = _KINDS_SHARE_TRACE.setdefault(layers.template, {})
+    proof_key = (key, tuple((tuple(each.shape), each.dtype) for each in tensors))
+    if proof_key not in proofs:
+        proofs[proof_key] = program_difference(layers.kind_layers(), layers.stacked_tensors,
+                                               hidden, args, kwargs, recording, state)
+    if proofs[proof_key] is not None:
+        raise Unscannable(f"the layers' kinds cannot share one trace: {proofs[proof_key]}")
+
+
 def _device_of(hidden) -> torch.device:
     return tree_flatten(hidden)[0][0].device
-
-
-def _argument_path(path) -> str:
-    """'args[1]' or "kwargs['mask']" for a leaf path of the pytree `(args, kwargs)`."""
-    return ("args" if path[0].idx == 0 else "kwargs") + keystr(path[1:])
 
 
 def _check_carried(hidden, name: str) -> None:
@@ -181,15 +213,21 @@ def _check_carried(hidden, name: str) -> None:
                                f"what goes from layer to layer in a scan must be tensors")
 
 
-def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
-    """Splits layer call arguments into tensors and a hashable description of the
-    rest; raises Unscannable for an argument that is neither."""
+def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
+    """Splits layer call arguments into tensors (a PerLayerChoice's variants
+    stacked), a hashable description of the rest, and the PerLayerChoices'
+    per-layer choices; raises Unscannable for an argument that is none of
+    these."""
     leaves, spec = tree_flatten((args, kwargs))
-    tensors, constants = [], []
+    tensors, constants, choices = [], [], []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             constants.append(_TENSOR_ARGUMENT)
+        elif is_choice(leaf):
+            tensors.append(_stacked_variants(leaf, args, kwargs))
+            constants.append(_CHOSEN_ARGUMENT)
+            choices.append(leaf.choice)
         elif isinstance(leaf, VALUE_TYPES):
             # With its type, since True == 1 == 1.0 would otherwise share one trace.
             constants.append((type(leaf), leaf))
@@ -197,10 +235,26 @@ def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
             path = next(path for path, value in tree_flatten_with_path((args, kwargs))[0]
                         if value is leaf)
             raise Unscannable(
-                f"argument {_argument_path(path)} is of type {type(leaf).__name__}, and only "
+                f"argument {argument_path(path)} is of type {type(leaf).__name__}, and only "
                 f"tensors and plain constants (None, bool, int, float, str) can enter a "
                 f"traced loop")
-    return tuple(tensors), (spec, tuple(constants))
+    return tuple(tensors), (spec, tuple(constants)), choices
+
+
+def _stacked_variants(choice, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A PerLayerChoice's variants as one tensor; raises Unscannable unless
+    they are tensors of one shape, dtype and device."""
+    variants = choice.variants
+    if all(isinstance(each, torch.Tensor) for each in variants) and len(
+            {(each.shape, each.dtype, each.device) for each in variants}) == 1:
+        return torch.stack(variants)
+    path = next(path for path, value in tree_flatten_with_path((args, kwargs))[0]
+                if value is choice)
+    described = ", ".join(f"{tuple(each.shape)} {each.dtype}" if isinstance(each, torch.Tensor)
+                          else type(each).__name__ for each in variants)
+    raise Unscannable(f"argument {argument_path(path)} differs between the layers' kinds "
+                      f"({described}), and a scan step picks only among tensors of one shape "
+                      f"and dtype")
 
 
 def _next_hidden(layer: Callable, hidden, args: tuple, kwargs: dict, drop_in: bool):
@@ -220,9 +274,11 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
         # With a recording, the carry ends with the state tensors, and each
         # step also gets its layer's index.
         hidden, tensor_arguments, *with_state = carry
-        layer_tensors, index = x if recording else (x, None)
-        supplied = iter(tensor_arguments)
-        leaves = [next(supplied) if constant is _TENSOR_ARGUMENT else constant[1]
+        layer_tensors, index = x["tensors"], x.get("index")
+        supplied, picks = iter(tensor_arguments), iter(x.get("choices", ()))
+        leaves = [next(supplied) if constant is _TENSOR_ARGUMENT
+                  else torch.index_select(next(supplied), 0, next(picks).view(1))[0]
+                  if constant is _CHOSEN_ARGUMENT else constant[1]
                   for constant in constants]
         args, kwargs = tree_unflatten(leaves, spec)
 

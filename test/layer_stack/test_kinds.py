@@ -1,0 +1,123 @@
+"""Layers of several kinds in one scan (layer_stack.kinds): the settings that
+tell kinds apart, the proof that one trace stands for every kind, and
+per-layer arguments, against the for loop."""
+import re
+import warnings
+
+import pytest
+import torch
+import torch_xla
+from torch import nn
+
+from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack
+from torch_xla_ext.layer_stack.kinds import (
+    KindCalls, PerLayerChoice, kind_attributes, program_difference)
+
+HIDDEN = 8
+
+
+class Scaled(nn.Module):
+    """A linear layer whose output is scaled by an argument; `window` is a
+    setting its forward reads only to hand on (or, with `uses_window`, to
+    scale by, through a tensor it makes)."""
+
+    def __init__(self, window=None, uses_window=False):
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+        self.window, self.uses_window = window, uses_window
+
+    def forward(self, hidden, scale, **ignored):
+        output = torch.tanh(self.linear(hidden)) * scale
+        if self.uses_window and self.window is not None:
+            output = output * torch.tensor(float(self.window))
+        return _hand_on(output, window=self.window)
+
+
+def _hand_on(output, **ignored):
+    return output
+
+
+@pytest.fixture(scope="module")
+def device():
+    return torch_xla.device()
+
+
+def test_kind_attributes_are_what_differs_between_kinds():
+    layers = [Scaled(window=4), Scaled(), Scaled(window=4), Scaled()]
+    assert kind_attributes(layers, ["a", "b", "a", "b"], ("layer_idx",)) == {"window"}
+    assert kind_attributes(layers, ["a", "b", "a", "b"], ("window",)) == set()
+    layers[3].window = 2
+    with pytest.raises(ValueError, match=r"Layer 3 setting 'window' differs from layer 1's, "
+                                         r"the first layer of the same kind 'b'"):
+        kind_attributes(layers, ["a", "b", "a", "b"], ())
+
+
+def test_the_proof_tells_a_setting_handed_on_from_one_that_computes():
+    hidden, scale = torch.randn(2, HIDDEN), torch.randn(HIDDEN)
+    tensors = {name: tensor.unsqueeze(0) for name, tensor in Scaled().state_dict().items()}
+    # Only handed on: one trace stands for both kinds.
+    assert program_difference([Scaled(window=4), Scaled()], tensors, hidden, (scale,), {}) is None
+    # Read into a constant the layer makes: the constants differ.
+    difference = program_difference([Scaled(window=4, uses_window=True),
+                                     Scaled(window=2, uses_window=True)],
+                                    tensors, hidden, (scale,), {})
+    assert difference == ("the layer computes another graph with the settings of its kind 1 "
+                          "than with those of its kind 0")
+    # Read to branch: the graphs differ.
+    assert program_difference([Scaled(window=4, uses_window=True), Scaled(uses_window=True)],
+                              tensors, hidden, (scale,), {}) is not None
+
+
+def test_a_per_layer_choice_gives_each_layer_its_variant_inside_one_scan(device):
+    torch.manual_seed(0)
+    layers = [Scaled() for _ in range(3)]
+    stack = LayerStack(layers).to(device)
+    hidden = torch.randn(2, HIDDEN, device=device)
+    variants = [torch.randn(HIDDEN, device=device, requires_grad=True) for _ in range(2)]
+    choice = PerLayerChoice(tuple(variants), (0, 1, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        output = stack(hidden, choice)
+    output.sum().backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([output])
+    assert len(re.findall(r"\bwhile\(", hlo)) == 1
+    scanned = (output, *(variant.grad for variant in variants))
+    for variant in variants:
+        variant.grad = None
+    expected = hidden
+    for index, layer in enumerate(layers):
+        expected = layer.to(device)(expected, variants[(0, 1, 0)[index]])
+    expected.sum().backward()
+    for actual, wanted in zip(scanned, (expected, *(variant.grad for variant in variants))):
+        torch.testing.assert_close(actual.cpu(), wanted.cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_variants_a_scan_cannot_pick_among_run_layer_by_layer(device):
+    torch.manual_seed(0)
+    layers = [Scaled() for _ in range(2)]
+    stack = LayerStack(layers).to(device)
+    hidden = torch.randn(2, HIDDEN, device=device)
+    scales = (torch.randn(HIDDEN, device=device), torch.randn(1, device=device))
+    with pytest.warns(LayerByLayerWarning, match=r"argument args\[0\] differs between the "
+                                                 r"layers' kinds \(\(8,\) torch.float32, \(1,\) "
+                                                 r"torch.float32\)"):
+        output = stack(hidden, PerLayerChoice(scales, (0, 1)))
+    expected = layers[1].to(device)(layers[0].to(device)(hidden, scales[0]), scales[1])
+    torch.testing.assert_close(output.cpu(), expected.cpu())
+
+
+def test_kind_calls_record_each_kind_once_and_refuse_another_kinds_arguments():
+    calls = KindCalls(["a", "a", "b", "a"])
+    hidden, first, second = object(), torch.ones(1), torch.zeros(1)
+    assert [calls.record(0, hidden, (first,), {}), calls.record(1, hidden, (first,), {}),
+            calls.record(2, hidden, (second,), {})] == [False, False, True]
+    args, kwargs = calls.merged(calls.calls())
+    assert kwargs == {} and args[0].variants == (first, second)
+    assert args[0].choice == (0, 0, 1, 0)
+    with pytest.raises(ValueError, match=r"layer 3 \(kind 'a'\) is called with other "
+                                         r"arguments than the first layer of its kind \(its "
+                                         r"argument args\[0\]\)"):
+        calls.record(3, hidden, (second,), {})
+    with pytest.raises(RuntimeError, match="layer 1 got another hidden state than layer 0"):
+        calls.record(0, hidden, (first,), {})
+        calls.record(1, object(), (first,), {})
