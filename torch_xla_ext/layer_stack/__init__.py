@@ -45,8 +45,9 @@ The modules, one job each: `alike` (layer layouts and the check that layers
 are alike, with its messages; `forms` holds the comparable forms it uses),
 `per_layer` (watching per-layer attributes), `running` (running a stack as one
 scan, lowering it, and the layer-by-layer fallback), `stack` (`LayerStack` and
-its state_dict mapping), `layer_list` (`scan_layers`), `groups` (layers of
-several kinds: a `LayerStack` per segment of their pattern of kinds).
+its state_dict mapping), `layer_list` (`scan_layers`), `kinds` (layers of
+several kinds as one scan, each given its kind's arguments), `groups` (layers
+of kinds that differ in more: a `LayerStack` per segment of their pattern).
 """
 from torch_xla_ext.layer_stack.running import LayerByLayerWarning
 from torch_xla_ext.layer_stack.stack import LayerStack
