@@ -14,6 +14,7 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from test_hf import batch, close, compilations, device, per_layer_grads  # noqa: F401 (fixture)
+import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayerKinds, StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 from torch_xla_ext.layer_stack.groups import Segment, unconverted_name
@@ -205,3 +206,13 @@ def test_kinds_whose_settings_change_the_computation_run_layer_by_layer(device):
         "kinds cannot share one trace: the layer computes another graph with the settings of its "
         "kind 1 than with those of its kind 0."]
     close(losses[1], losses[0])
+
+
+def test_generate_with_a_static_cache_of_both_kinds_gives_the_unconverted_tokens(device):
+    # The sliding layers' static cache holds 4 positions, the full ones' 14,
+    # so the kinds' masks span different keys: each layer gets its own kind's.
+    reference, model = converted_pair("qwen2", use_cache=True)
+    ids, _ = batch(device)
+    tokens = [tx.generate(which.to(device).eval(), ids, max_new_tokens=6)
+              for which in (reference, model)]
+    assert torch.equal(tokens[1], tokens[0])

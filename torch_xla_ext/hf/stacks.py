@@ -309,12 +309,17 @@ def _explicit_attention_masks(calls: list, config, template: nn.Module) -> list:
     it stands for when another kind's call has a mask tensor, so that the
     calls differ in tensors only: transformers passes None where SDPA's own
     causal mask does the masking (none with one query), and eager attention
-    masks nothing. Other attention implementations keep their calls."""
+    masks nothing. Only where every layer attends to the call's own tokens
+    (no cache, or an empty DynamicCache), so that the kinds' masks span the
+    same keys; other calls, and other attention implementations, keep theirs."""
     masks = [kwargs.get("attention_mask", False) for _, kwargs in calls]
     given = next((mask for mask in masks if isinstance(mask, torch.Tensor)), None)
     implementation = getattr(config, "_attn_implementation", None)
+    caches = [value for args, kwargs in calls for value in (*args, *kwargs.values())
+              if is_cache(value)]
     if (given is None or not any(mask is None for mask in masks)
             or implementation not in ("sdpa", "eager")
+            or not all(starts_empty(cache, len(getattr(cache, "layers", ()))) for cache in caches)
             or not all(getattr(module, "is_causal", True) for module in template.modules())):
         return calls
     *_, queries, keys = given.shape
