@@ -13,7 +13,7 @@ Three pieces, used by a stack of such layers:
   each variant once and each layer picks its kind's inside the loop;
 * `program_difference`: one trace stands for every kind only if the layer
   computes the same with each kind's settings. Each kind's layer is traced
-  by `make_fx` on fake tensors (no data, no device) and the graphs and their
+  by `make_fx` on fake CPU tensors (no data) and the graphs and their
   constants compared: a setting that only reaches code that ignores it
   (transformers' eager and SDPA attention take `sliding_window` and drop it)
   changes nothing.
@@ -26,6 +26,7 @@ from typing import Hashable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import (
     keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten)
@@ -220,8 +221,6 @@ def program_difference(kind_layers: Sequence[nn.Module], stacked_tensors: dict, 
 def _graph(layer: nn.Module, stacked_tensors: dict, hidden, args: tuple, kwargs: dict,
            recording, state: tuple) -> tuple:
     """The code and constants of `layer`'s forward and backward, traced on fakes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     mode = FakeTensorMode()
 
     def fake(tensor, shape=None):
