@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch_xla
+import torch_xla.debug.metrics as met
 from torch import nn
 
 from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack
@@ -90,6 +91,14 @@ def test_a_per_layer_choice_gives_each_layer_its_variant_inside_one_scan(device)
     expected.sum().backward()
     for actual, wanted in zip(scanned, (expected, *(variant.grad for variant in variants))):
         torch.testing.assert_close(actual.cpu(), wanted.cpu(), rtol=1e-4, atol=1e-5)
+    # The layers' choices go to the device once: a later call uploads nothing.
+    uploads = []
+    for _ in range(2):
+        transfers = met.metric_data("TransferToDeviceTime")[0]
+        stack(hidden, PerLayerChoice(tuple(variants), (0, 1, 0))).sum().backward()
+        torch_xla.sync()
+        uploads.append(met.metric_data("TransferToDeviceTime")[0] - transfers)
+    assert uploads[1] == 0, uploads
 
 
 def test_variants_a_scan_cannot_pick_among_run_layer_by_layer(device):

@@ -5,6 +5,7 @@ scan without running it (`lower`), and the for loop itself
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 import weakref
 from typing import Any, Callable, Hashable
@@ -172,7 +173,7 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                 if recording is not None:
                     xs["index"] = torch.arange(layers.num_layers, device=device)
                 if choices:
-                    xs["choices"] = [torch.tensor(choice, device=device) for choice in choices]
+                    xs["choices"] = [_choice_tensor(choice, device) for choice in choices]
                 return stage(step, (hidden, tensor_arguments), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
@@ -199,6 +200,12 @@ def _check_kinds_share_trace(layers: Layers, key, hidden, args: tuple, kwargs: d
                                                hidden, args, kwargs, recording, state)
     if proofs[proof_key] is not None:
         raise Unscannable(f"the layers' kinds cannot share one trace: {proofs[proof_key]}")
+
+
+@functools.lru_cache(maxsize=64)
+def _choice_tensor(choice: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Each layer's variant index on the device, uploaded once, not at every call."""
+    return torch.tensor(choice, device=device)
 
 
 def _device_of(hidden) -> torch.device:
