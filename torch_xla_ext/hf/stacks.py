@@ -1,6 +1,7 @@
 """The stacks that `stack_layers` puts in place of a transformers model's
-decoder-layer list: `StackedLayers` (layers of one kind, one scan) and
-`StackedLayerKinds` (several kinds, a few scans); each runs a call with a
+decoder-layer list: `StackedLayers` (one scan: layers of one kind, or of
+several kinds that differ only in the settings telling them apart) and
+`StackedLayerKinds` (kinds that differ in more, a few scans); each runs a call with a
 key/value cache as scans where the cache allows (`caches`), else layer by
 layer."""
 from __future__ import annotations
@@ -201,8 +202,9 @@ class StackedLayers(LayerStack):
 
 class StackedLayerKinds(GroupedLayers):
     """The decoder layers of a transformers model whose `config.layer_types`
-    mixes kinds (Gemma2's alternating sliding and full attention, Gemma3's
-    pattern, Qwen2's first `max_window_layers`), stacked as a few scans by
+    mixes kinds that differ in more than the settings telling them apart
+    (other submodules or shapes; Gemma2, Gemma3 and Qwen2's windows are one
+    `StackedLayers`, see `torch_xla_ext.layer_stack.kinds`), stacked as a few scans by
     their pattern of kinds (see `torch_xla_ext.layer_stack.groups`): the
     model's loop `for i, layer in enumerate(self.layers[: n])` calls each
     layer with its kind's mask and rotary table, and each segment's layers
