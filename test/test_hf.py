@@ -616,6 +616,31 @@ def test_a_forward_that_works_between_layers_is_refused_naming_the_line():
     assert type(model.blocks) is nn.ModuleList
 
 
+class LooksUpBetweenLayers(WorksBetweenLayers):
+    def forward(self, x):
+        for index, block in enumerate(self.blocks):
+            name = self.names[index]  # calls nothing: the loop still only calls the layers
+            x = block(x)
+        return x
+
+
+def test_lookups_between_layers_are_allowed_and_a_changed_hidden_state_is_refused(device):
+    model = LooksUpBetweenLayers()
+    model.names = ["first", "second"]
+    reference = copy.deepcopy(model).to(device)
+    stack_layers(model).to(device)
+    x = torch.randn(2, 4, device=device)
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([model(x)])
+    assert "while" in hlo
+    close(model(x), reference(x))
+    # Each of the loop's callables checks what it gets: work on the hidden
+    # state between two layers would not run inside the scan.
+    first, second = iter(model.blocks._layer_calls())
+    with pytest.raises(RuntimeError, match="layer 1 got another hidden state than layer 0 "
+                                           "returned"):
+        second(first(x) * 2)
+
+
 def test_a_forward_that_neither_slices_nor_iterates_is_refused():
     with pytest.raises(ValueError, match=r"CallsEachLayerByName\.forward neither loops over a "
                                          r"slice `self\.blocks\[\.\.\.\]` nor over "):

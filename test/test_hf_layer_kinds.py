@@ -33,6 +33,15 @@ FAMILIES = {
     "qwen2": lambda **config: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         num_hidden_layers=4, use_sliding_window=True, max_window_layers=2, **config)),
 }
+# Families of code elsewhere: Olmo3 loops over a slice of its layers, Exaone4
+# iterates over them after a lookup (`layer_type = self.config.layer_types[i]`)
+# and applies its rotary table on sliding layers only.
+OTHER_FAMILIES = {
+    "olmo3": lambda **config: transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
+        num_hidden_layers=4, **config)),
+    "exaone4": lambda **config: transformers.Exaone4ForCausalLM(transformers.Exaone4Config(
+        num_hidden_layers=4, **config)),
+}
 # The plan of StackedLayerKinds for Gemma3's layers: two groups of the pattern, then one layer.
 GEMMA3_GROUPS = [Segment(0, 3, 2), Segment(6, 1, 1)]
 
@@ -216,3 +225,34 @@ def test_generate_with_a_static_cache_of_both_kinds_gives_the_unconverted_tokens
     tokens = [tx.generate(which.to(device).eval(), ids, max_new_tokens=6)
               for which in (reference, model)]
     assert torch.equal(tokens[1], tokens[0])
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_families_with_layer_kinds_train_as_unconverted(device, family):
+    # One scan where the kinds compute alike (Olmo3); where they do not
+    # (Exaone4's sliding layers alone rotate), the layers run one by one.
+    torch.manual_seed(0)
+    reference = OTHER_FAMILIES[family](**COMMON)
+    model = stack_layers(copy.deepcopy(reference))
+    assert type(model.model.layers) is StackedLayers
+    ids, mask = batch(device)
+    results = []
+    for which in (reference, model):
+        which.to(device).train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = which(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        results.append((loss, unconverted_grads(which) if which is model
+                        else per_layer_grads(which)))
+        torch_xla.sync()  # one graph for the loss and every gradient
+    one_by_one = [str(w.message) for w in caught if w.category is LayerByLayerWarning]
+    if family == "exaone4":
+        assert len(one_by_one) == 1 and "kinds cannot share one trace" in one_by_one[0]
+    else:
+        assert not one_by_one
+    (reference_loss, reference_grads), (loss, grads) = results
+    close(loss, reference_loss)
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in reference_grads.items():
+        close(grads[name], grad)

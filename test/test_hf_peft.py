@@ -162,6 +162,7 @@ def test_stack_layers_first_gives_the_same_model(device, tmp_path):
         loss = which(input_ids=ids, attention_mask=mask, labels=ids).loss
         loss.backward()
         losses.append((loss, per_layer_grads(which)))
+        torch_xla.sync()  # one graph for the loss and every gradient
     (reference_loss, reference_grads), (loss, grads) = losses
     close(loss, reference_loss)
     assert grads.keys() == reference_grads.keys()
@@ -196,6 +197,7 @@ def test_disable_adapter_and_set_adapter_reach_the_stacked_layers(device, tmp_pa
         with torch.no_grad():
             logits["default"] = which(input_ids=ids, attention_mask=mask).logits
         results.append((logits, loss, grads))
+        torch_xla.sync()  # the logits, loss and gradients in one graph, not one each
         status = {layer.name: layer.requires_grad for layer in which.get_layer_status()}
         assert status["model.model.layers.1.self_attn.q_proj"] == {
             "default": True, "other": False}

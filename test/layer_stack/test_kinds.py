@@ -123,10 +123,15 @@ def test_kind_calls_record_each_kind_once_and_refuse_another_kinds_arguments():
     args, kwargs = calls.merged(calls.calls())
     assert kwargs == {} and args[0].variants == (first, second)
     assert args[0].choice == (0, 0, 1, 0)
+    output = calls.ran(object())
     with pytest.raises(ValueError, match=r"layer 3 \(kind 'a'\) is called with other "
                                          r"arguments than the first layer of its kind \(its "
                                          r"argument args\[0\]\)"):
-        calls.record(3, hidden, (second,), {})
+        calls.record(3, output, (second,), {})
+    # Work between two layers on the hidden state would not run inside the scan.
+    with pytest.raises(RuntimeError, match="layer 3 got another hidden state than layer 2 "
+                                           "returned"):
+        calls.record(3, object(), (first,), {})
     with pytest.raises(RuntimeError, match="layer 1 got another hidden state than layer 0"):
         calls.record(0, hidden, (first,), {})
         calls.record(1, object(), (first,), {})

@@ -112,11 +112,13 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
 
     Not supported, and refused with an error that says so: layers of one kind
     that are not alike (a setting changed on one layer: the scan runs the
-    first layer's code with each layer's weights), layers of several kinds
-    under a forward that iterates over them (`for block in self.h`), layers
-    with hooks or gradient checkpointing enabled (neither would run inside the
-    scan), a forward that neither loops over `self.layers[...]` nor iterates
-    over `self.layers` calling each layer on the hidden state alone, and calls with
+    first layer's code with each layer's weights), layers of kinds that
+    differ in more than their settings under a forward that iterates over
+    them (`for block in self.h`), layers with hooks or gradient checkpointing
+    enabled (neither would run inside the scan), a forward that neither loops
+    over `self.layers[...]` nor iterates over `self.layers` calling each layer
+    on the hidden state alone (after lookups such as Exaone4's `layer_type =
+    self.config.layer_types[i]`, which call nothing), and calls with
     `output_hidden_states` or `output_attentions`. Gradient checkpointing
     enabled after the conversion does not reach the layers; the scan's
     partitioner decides what its backward recomputes. Without a cache, a
@@ -148,27 +150,27 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     iterated_by = layer_loop(owner, name, path)
     config = getattr(owner, "config", getattr(model, "config", None))
     kinds = mixed_layer_types(config, len(layers))
-    if kinds is not None and iterated_by is not None:
-        raise ValueError(
-            f"stack_layers: the layers at {path!r} are of several kinds (config.layer_types: "
-            f"{sorted(set(kinds))}), and {type(owner).__qualname__}.forward iterates over "
-            f"them (`for layer in self.{name}`); stack_layers runs layers of several kinds "
-            f"only under a loop over a slice `self.{name}[: n]`, which hands each layer its "
-            f"kind's arguments. The model is unchanged.")
     for index, layer in enumerate(layers):
         check_no_hooks_or_checkpointing(layer, f"{path}.{index}")
     try:
         if kinds is None:
             stack = StackedLayers(layers, config, recorded_outputs(owner), **options)
-            stack.iterated_by = iterated_by
         else:
             try:
                 stack = StackedLayers(layers, config, recorded_outputs(owner), kinds=kinds,
                                       **options)
             except (TypeError, ValueError):
                 # Kinds that differ in more than their settings: a few scans.
+                if iterated_by is not None:
+                    raise ValueError(
+                        f"the layers are of several kinds (config.layer_types: "
+                        f"{sorted(set(kinds))}) that differ in more than their settings, and "
+                        f"{type(owner).__qualname__}.forward iterates over them (`for layer "
+                        f"in self.{name}`); such layers run as scans over groups of their "
+                        f"pattern only under a loop over a slice `self.{name}[: n]`") from None
                 stack = StackedLayerKinds(layers, kinds, config, recorded_outputs(owner),
                                           **options)
+        stack.iterated_by = iterated_by
     except (TypeError, ValueError) as error:
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
     setattr(owner, name, stack)

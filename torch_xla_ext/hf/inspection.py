@@ -82,9 +82,11 @@ def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[str, int] | None
             f"other models, call a torch_xla_ext.LayerStack from your own forward.")
     layer = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) else loop.target
     body = loop.body
-    if not (len(body) == 1 and _only_calls_the_layer(body[0], layer)):
-        statement = next((each for each in body if not _only_calls_the_layer(each, layer)),
-                         body[-1])
+    calls = [each for each in body if _only_calls_the_layer(each, layer)]
+    extra = [each for each in body if len(calls) != 1
+             or not (each is calls[0] or _only_looks_up(each, calls[0]))]
+    if extra:
+        statement = extra[0]
         line = first_line + statement.lineno - 1
         text = source.splitlines()[statement.lineno - 1].strip()
         raise ValueError(
@@ -103,6 +105,17 @@ def _iterates_over(iterable: ast.expr, name: str) -> bool:
         iterable = iterable.args[0]
     return (isinstance(iterable, ast.Attribute) and iterable.attr == name
             and isinstance(iterable.value, ast.Name) and iterable.value.id == "self")
+
+
+def _only_looks_up(statement: ast.stmt, call: ast.Assign) -> bool:
+    """`name = <an expression without calls>` (Exaone4's `layer_type =
+    self.config.layer_types[i]`), naming neither the hidden state nor anything
+    the layer call's result replaces: it cannot change what the layers compute."""
+    hidden = call.targets[0].id
+    return (isinstance(statement, ast.Assign)
+            and all(isinstance(target, ast.Name) and target.id != hidden
+                    for target in statement.targets)
+            and not any(isinstance(node, ast.Call) for node in ast.walk(statement.value)))
 
 
 def _only_calls_the_layer(statement: ast.stmt, layer: ast.expr) -> bool:

@@ -71,7 +71,9 @@ class StackedLayers(LayerStack):
         if self.kind_attributes:
             options["per_layer_attributes"] = tuple(sorted({*per_layer, *self.kind_attributes}))
         super().__init__(layers, **options)
-        self.layer_kinds = None if kinds is None else KindCalls(kinds)
+        self.mixed_kinds = kinds is not None
+        # The calls of the model's loop, when it calls each layer (see __iter__).
+        self.layer_kinds = KindCalls(kinds or [None] * len(layers)) if layers else None
         self.__dict__["_given_per_layer_attributes"] = tuple(sorted(per_layer))
         self.model_config = config
         self.recorded_outputs = tuple(recorded_outputs)
@@ -82,32 +84,40 @@ class StackedLayers(LayerStack):
 
     def __getitem__(self, index):
         if isinstance(index, slice) and range(len(self))[index] == range(len(self)):
-            if self.layer_kinds is not None:
-                return [functools.partial(self._kind_call, each) for each in range(len(self))]
+            if self.mixed_kinds:
+                return self._layer_calls()
             return [self]
         return super().__getitem__(index)
+
+    def _layer_calls(self) -> list:
+        """What a model's loop that calls each layer gets: a callable per layer
+        (`_kind_call`)."""
+        return [functools.partial(self._kind_call, each) for each in range(len(self))]
 
     def stack_options(self) -> dict:
         # The per-layer attributes as given: the kinds' own are found again.
         return {**super().stack_options(), "per_layer_attributes": self._given_per_layer_attributes}
 
     def _kind_call(self, index: int, hidden_states, *args, **kwargs):
-        """Layer `index` of the model's loop over layers of several kinds: the
-        call of the first layer of the last kind runs them all."""
+        """Layer `index` of the model's loop: the call of the first layer of
+        the last kind (of layer 0, for layers of one kind) runs them all, the
+        others record or hand on the hidden state, after checking that it is
+        what the previous call returned and that each layer gets its kind's
+        arguments."""
         try:
             if not self.layer_kinds.record(index, hidden_states, args, kwargs):
                 return hidden_states
             calls = _explicit_attention_masks(self.layer_kinds.calls(), self.model_config,
                                               self._template)
             args, kwargs = self.layer_kinds.merged(calls)
-            return self(hidden_states, *args, **kwargs)
+            return self.layer_kinds.ran(self(hidden_states, *args, **kwargs))
         finally:
             if index == len(self) - 1:
                 self.layer_kinds.clear()
 
     def _layers(self):
         layers = super()._layers()
-        if self.layer_kinds is None:
+        if not self.mixed_kinds:
             return layers
         # The attributes that tell the kinds apart are read as the template's
         # (layer 0's); the scan stands for every kind once each kind's layer
@@ -135,9 +145,7 @@ class StackedLayers(LayerStack):
     def __iter__(self):
         caller = sys._getframe(1).f_code
         if self.iterated_by == (caller.co_filename, caller.co_firstlineno):
-            # The model's loop calls the stack, which runs every layer, then hands
-            # the hidden state on through the other iterations.
-            return iter([self, *[_hand_on] * (len(self) - 1)])
+            return iter(self._layer_calls())
         return super().__iter__()
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -335,11 +343,6 @@ def _explicit_attention_masks(calls: list, config, template: nn.Module) -> list:
             ~allowed, torch.finfo(given.dtype).min).expand(given.shape)
     return [(args, {**kwargs, "attention_mask": explicit}) if mask is None else (args, kwargs)
             for (args, kwargs), mask in zip(calls, masks)]
-
-
-def _hand_on(hidden_states, *args, **kwargs):
-    """A layer of an iterating loop after the stack: the stack ran them all."""
-    return hidden_states
 
 
 def _share_config(template: nn.Module, layer: nn.Module, config) -> None:

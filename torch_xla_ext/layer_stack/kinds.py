@@ -106,7 +106,7 @@ class KindCalls:
         self.kind_index = tuple(self.order.index(kind) for kind in self.kinds)
         # The layer whose call completes the recording and runs the stack.
         self.last_first = max(self.kinds.index(kind) for kind in self.order)
-        self._hidden = None
+        self._hidden = None  # what each call must get: layer 0's input, then the stack's output
         self._calls: dict[int, tuple] = {}
 
     def record(self, index: int, hidden, args: tuple, kwargs: dict) -> bool:
@@ -114,17 +114,22 @@ class KindCalls:
         kind = self.kind_index[index]
         if index == 0:
             self._hidden, self._calls = hidden, {}
-        elif index <= self.last_first and hidden is not self._hidden:
+        elif hidden is not self._hidden:
             raise RuntimeError(
-                f"layer {index} got another hidden state than layer 0: the layers run as one "
-                f"scan when layer {self.last_first}, the first of the last kind, is called; "
-                f"call them in order, each on what the previous one returned, with nothing "
-                f"between them.")
+                f"layer {index} got another hidden state than layer {index - 1} returned: the "
+                f"layers run as one scan when layer {self.last_first}, the first of the last "
+                f"kind, is called, and the other calls hand the hidden state on; call them in "
+                f"order, each on what the previous one returned, with nothing between them.")
         if kind not in self._calls:
             self._calls[kind] = (args, kwargs)
         else:
             _check_same_call(index, self.kinds[index], self._calls[kind], (args, kwargs))
         return index == self.last_first
+
+    def ran(self, output):
+        """Notes the stack's output, which the later layers' calls must get; returns it."""
+        self._hidden = output
+        return output
 
     def calls(self) -> list[tuple]:
         """Each kind's (args, kwargs), in `order`."""
@@ -190,14 +195,18 @@ def differing_argument(first: tuple, other: tuple) -> str | None:
 
 
 def _check_same_call(index: int, kind, recorded: tuple, call: tuple) -> None:
+    """Raises unless layer `index` got the arguments of the first layer of its
+    kind (`kind` None: of layer 0, all layers being of one kind)."""
     differing = differing_argument(recorded, call)
     if differing is None:
         return
+    layer, first = ((f"layer {index}", "layer 0") if kind is None else
+                    (f"layer {index} (kind {kind!r})", "the first layer of its kind"))
     raise ValueError(
-        f"layer {index} (kind {kind!r}) is called with other arguments than the first layer "
-        f"of its kind (its argument {differing}): the layers run as one scan, each with its "
-        f"kind's first call's arguments, so layer {index} would silently get those. Pass "
-        f"every layer of a kind the same argument objects, or run this model unconverted.")
+        f"{layer} is called with other arguments than {first} (its argument {differing}): "
+        f"the layers run as one scan, each with the arguments of {first}, so layer {index} "
+        f"would silently get those. Pass every layer of a kind the same argument objects, or "
+        f"run this model unconverted.")
 
 
 def program_difference(kind_layers: Sequence[nn.Module], stacked_tensors: dict, hidden,
