@@ -179,7 +179,10 @@ def differing_argument(first: tuple, other: tuple) -> str | None:
     """The first argument of `other` ('kwargs['attention_mask']') that is not
     `first`'s (`same_leaf`)."""
     # Every layer after the first of its kind or group is checked, each step: the common
-    # case, all the same, without building the arguments' paths.
+    # case, the very same objects, without flattening them; then all the same
+    # leaves, without building the arguments' paths.
+    if _same_objects(first, other):
+        return None
     (first_leaves, first_spec), (other_leaves, other_spec) = map(tree_flatten, (first, other))
     if first_spec == other_spec and all(map(same_leaf, other_leaves, first_leaves)):
         return None
@@ -192,6 +195,14 @@ def differing_argument(first: tuple, other: tuple) -> str | None:
             return argument_path(path)
     missing = [path for path in first_paths if path not in {path for path, _ in other_leaves}]
     return argument_path(missing[0]) if missing else None
+
+
+def _same_objects(first: tuple, other: tuple) -> bool:
+    """Whether two (args, kwargs) hold the very same objects, position by position."""
+    (first_args, first_kwargs), (other_args, other_kwargs) = first, other
+    return (len(first_args) == len(other_args) and first_kwargs.keys() == other_kwargs.keys()
+            and all(map(operator.is_, first_args, other_args))
+            and all(other_kwargs[name] is value for name, value in first_kwargs.items()))
 
 
 def _check_same_call(index: int, kind, recorded: tuple, call: tuple) -> None:
