@@ -191,6 +191,25 @@ def test_a_prefill_fills_the_cache_and_decoding_runs_layer_by_layer(device, fami
     for actual, expected in zip(*results):
         close(actual, expected)
 
+def training_step_of_both(reference, model, device, backward=False) -> tuple:
+    """(loss, gradients by unconverted name) of each model's training step,
+    and the LayerByLayerWarnings of the converted model's."""
+    ids, mask = batch(device)
+    results = []
+    for which in (reference, model):
+        which.to(device).train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = which(ids, attention_mask=mask, labels=ids).loss
+        grads = {}
+        if backward:
+            loss.backward()
+            grads = unconverted_grads(which) if which is model else per_layer_grads(which)
+        results.append((loss, grads))
+        torch_xla.sync()  # one graph for the loss and every gradient
+    return (*results, [str(w.message) for w in caught if w.category is LayerByLayerWarning])
+
+
 def halved_in_sliding_windows(module, query, key, value, attention_mask, sliding_window=None,
                               **kwargs):
     """An attention function of a user's own whose result depends on the layer's kind."""
@@ -203,18 +222,12 @@ def test_kinds_whose_settings_change_the_computation_run_layer_by_layer(device):
                                              halved_in_sliding_windows)
     reference, model = converted_pair("qwen2", attn_implementation="halved_in_sliding_windows")
     assert type(model.model.layers) is StackedLayers
-    ids, mask = batch(device)
-    losses = []
-    for which in (reference, model):
-        which.to(device).train()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            losses.append(which(ids, attention_mask=mask, labels=ids).loss)
-    assert [str(w.message) for w in caught if w.category is LayerByLayerWarning] == [
+    (reference_loss, _), (loss, _), one_by_one = training_step_of_both(reference, model, device)
+    assert one_by_one == [
         "The 4 layers ran one by one, as the for loop does, instead of as one scan: the layers' "
         "kinds cannot share one trace: the layer computes another graph with the settings of its "
         "kind 1 than with those of its kind 0."]
-    close(losses[1], losses[0])
+    close(loss, reference_loss)
 
 
 def test_generate_with_a_static_cache_of_both_kinds_gives_the_unconverted_tokens(device):
@@ -235,23 +248,12 @@ def test_other_families_with_layer_kinds_train_as_unconverted(device, family):
     reference = OTHER_FAMILIES[family](**COMMON)
     model = stack_layers(copy.deepcopy(reference))
     assert type(model.model.layers) is StackedLayers
-    ids, mask = batch(device)
-    results = []
-    for which in (reference, model):
-        which.to(device).train()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loss = which(ids, attention_mask=mask, labels=ids).loss
-        loss.backward()
-        results.append((loss, unconverted_grads(which) if which is model
-                        else per_layer_grads(which)))
-        torch_xla.sync()  # one graph for the loss and every gradient
-    one_by_one = [str(w.message) for w in caught if w.category is LayerByLayerWarning]
+    (reference_loss, reference_grads), (loss, grads), one_by_one = training_step_of_both(
+        reference, model, device, backward=True)
     if family == "exaone4":
         assert len(one_by_one) == 1 and "kinds cannot share one trace" in one_by_one[0]
     else:
         assert not one_by_one
-    (reference_loss, reference_grads), (loss, grads) = results
     close(loss, reference_loss)
     assert grads.keys() == reference_grads.keys()
     for name, grad in reference_grads.items():
