@@ -158,11 +158,9 @@ def test_a_layer_given_another_kinds_arguments_is_refused(device, groups):
     # kind (and at its position in the first group), got the full one, which
     # the scan used for layer 3.
     model.config.layer_types = [SLIDING, FULL, SLIDING, SLIDING]
-    message = (r"layer 3 .* argument kwargs\['attention_mask'\] is not the one layer 1 got"
-               if groups else r"layer 3 \(kind 'full_attention'\) is called with other "
-               r"arguments than the first layer of its kind \(its argument "
-               r"kwargs\['attention_mask'\]\)")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"layer 3 is called with other arguments than layer "
+                                         r"1, the first layer of its kind: its argument "
+                                         r"kwargs\['attention_mask'\] is not the one layer 1 got"):
         model(ids, attention_mask=mask)
 
 

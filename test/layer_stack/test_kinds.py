@@ -124,9 +124,9 @@ def test_kind_calls_record_each_kind_once_and_refuse_another_kinds_arguments():
     assert kwargs == {} and args[0].variants == (first, second)
     assert args[0].choice == (0, 0, 1, 0)
     output = calls.ran(object())
-    with pytest.raises(ValueError, match=r"layer 3 \(kind 'a'\) is called with other "
-                                         r"arguments than the first layer of its kind \(its "
-                                         r"argument args\[0\]\)"):
+    with pytest.raises(ValueError, match=r"layer 3 is called with other arguments than layer "
+                                         r"0, the first layer of its kind: its argument "
+                                         r"args\[0\] is not the one layer 0 got"):
         calls.record(3, output, (second,), {})
     # Work between two layers on the hidden state would not run inside the scan.
     with pytest.raises(RuntimeError, match="layer 3 got another hidden state than layer 2 "

@@ -17,7 +17,8 @@ of it (`for i, layer in enumerate(stack[:n])`) gets one callable per layer,
 called in order, each with that layer's kind of arguments: the calls of a
 segment's first group record their arguments, the last of them runs the
 segment's scan with them, and the later calls hand the hidden state on,
-after checking that they pass the very arguments the scan used.
+after checking that they pass the very arguments the scan used (a
+`kinds.KindCalls` per segment, whose kinds are the positions in a group).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 from torch import nn
 
 from torch_xla_ext.layer_stack import running
-from torch_xla_ext.layer_stack.kinds import differing_argument
+from torch_xla_ext.layer_stack.kinds import KindCalls
 from torch_xla_ext.layer_stack.stack import LayerStack
 
 __all__ = ["GroupedLayers", "LayerGroup", "Segment", "plan_segments", "unconverted_name"]
@@ -97,13 +98,6 @@ def _smallest_period(kinds: Sequence[Hashable]) -> int | None:
     return None
 
 
-@dataclasses.dataclass
-class _Recorded:
-    """What the calls of the current segment's first group passed."""
-    hidden: object  # the segment's input, which the recording calls hand on unchanged
-    calls: list = dataclasses.field(default_factory=list)  # per position: (args, kwargs)
-
-
 # 'segments.3.5.layers.1.rest': segment 3, group 5, position 1.
 _GROUPED_NAME = re.compile(r"segments\.(\d+)\.(\d+)\.layers\.(\d+)(\.|$)")
 _LAYER_NAME = re.compile(r"(\d+)(\.|$)")
@@ -137,7 +131,10 @@ class GroupedLayers(nn.Module):
                     f"{segment} run as one scan, so the layers at the same position of each "
                     f"group must be alike (in the message, 'Layer g' is group g and "
                     f"'layers.j' its position j): {error}") from error
-        self._recorded: _Recorded | None = None
+        # The model's loop's calls of each segment's layers, by position in a group.
+        self._calls = [KindCalls([index % segment.period for index in range(segment.stop
+                                                                             - segment.start)],
+                                 first=segment.start) for segment in self.plan]
         self.register_state_dict_post_hook(_state_dict_per_layer)
         self.register_load_state_dict_post_hook(_missing_and_unexpected_per_layer)
 
@@ -181,32 +178,18 @@ class GroupedLayers(nn.Module):
         return stack(hidden, calls=calls)
 
     def _called(self, index: int, hidden, *args, **kwargs):
-        """Layer `index` of the loop over all layers, called in order."""
+        """Layer `index` of the loop over all layers, called in order: the last
+        call of a segment's first group runs the segment."""
+        number = self._place(index)[0]
+        segment, calls = self.plan[number], self._calls[number]
         try:
-            return self._call(index, hidden, args, kwargs)
+            if not calls.record(index - segment.start, hidden, args, kwargs):
+                return hidden
+            return calls.ran(self._run_segment(segment, self.segments[number], hidden,
+                                               tuple(calls.calls())))
         finally:
-            if index == len(self) - 1:
-                self._recorded = None  # holds the call's tensors
-
-    def _call(self, index: int, hidden, args: tuple, kwargs: dict):
-        number, group, position = self._place(index)
-        segment, stack = self.plan[number], self.segments[number]
-        if group > 0:
-            self._check_same_arguments(index, segment, position, args, kwargs)
-            return hidden  # the segment's scan ran this layer
-        if position == 0:
-            self._recorded = _Recorded(hidden)
-        elif self._recorded is None or hidden is not self._recorded.hidden:
-            raise RuntimeError(
-                f"GroupedLayers: layer {index} got another hidden state than layer "
-                f"{index - position}, whose call only recorded its arguments: the layers of "
-                f"{segment} run as one scan when layer {segment.start + segment.period - 1} "
-                f"is called, so call them in order, each on what the previous one returned, "
-                f"with nothing between them.")
-        self._recorded.calls.append((args, kwargs))
-        if position < segment.period - 1:
-            return hidden
-        return self._run_segment(segment, stack, hidden, tuple(self._recorded.calls))
+            if index == segment.stop - 1:
+                calls.clear()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):
@@ -218,22 +201,6 @@ class GroupedLayers(nn.Module):
                 state_dict[prefix + _grouped_name(self, key[len(prefix):])] = state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
-
-    def _check_same_arguments(self, index: int, segment: Segment, position: int,
-                              args: tuple, kwargs: dict) -> None:
-        first = segment.start + position
-        recorded = self._recorded.calls[position] if self._recorded else None
-        differing = (None if recorded is None
-                     else differing_argument(recorded, (args, kwargs)))
-        if recorded is None or differing is not None:
-            what = ("its first group was not called first" if recorded is None
-                    else f"its argument {differing} is not the one layer {first} got")
-            raise ValueError(
-                f"GroupedLayers: layer {index} is called with other arguments than layer "
-                f"{first}: {what}. The layers of {segment} run as one scan with the first "
-                f"group's arguments, so layer {index} would silently get layer {first}'s. "
-                f"Pass each layer at the same position of the pattern the same argument "
-                f"objects (per kind of layer), or run this model unconverted.")
 
 
 def _renamed(name: str, pattern: re.Pattern, rename: Callable) -> str:

@@ -98,10 +98,14 @@ class KindCalls:
     """The calls of the model's loop over layers of `kinds`, one per layer, in
     order: the first call of each kind is recorded (the layers before the
     last of them hand the hidden state on unchanged), later calls must pass
-    their kind's very arguments."""
+    their kind's very arguments, and every call after the first must get
+    what the previous one returned (the stack's output, once it ran). The
+    layers are numbered from `first` in messages (a segment of a model's
+    layers)."""
 
-    def __init__(self, kinds: Sequence[Hashable]):
+    def __init__(self, kinds: Sequence[Hashable], first: int = 0):
         self.kinds = tuple(kinds)
+        self.first = first
         self.order = list(dict.fromkeys(self.kinds))  # the kinds by first layer
         self.kind_index = tuple(self.order.index(kind) for kind in self.kinds)
         # The layer whose call completes the recording and runs the stack.
@@ -111,19 +115,21 @@ class KindCalls:
 
     def record(self, index: int, hidden, args: tuple, kwargs: dict) -> bool:
         """Records or checks layer `index`'s call; True when the stack is to run now."""
-        kind = self.kind_index[index]
+        kind, layer = self.kind_index[index], self.first + index
         if index == 0:
             self._hidden, self._calls = hidden, {}
         elif hidden is not self._hidden:
             raise RuntimeError(
-                f"layer {index} got another hidden state than layer {index - 1} returned: the "
-                f"layers run as one scan when layer {self.last_first}, the first of the last "
-                f"kind, is called, and the other calls hand the hidden state on; call them in "
-                f"order, each on what the previous one returned, with nothing between them.")
+                f"layer {layer} got another hidden state than layer {layer - 1} returned: the "
+                f"layers run as one scan when layer {self.first + self.last_first}, the first "
+                f"of the last kind, is called, and the other calls hand the hidden state on; "
+                f"call them in order, each on what the previous one returned, with nothing "
+                f"between them.")
         if kind not in self._calls:
             self._calls[kind] = (args, kwargs)
         else:
-            _check_same_call(index, self.kinds[index], self._calls[kind], (args, kwargs))
+            reference = self.first + self.kind_index.index(kind)
+            _check_same_call(layer, reference, self._calls[kind], (args, kwargs))
         return index == self.last_first
 
     def ran(self, output):
@@ -205,19 +211,18 @@ def _same_objects(first: tuple, other: tuple) -> bool:
             and all(other_kwargs[name] is value for name, value in first_kwargs.items()))
 
 
-def _check_same_call(index: int, kind, recorded: tuple, call: tuple) -> None:
-    """Raises unless layer `index` got the arguments of the first layer of its
-    kind (`kind` None: of layer 0, all layers being of one kind)."""
+def _check_same_call(layer: int, reference: int, recorded: tuple, call: tuple) -> None:
+    """Raises unless layer `layer` got the arguments of layer `reference`, the
+    first of its kind, which the scan gives it."""
     differing = differing_argument(recorded, call)
     if differing is None:
         return
-    layer, first = ((f"layer {index}", "layer 0") if kind is None else
-                    (f"layer {index} (kind {kind!r})", "the first layer of its kind"))
     raise ValueError(
-        f"{layer} is called with other arguments than {first} (its argument {differing}): "
-        f"the layers run as one scan, each with the arguments of {first}, so layer {index} "
-        f"would silently get those. Pass every layer of a kind the same argument objects, or "
-        f"run this model unconverted.")
+        f"layer {layer} is called with other arguments than layer {reference}, the first "
+        f"layer of its kind: its argument {differing} is not the one layer {reference} got. "
+        f"The layers run as one scan, each with the arguments of the first layer of its "
+        f"kind, so layer {layer} would silently get those. Pass every layer of a kind the "
+        f"same argument objects, or run this model unconverted.")
 
 
 def program_difference(kind_layers: Sequence[nn.Module], stacked_tensors: dict, hidden,
