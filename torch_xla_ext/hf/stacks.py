@@ -74,6 +74,10 @@ class StackedLayers(LayerStack):
         self.mixed_kinds = kinds is not None
         # The calls of the model's loop, when it calls each layer (see __iter__).
         self.layer_kinds = KindCalls(kinds or [None] * len(layers)) if layers else None
+        # 'path.attribute' of the settings that tell the kinds apart.
+        self.__dict__["_kind_paths"] = tuple(
+            path for path in self.per_layer_values
+            if path.rpartition(".")[2] in self.kind_attributes)
         self.__dict__["_given_per_layer_attributes"] = tuple(sorted(per_layer))
         self.model_config = config
         self.recorded_outputs = tuple(recorded_outputs)
@@ -122,20 +126,18 @@ class StackedLayers(LayerStack):
         # The attributes that tell the kinds apart are read as the template's
         # (layer 0's); the scan stands for every kind once each kind's layer
         # is shown to compute the same.
-        kind_paths = {path for path in layers.per_layer_paths
-                      if path.rpartition(".")[2] in self.kind_attributes}
         return dataclasses.replace(
             layers, per_layer_paths=tuple(path for path in layers.per_layer_paths
-                                          if path not in kind_paths),
-            kind_layers=functools.partial(self._kind_templates, tuple(kind_paths)))
+                                          if path not in self._kind_paths),
+            kind_layers=self._kind_templates)
 
-    def _kind_templates(self, kind_paths: tuple) -> tuple[nn.Module, ...]:
+    def _kind_templates(self) -> tuple[nn.Module, ...]:
         """A copy of the template per kind, with that kind's settings."""
         firsts = [self.layer_kinds.kinds.index(kind) for kind in self.layer_kinds.order]
         templates = []
         for first in firsts:
             template = copy.deepcopy(self._template)
-            for path in kind_paths:
+            for path in self._kind_paths:
                 owner_path, _, name = path.rpartition(".")
                 setattr(template.get_submodule(owner_path), name,
                         self.per_layer_values[path][first])

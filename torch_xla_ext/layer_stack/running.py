@@ -164,7 +164,8 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                                  recording), reads)
     step, reads = steps[key]
     if layers.kind_layers is not None:
-        _check_kinds_share_trace(layers, key, hidden, args, kwargs, recording, state)
+        _check_kinds_share_trace(layers, key, (*tree_flatten(hidden)[0], *tensor_arguments,
+                                               *state), hidden, args, kwargs, recording, state)
     if not reads:
         try:
             with reads_watched(layers.template, layers.per_layer_paths):
@@ -189,10 +190,10 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
 _KINDS_SHARE_TRACE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def _check_kinds_share_trace(layers: Layers, key, hidden, args: tuple, kwargs: dict,
-                             recording: Recording | None, state: tuple) -> None:
-    tensors = [leaf for leaf in tree_flatten((hidden, call_for_layer(args, kwargs, 0), state))[0]
-               if isinstance(leaf, torch.Tensor)]
+def _check_kinds_share_trace(layers: Layers, key, tensors: tuple, hidden, args: tuple,
+                             kwargs: dict, recording: Recording | None, state: tuple) -> None:
+    """Raises Unscannable unless one trace stands for every kind, for a call
+    whose step has `key` and whose loop takes `tensors`."""
     proofs = _KINDS_SHARE_TRACE.setdefault(layers.template, {})
     proof_key = (key, tuple((tuple(each.shape), each.dtype) for each in tensors))
     if proof_key not in proofs:
