@@ -38,7 +38,10 @@ def test_the_table_ratios_and_token_check_are_printed(forked_workers, capsys):
     printed = capsys.readouterr().out
     assert re.search(r"^stack_layers\+tx-generate  2 +[\d.]+ +[\d.]+ +\d+ ", printed,
                      re.MULTILINE), printed
-    assert re.search(r"ms/token stack_layers\+tx-generate/tx-generate at L=2 +[\d.]+", printed)
+    # ms/token is a difference of two timings; with 2 new tokens on a busy
+    # machine it can come out below zero, so either sign is a printed ratio.
+    assert re.search(r"ms/token stack_layers\+tx-generate/tx-generate at L=2 +-?[\d.]+ ",
+                     printed), printed
     assert "first call stack_layers+hf-generate/hf-generate at L=2" in printed
     assert "n/a (missing run)" in printed
     assert "Tokens: every mode gave the same tokens" in printed
