@@ -396,18 +396,21 @@ def test_a_decoding_step_over_a_filled_cache_runs_layer_by_layer_with_the_unconv
     close(logits[1], logits[0])
 
 
-STATIC = {  # Llama greedy: with three prompts
-    "qwen3": ("qwen3", GREEDY, (0, 2)),
-    "sampling": ("llama", dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9), (0, 2)),
-    "beam-search": ("llama", dict(do_sample=False, num_beams=2), (0, 2)),
-    "three-prompts": ("llama", GREEDY, (0, 3, 5)),
+# Mistral samples with its config's sliding window (4096: the cache holds
+# fewer positions, so its layers update as full-attention ones do).
+STATIC = {
+    "qwen3": ("qwen3", {}, GREEDY, (0, 2)),
+    "mistral-window-sampling": ("mistral", {"sliding_window": 4096},
+                                dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9), (0, 2)),
+    "beam-search": ("llama", {}, dict(do_sample=False, num_beams=2), (0, 2)),
+    "three-prompts": ("llama", {}, GREEDY, (0, 3, 5)),
 }
 
 
-@pytest.mark.parametrize("family, options, padding", STATIC.values(), ids=STATIC)
+@pytest.mark.parametrize("family, config, options, padding", STATIC.values(), ids=STATIC)
 def test_generation_with_a_static_cache_runs_the_prefill_and_every_step_as_one_scan(
-        device, family, options, padding):
-    reference, model = converted_pair(family, layers=2, use_cache=True)
+        device, family, config, options, padding):
+    reference, model = converted_pair(family, layers=2, use_cache=True, **config)
     ids, mask = left_padded_prompts(padding, device)
     tokens = []
     for which in (reference, model):
@@ -461,6 +464,40 @@ def test_a_static_cache_keeps_its_api_over_stacked_buffers(device):
     assert len(held) == 2 + layers
     # reset() zeroed every layer's keys: the stacked buffers, through the views.
     assert not any(keys.any() for keys in actual[-1 - len(model.model.layers):-1])
+
+
+def test_a_sliding_window_static_cache_is_scanned_until_its_window_is_full(device):
+    # Mistral's StaticCache layers hold a window of SEQ + 2 positions: the
+    # prefill and two decoding steps fit in it and are scans writing the
+    # stacked buffers; the third drops the oldest position (transformers'
+    # roll), which runs layer by layer over the same buffers.
+    reference, model = converted_pair("mistral", layers=2, use_cache=True,
+                                      sliding_window=SEQ + 2)
+    ids, mask = batch(device)
+    results = []
+    for which in (reference, model):
+        which.to(device).eval()
+        cache = transformers.StaticCache(config=which.config, max_cache_len=SEQ + 4)
+        step_ids, step_mask, logits, one_by_one = ids, mask, [], []
+        with torch.no_grad():
+            for _ in range(4):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    logits.append(which(step_ids, attention_mask=step_mask,
+                                        past_key_values=cache).logits)
+                one_by_one.append([str(w.message) for w in caught
+                                   if w.category is LayerByLayerWarning])
+                step_ids = logits[-1][:, -1:].argmax(-1)
+                step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+        layers = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        results.append((cache.get_seq_length(), one_by_one, host_copies([*logits, *layers])))
+    (expected_length, _, expected), (length, one_by_one, actual) = results
+    assert length == expected_length == SEQ + 3
+    assert one_by_one[:3] == [[], [], []]
+    assert len(one_by_one[3]) == 1 and "sliding-window ones not yet full" in one_by_one[3][0]
+    assert len(actual) == len(expected) == 4 + 2 * 2
+    for got, want in zip(actual, expected):
+        close(got, want)
 
 
 STATIC_DECODING = """

@@ -13,7 +13,8 @@ import torch_xla
 import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from test_hf import batch, close, compilations, device, per_layer_grads  # noqa: F401 (fixture)
+from test_hf import (batch, close, compilations, device,  # noqa: F401 (a fixture)
+                     left_padded_prompts, per_layer_grads, seeded_generate)
 import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayerKinds, StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
@@ -236,6 +237,26 @@ def test_generate_with_a_static_cache_of_both_kinds_gives_the_unconverted_tokens
     tokens = [tx.generate(which.to(device).eval(), ids, max_new_tokens=6)
               for which in (reference, model)]
     assert torch.equal(tokens[1], tokens[0])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen2"])
+def test_generate_with_a_static_cache_within_the_window_scans_every_step(device, family):
+    # The configs' window (4096) holds the whole cache: its sliding layers hold
+    # as many positions as its full ones and update as they do, so the prefill
+    # and each decoding step of either generate are one scan of both kinds.
+    reference, model = converted_pair(family, use_cache=True, sliding_window=4096)
+    ids, mask = left_padded_prompts((0, 2), device)
+    tokens = []
+    for which in (reference, model):
+        traces_before = tx.cache_info().misses
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            tokens.append((seeded_generate(which, ids, mask, cache_implementation="static"),
+                           tx.generate(which, ids, 3, attention_mask=mask).cpu().tolist()))
+    assert tokens[1] == tokens[0]
+    assert tokens[0][0] == [row[:-1] for row in tokens[0][1]]  # the same 2 first tokens
+    # generate()'s and tx.generate's prefill and decoding step (other masks).
+    assert tx.cache_info().misses - traces_before == 4
 
 
 @pytest.mark.parametrize("family", OTHER_FAMILIES)

@@ -46,7 +46,9 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     and values and fills the cache after the loop, detached from the autograd
     graph. A `StaticCache` of full-attention layers (what
     `generate(..., cache_implementation="static")` makes, transformers'
-    advice on XLA) runs as one scan in the prefill and in every decoding step:
+    advice on XLA), and of sliding-window layers while their window holds
+    the cache's tokens and the new ones (a window at least the cache's
+    length; see `torch_xla_ext.hf.caches.static_cache`), runs as one scan in the prefill and in every decoding step:
     its keys and values live in two stacked buffers
     `[layers, batch, kv_heads, max_cache_len, head_dim]`, each layer of the
     cache reads and writes its slices as its `keys` and `values` (so

@@ -19,12 +19,15 @@ CACHE_REASON = (
     "the key/value cache passed (past_key_values) is a DynamicCache that already holds "
     "tokens, or a cache of another kind, and each layer reads and updates its own slot of it; "
     "one scan stands for the layers when a DynamicCache starts empty (training, or a prompt's "
-    "prefill) and for every call with a StaticCache of full-attention layers")
+    "prefill) and for every call with a StaticCache whose layers hold the new tokens without "
+    "sliding (full-attention layers, and sliding-window ones not yet full)")
 
 
 # The cache layers that give back what an update puts in when they start empty,
 # so that a layer computes the same with one of them as with no cache.
 _GROWING_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+# The StaticCache layers a scan writes in place (see `static_cache`).
+_STATIC_CACHE_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
 
 
 class _RecordingCache:
@@ -145,17 +148,38 @@ def _reading_stacked_buffers(layer_class: type) -> type:
         "reads_stacked_buffers": True})
 
 
-def static_cache(cache, num_layers: int) -> str | None:
-    """"empty" or "filled" for a StaticCache of full-attention layers, one per
-    layer, not offloaded (what `cache_implementation="static"` makes); else None."""
+def static_cache(cache, num_layers: int, new_tokens: int) -> str | None:
+    """"empty" or "filled" for a StaticCache of one layer per decoder layer,
+    not offloaded, whose layers all hold as many positions and none of which
+    slides in a call of `new_tokens` tokens; else None.
+
+    That is what `cache_implementation="static"` makes for full-attention
+    layers and for sliding-window ones whose window is at least the cache's
+    length (Mistral's and Gemma's windows of 4096, say), and so holds what
+    they hold and the new tokens: such a layer updates as a full-attention one
+    (it writes the new keys and values at its next positions and gives back
+    its whole buffers), where one that is full drops its oldest position."""
     layers = getattr(cache, "layers", None)
-    if (not isinstance(layers, list) or len(layers) != num_layers or getattr(cache, "offloading", False)
-            or any(type(layer).__name__ != "StaticLayer" for layer in layers)):
+    if (not isinstance(layers, list) or len(layers) != num_layers
+            or getattr(cache, "offloading", False)
+            or any(type(layer).__name__ not in _STATIC_CACHE_LAYERS for layer in layers)
+            or len({layer.max_cache_len for layer in layers}) != 1
+            or any(layer.is_sliding and layer.cumulative_length_int + new_tokens
+                   > layer.max_cache_len for layer in layers)):
         return None
     initialized = [layer.is_initialized for layer in layers]
     if all(initialized):
         return "filled"
     return "empty" if not any(initialized) else None
+
+
+def advance(cache, new_tokens: int) -> None:
+    """Counts `new_tokens` more in each layer of a StaticCache `static_cache`
+    accepts, as their own updates would have."""
+    for layer in cache.layers:
+        layer.cumulative_length.add_(new_tokens)
+        if layer.is_sliding:  # which also counts on the host
+            layer.cumulative_length_int += new_tokens
 
 
 def _bind_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -177,8 +201,7 @@ def fill_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
     _bind_stacked(cache, *(_padded(new.to(layer_tensor.dtype), layer_tensor.shape[-2])
                            for new, layer_tensor in ((keys, cache.layers[0].keys),
                                                      (values, cache.layers[0].values))))
-    for layer in cache.layers:
-        layer.cumulative_length.add_(length)
+    advance(cache, length)
 
 
 def stacked_buffers(cache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torch_xla_ext.hf.caches import (
-    CACHE_REASON, fill_stacked, is_cache, keys_and_values, keys_and_values_per_position,
+    CACHE_REASON, advance, fill_stacked, is_cache, keys_and_values, keys_and_values_per_position,
     segment_starts_empty, stacked_buffers, starts_empty, static_cache, written_in_place)
 from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
@@ -164,7 +164,7 @@ class StackedLayers(LayerStack):
                       f"loop")
         else:
             try:
-                static = static_cache(cache, len(self))
+                static = static_cache(cache, len(self), hidden_states.shape[-2])
                 if static == "filled":
                     return self._scan_writing(cache, parameter, hidden_states, keywords)
                 if static == "empty" or starts_empty(cache, len(self)):
@@ -179,7 +179,7 @@ class StackedLayers(LayerStack):
         values; they fill `cache` after the loop, layer by layer, as the layers'
         own updates would have."""
         without_cache = {name: value for name, value in keywords.items() if name != parameter}
-        static = static_cache(cache, len(self)) == "empty"
+        static = static_cache(cache, len(self), hidden_states.shape[-2]) == "empty"
         recording = keys_and_values(parameter, cache.layers[0].max_cache_len if static else None)
         hidden_states, (keys, values) = run_recording(self._layers(), hidden_states, (),
                                                       without_cache, recording)
@@ -200,13 +200,11 @@ class StackedLayers(LayerStack):
                 "gradients; decode under torch.no_grad() (as generate() does) to run it as one "
                 "scan")
         keys, values = stacked_buffers(cache)
-        lengths = [layer.cumulative_length for layer in cache.layers]
         without_cache = {name: value for name, value in keywords.items() if name != parameter}
         hidden_states, _ = run_recording(self._layers(), hidden_states, (), without_cache,
                                          written_in_place(parameter),
-                                         state=(keys, values, lengths[0]))
-        for length in lengths:
-            length.add_(hidden_states.shape[-2])
+                                         state=(keys, values, cache.layers[0].cumulative_length))
+        advance(cache, hidden_states.shape[-2])
         return hidden_states
 
 

@@ -258,11 +258,11 @@ def _graph(layer: nn.Module, stacked_tensors: dict, hidden, args: tuple, kwargs:
 
     weights = {name: fake(tensor, tensor.shape[1:]) for name, tensor in stacked_tensors.items()}
     inputs = tree_map(fake, (hidden, args, kwargs, state))
-    if recording is not None:
-        with mode:
-            index = torch.zeros((), dtype=torch.long)
+    with mode:
+        # An input, as in the loop's step (a constant made here would be a fake).
+        index = torch.zeros((), dtype=torch.long)
 
-    def forward_and_backward(weights, hidden, args, kwargs, state):
+    def forward_and_backward(weights, index, hidden, args, kwargs, state):
         given = recording.make(index, state) if recording is not None else {}
         output = torch.func.functional_call(layer, weights, (hidden, *args),
                                             {**kwargs, **given})
@@ -274,7 +274,7 @@ def _graph(layer: nn.Module, stacked_tensors: dict, hidden, args: tuple, kwargs:
                                            allow_unused=True)
 
     with mode:
-        graph = make_fx(forward_and_backward, tracing_mode="real")(weights, *inputs)
+        graph = make_fx(forward_and_backward, tracing_mode="real")(weights, index, *inputs)
     constants = [operator.attrgetter(node.target)(graph)
                  for node in graph.graph.nodes if node.op == "get_attr"]
     return graph.code, tuple((tuple(each.shape), each.dtype, each.tolist())
