@@ -28,10 +28,13 @@ heads, 2 key/value heads, intermediate 512, vocab 1024), then generate
 
 Warm figures are medians of --repeats calls. Every mode must give the same
 tokens (the script fails otherwise). The summary prints the ratios the issue
-asks for at L=32 and between L=64 and L=8.
+asks for at L=32 and between L=64 and L=8; with --rounds N every run is made
+N times, round after round, and each ratio is the median of the rounds'
+ratios, printed with their spread (min-max).
 
   python scripts/bench_generate.py              # L = 8, 32, 64
   python scripts/bench_generate.py --quick      # L = 2, 4: a quick check
+  python scripts/bench_generate.py --modes stack_layers+hf-generate,stack_layers+tx-generate,tx-generate --rounds 3
 """
 from __future__ import annotations
 
@@ -116,15 +119,17 @@ def print_table(outcomes) -> None:
     ])
 
 
-def print_ratios(by_key: dict, layer_counts: list[int]) -> None:
+def print_ratios(rounds: list[dict], layer_counts: list[int]) -> None:
+    """The goal lines, each ratio the median over `rounds` (figures by (mode, L))."""
     middle = 32 if 32 in layer_counts else max(layer_counts)
     smallest, largest = min(layer_counts), max(layer_counts)
 
     def ratio(label, numerator, denominator, figure, goal):
-        value = harness.ratio(by_key, numerator, denominator, figure)
-        print(harness.goal_line(label, value, goal, width=60))
+        print(harness.goal_line_over_rounds(label, rounds, numerator, denominator, figure, goal,
+                                            width=60))
 
-    print("\nRatios:")
+    print("\nRatios" + (f", median of {len(rounds)} rounds (spread)" if len(rounds) > 1
+                        else "") + ":")
     ratio(f"first call stack_layers+hf-generate/hf-generate at L={middle}",
           ("stack_layers+hf-generate", middle), ("hf-generate", middle), "first_call_s", 0.3)
     for mode in ("stack_layers+hf-generate", "stack_layers+tx-generate"):
@@ -143,8 +148,10 @@ def tokens_problem(outcomes) -> str | None:
     """Which runs gave other tokens than the first run at the same depth, if any."""
     different = []
     for (mode, layers), outcome in outcomes.items():
+        if not outcome.ok:
+            continue
         first = next(o for (m, n), o in outcomes.items() if n == layers and o.ok)
-        if outcome.ok and outcome.figures["tokens"] != first.figures["tokens"]:
+        if outcome.figures["tokens"] != first.figures["tokens"]:
             different.append(f"{mode} L={layers}")
     return f"tokens differ from the first mode's: {', '.join(different)}" if different else None
 
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    harness.add_rounds_option(parser)
     harness.add_llama_size_options(parser)
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
     args = parser.parse_args(argv)
@@ -171,17 +179,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"PJRT {harness.device_name()}, {harness.llama_description(args)}; greedy, batch "
           f"{args.batch}, prompt {args.prompt} tokens, {args.new_tokens} new tokens, static "
           f"cache", flush=True)
-    outcomes = harness.measure_modes_and_depths(
+    every_round = harness.measure_rounds(
         os.path.abspath(__file__), modes, layer_counts,
-        harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout)
-    print()
-    print_table(outcomes)
-    print_ratios({key: outcome.figures for key, outcome in outcomes.items() if outcome.ok},
-                 layer_counts)
-    problem = tokens_problem(outcomes)
-    print("\nTokens: " + (problem or "every mode gave the same tokens"))
-    harness.exit_if_runs_failed(parser.prog, outcomes)
-    harness.exit_on_problems(parser.prog, [problem])
+        harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout, args.rounds, "Runs",
+        print_table)
+    print_ratios([harness.figures_by_run(outcomes) for outcomes in every_round], layer_counts)
+    problems = [tokens_problem(outcomes) for outcomes in every_round]
+    print("\nTokens: " + ("; ".join(filter(None, problems)) or "every mode gave the same tokens"))
+    for outcomes in every_round:
+        harness.exit_if_runs_failed(parser.prog, outcomes)
+    harness.exit_on_problems(parser.prog, problems)
 
 
 if __name__ == "__main__":

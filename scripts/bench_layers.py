@@ -99,9 +99,8 @@ def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[i
     smallest, largest = min(layer_counts), max(layer_counts)
 
     def ratio(label, numerator, denominator, figure, goal):
-        values = [harness.ratio(by_key, numerator, denominator, figure) for by_key in rounds]
-        value, spread = harness.median_and_spread(values)
-        print(harness.goal_line(label, value, goal, width=46, spread=spread))
+        print(harness.goal_line_over_rounds(label, rounds, numerator, denominator, figure, goal,
+                                            width=46))
 
     ratio(f"python time scan/loop at L={middle}", ("scan", middle), ("loop", middle),
           "python_ms", 0.2)
@@ -149,9 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", default=BLOCKS[0],
                         help=f"comma-separated layer kinds, each measured apart: "
                              f"{', '.join(BLOCKS)} (default {BLOCKS[0]})")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="times each (mode, L) of a block runs, round after round; "
-                             "ratios are the rounds' median (default 1)")
+    harness.add_rounds_option(parser)
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
     args = parser.parse_args(argv)
 
@@ -164,8 +161,6 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(blocks) - set(BLOCKS))
     if unknown:
         parser.error(f"unknown blocks {unknown}; choose from {', '.join(BLOCKS)}")
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     if args.memory:
         args.hidden, args.heads, args.intermediate, args.seq, args.batch = 1024, 8, 4096, 16, 1
@@ -177,18 +172,14 @@ def main(argv: list[str] | None = None) -> None:
           "steady)", flush=True)
     all_outcomes = {}
     for block in blocks:
-        rounds = []
-        for round_number in range(1, args.rounds + 1):
-            outcomes = harness.measure_modes_and_depths(
-                os.path.abspath(__file__), modes, layer_counts,
-                [*harness.passed_on(args, WORKLOAD_OPTIONS), "--block", block], args.timeout)
-            print(f"\nblock {block}" + (f", round {round_number} of {args.rounds}"
-                                        if args.rounds > 1 else ""))
-            harness.print_layer_table(outcomes)
-            rounds.append({key: outcome.figures for key, outcome in outcomes.items()
-                           if outcome.ok})
+        every_round = harness.measure_rounds(
+            os.path.abspath(__file__), modes, layer_counts,
+            [*harness.passed_on(args, WORKLOAD_OPTIONS), "--block", block], args.timeout,
+            args.rounds, f"block {block}", harness.print_layer_table)
+        for outcomes in every_round:
             all_outcomes.update({(f"{block} {mode}" if len(blocks) > 1 else mode, layers): outcome
                                  for (mode, layers), outcome in outcomes.items()})
+        rounds = [harness.figures_by_run(outcomes) for outcomes in every_round]
         if args.memory:
             print_memory(rounds[-1])
         else:

@@ -208,6 +208,24 @@ def add_timeout_option(parser: argparse.ArgumentParser, default: float, run: str
                              f"a {run} that exceeds it is reported as timed out")
 
 
+def round_count(text: str) -> int:
+    """argparse type of --rounds: a whole number, at least 1."""
+    try:
+        rounds = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if rounds < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {rounds}")
+    return rounds
+
+
+def add_rounds_option(parser: argparse.ArgumentParser) -> None:
+    """--rounds: how many times every (mode, L) runs, round after round."""
+    parser.add_argument("--rounds", type=round_count, default=1,
+                        help="times each (mode, L) runs, round after round; ratios are the "
+                             "rounds' median, printed with their spread (default 1)")
+
+
 def add_worker_options(parser: argparse.ArgumentParser, default_timeout: float,
                        run: str = "run") -> None:
     """--timeout, and --worker, with which the script is one of its own workers."""
@@ -279,6 +297,27 @@ def measure_modes_and_depths(script: str, modes: Sequence[str], layer_counts: Se
     return {(mode, layers): measure(script, ["--worker", "--mode", mode, "--layers", str(layers),
                                              *arguments], limit, f"{mode} L={layers}")
             for layers in layer_counts for mode in modes}
+
+
+def measure_rounds(script: str, modes: Sequence[str], layer_counts: Sequence[int],
+                   arguments: Sequence[str], limit: float, rounds: int, heading: str,
+                   print_table: Callable[[Mapping[tuple[str, int], Outcome]], None]
+                   ) -> list[dict[tuple[str, int], Outcome]]:
+    """`rounds` rounds of `measure_modes_and_depths`, each round's table printed
+    by `print_table` under `heading` (with the round's number when there are
+    several); returns every round's outcomes."""
+    every_round = []
+    for number in range(1, rounds + 1):
+        outcomes = measure_modes_and_depths(script, modes, layer_counts, arguments, limit)
+        print(f"\n{heading}" + (f", round {number} of {rounds}" if rounds > 1 else ""))
+        print_table(outcomes)
+        every_round.append(outcomes)
+    return every_round
+
+
+def figures_by_run(outcomes: Mapping[tuple[str, int], Outcome]) -> dict[tuple[str, int], dict]:
+    """The figures of each (mode, L) that gave them."""
+    return {key: outcome.figures for key, outcome in outcomes.items() if outcome.ok}
 
 
 def exit_if_runs_failed(prog: str, outcomes: Mapping[tuple[str, int], Outcome]) -> None:
@@ -353,6 +392,15 @@ def median_and_spread(values: Sequence[float | None]
         return None, None
     spread = (min(values), max(values)) if len(values) > 1 else None
     return statistics.median(values), spread
+
+
+def goal_line_over_rounds(label: str, rounds: Sequence[Mapping[Any, Mapping]], numerator,
+                          denominator, figure: str, goal: float, width: int) -> str:
+    """`goal_line` of the median over `rounds` (each round's figures by run) of
+    `ratio(numerator, denominator, figure)`, with its spread."""
+    value, spread = median_and_spread([ratio(figures, numerator, denominator, figure)
+                                       for figures in rounds])
+    return goal_line(label, value, goal, width, spread)
 
 
 def goal_line(label: str, value: float | None, goal: float, width: int,

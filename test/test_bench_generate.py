@@ -32,16 +32,18 @@ def test_the_modes_give_the_same_tokens_and_ours_compile_one_decoding_step(scena
     assert "token_ms" not in figures["hf-generate"]
 
 
-def test_the_table_ratios_and_token_check_are_printed(forked_workers, capsys):
+def test_the_tables_ratios_over_rounds_and_token_check_are_printed(forked_workers, capsys):
     bench_generate.main(["--layers", "2", "--modes", "stack_layers+tx-generate,tx-generate",
-                         *TINY])
+                         "--rounds", "2", *TINY])
     printed = capsys.readouterr().out
-    assert re.search(r"^stack_layers\+tx-generate  2 +[\d.]+ +[\d.]+ +\d+ ", printed,
-                     re.MULTILINE), printed
+    assert printed.count("\nRuns, round ") == 2 and "Runs, round 2 of 2" in printed
+    assert len(re.findall(r"^stack_layers\+tx-generate  2 +[\d.]+ +[\d.]+ +\d+ ", printed,
+                          re.MULTILINE)) == 2, printed
+    assert "Ratios, median of 2 rounds (spread):" in printed
     # ms/token is a difference of two timings; with 2 new tokens on a busy
     # machine it can come out below zero, so either sign is a printed ratio.
-    assert re.search(r"ms/token stack_layers\+tx-generate/tx-generate at L=2 +-?[\d.]+ ",
-                     printed), printed
+    assert re.search(r"ms/token stack_layers\+tx-generate/tx-generate at L=2 +-?[\d.]+ .*"
+                     r"\(-?[\d.]+--?[\d.]+\)", printed), printed
     assert "first call stack_layers+hf-generate/hf-generate at L=2" in printed
     assert "n/a (missing run)" in printed
     assert "Tokens: every mode gave the same tokens" in printed

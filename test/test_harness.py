@@ -236,11 +236,17 @@ def test_ratios_over_rounds_are_their_median_with_the_spread():
     assert harness.median_and_spread([1.0, None]) == (None, None)
     assert harness.goal_line("scan/loop", 1.0, 1.1, width=12, spread=(0.9, 1.2)) == (
         "  scan/loop     1.000   goal <= 1.1   ok     (0.900-1.200)")
+    rounds = [{"scan": {"ms": ms}, "loop": {"ms": 10.0}} for ms in (12.0, 9.0, 10.0)]
+    assert harness.goal_line_over_rounds("scan/loop", rounds, "scan", "loop", "ms", 1.1,
+                                         width=12) == harness.goal_line(
+        "scan/loop", 1.0, 1.1, width=12, spread=(0.9, 1.2))
+    assert harness.goal_line_over_rounds("scan/loop", [*rounds, {}], "scan", "loop", "ms", 1.1,
+                                         width=12).endswith("n/a (missing run)")
 
 
 @pytest.mark.parametrize("argv, error", [
     (["--block", "ours,gpt"], "unknown blocks ['gpt']; choose from ours, fused_qkv_sdpa, llama"),
-    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
 ])
 def test_bench_layers_refuses_unknown_blocks_and_no_rounds_before_any_run(argv, error, capsys):
     with pytest.raises(SystemExit) as exited:
