@@ -299,21 +299,21 @@ def seeded_generate(model, ids, mask, **options) -> list:
 
 GREEDY = dict(do_sample=False)
 # What generate() is asked for, as users call it, with the default cache: greedy
-# for Mistral (its sliding window on, shorter than the prompt) and Qwen2, and
-# Llama with three prompts of different lengths padded on the left. Only the
-# prefill is scanned (its cache is checked below): the static-cache cases
-# (Qwen3, sampling with a seed, beam search) scan every step.
+# for Qwen2, Llama with three prompts of different lengths padded on the left,
+# and Mistral with its sliding window on, shorter than the prompt. The prefill
+# and each decoding step are scans, but a window that drops tokens makes the
+# decoding steps run layer by layer. The static-cache cases are below.
 GENERATIONS = {
-    "mistral-sliding": ("mistral", {"sliding_window": 4}, GREEDY, (0, 2)),
-    "qwen2": ("qwen2", {}, GREEDY, (0, 2)),
-    "three-prompts": ("llama", {}, GREEDY, (0, 3, 5)),
+    "qwen2": ("qwen2", {}, GREEDY, (0, 2), True),
+    "three-prompts": ("llama", {}, GREEDY, (0, 3, 5), True),
+    "mistral-sliding": ("mistral", {"sliding_window": 4}, GREEDY, (0, 2), False),
 }
 
 
-@pytest.mark.parametrize("family, config, options, padding", GENERATIONS.values(),
+@pytest.mark.parametrize("family, config, options, padding, scanned_steps", GENERATIONS.values(),
                          ids=GENERATIONS)
-def test_generation_on_the_xla_device_gives_the_unconverted_tokens_with_a_scanned_prefill(
-        device, family, config, options, padding):
+def test_generation_with_the_default_cache_gives_the_unconverted_tokens_as_scans(
+        device, family, config, options, padding, scanned_steps):
     reference, model = converted_pair(family, layers=2, use_cache=True, **config)
     ids, mask = left_padded_prompts(padding, device)
     tokens = []
@@ -323,10 +323,12 @@ def test_generation_on_the_xla_device_gives_the_unconverted_tokens_with_a_scanne
             warnings.simplefilter("always")
             tokens.append(seeded_generate(which, ids, mask, **options))
     assert tokens[1] == tokens[0]
-    assert tx.cache_info().misses - traces_before == 1  # the prompt's prefill: one scan
-    # Each decoding step reads the filled cache: layer by layer, with the reason.
     reasons = {str(w.message) for w in caught if w.category is LayerByLayerWarning}
-    assert len(reasons) == 1 and "already holds tokens" in reasons.pop()
+    if scanned_steps:  # the prompt's prefill and the decoding step
+        assert tx.cache_info().misses - traces_before == 2 and not reasons
+    else:  # the prompt's prefill; the step's cache layers hold 3 tokens, a window's less one
+        assert tx.cache_info().misses - traces_before == 1
+        assert len(reasons) == 1 and "a window drops tokens" in reasons.pop()
 
 
 def test_training_with_the_default_cache_is_one_scan_with_the_unconverted_gradients(device):
@@ -377,23 +379,38 @@ def test_a_prefill_with_a_cache_is_one_scan_that_fills_the_cache(device, family,
         close(tensor, expected_tensor)
 
 
-def test_a_decoding_step_over_a_filled_cache_runs_layer_by_layer_with_the_unconverted_logits(
+def test_decoding_steps_over_a_dynamic_cache_are_scans_with_the_unconverted_logits_and_cache(
         device):
     reference, model = converted_pair(use_cache=True)
     ids, mask = batch(device)
-    step_ids = ids[:, -1:]
-    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    logits = []
+    results = []
     for which in (reference, model):
+        which.to(device).eval()
         with torch.no_grad():
-            which.to(device).eval()
-            cache = which(ids, attention_mask=mask).past_key_values
-            with warnings.catch_warnings(record=True) as caught:
+            output = which(ids, attention_mask=mask)
+        cache, step_mask, logits = output.past_key_values, mask, [output.logits]
+        one_by_one = []
+        for grad in (False, False, True):
+            step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], dim=1)
+            with torch.set_grad_enabled(grad), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                logits.append(which(step_ids, attention_mask=step_mask,
+                logits.append(which(logits[-1][:, -1:].argmax(-1), attention_mask=step_mask,
                                     past_key_values=cache).logits)
-    assert any("already holds tokens" in str(w.message) for w in caught)
-    close(logits[1], logits[0])
+            one_by_one.append([str(w.message) for w in caught
+                               if w.category is LayerByLayerWarning])
+        layers = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        results.append((cache.get_seq_length(), host_copies([*logits, *layers])))
+    (expected_length, expected), (length, actual) = results
+    assert length == expected_length == SEQ + 3
+    # The step with gradients runs layer by layer: the scan reads the held keys
+    # and values without theirs.
+    assert one_by_one == [[], [], [
+        "The 4 layers ran one by one, as the for loop does, instead of as one scan: the keys "
+        "and values a DynamicCache holds are read inside the scan without their gradients; "
+        "decode under torch.no_grad() (as generate() does) to run it as one scan."]]
+    assert len(actual) == len(expected) == 4 + 2 * 4
+    for got, want in zip(actual, expected):
+        close(got, want)
 
 
 # Mistral samples with its config's sliding window (4096: the cache holds
@@ -494,7 +511,7 @@ def test_a_sliding_window_static_cache_is_scanned_until_its_window_is_full(devic
     (expected_length, _, expected), (length, one_by_one, actual) = results
     assert length == expected_length == SEQ + 3
     assert one_by_one[:3] == [[], [], []]
-    assert len(one_by_one[3]) == 1 and "sliding-window ones not yet full" in one_by_one[3][0]
+    assert len(one_by_one[3]) == 1 and "a window drops tokens" in one_by_one[3][0]
     assert len(actual) == len(expected) == 4 + 2 * 2
     for got, want in zip(actual, expected):
         close(got, want)

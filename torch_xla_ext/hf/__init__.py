@@ -54,12 +54,17 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     cache reads and writes its slices as its `keys` and `values` (so
     `get_seq_length`, `reset` and beam reordering work as before; no view is
     kept, which torch_xla would materialize as a copy), and each step's scan writes only the new
-    positions, in place, under `torch.no_grad()`. With a `DynamicCache` that
-    already holds tokens (each decoding step of `generate()` with the default
-    cache) or a cache of another kind, the layers run one by one, each with
-    its own cache slot, and give the same results as before the conversion;
-    a `LayerByLayerWarning` says so (once per process, as Python shows a
-    warning).
+    positions, in place, under `torch.no_grad()`. A `DynamicCache` that
+    holds as many tokens in every layer (each decoding step of `generate()`
+    with the default cache) runs as one scan under `torch.no_grad()` too:
+    its layers' keys and values are stacked for the call (one copy of the
+    cache, which the unconverted layers' own concatenations copy again), each
+    layer reads its slice, and the new keys and values extend the cache's
+    layers after the loop, through their own `update`. With a sliding window
+    that drops tokens, a cache of another kind, or gradients, the layers run
+    one by one, each with its own cache slot, and give the same results as
+    before the conversion; a `LayerByLayerWarning` says so (once per process,
+    as Python shows a warning).
 
     What stays as it was: the model's forward and config, every other module,
     `state_dict()` keys and values (`model.layers.3.self_attn.q_proj.weight`),
@@ -97,8 +102,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     (`model.layers.segments.0.stacked.layers.1.mlp.up_proj.weight`:
     position 1 of each group). An empty DynamicCache (use_cache=True, in
     training or a prompt's prefill) is filled from the scans, as above; with
-    a cache that holds tokens (each decoding step) or a StaticCache, layers
-    of several kinds run one by one, with a `LayerByLayerWarning`.
+    a cache that holds tokens (each decoding step) or a StaticCache, the
+    layers of a StackedLayerKinds run one by one, with a `LayerByLayerWarning`.
 
     peft: `stack_layers(get_peft_model(model, config))` and
     `get_peft_model(stack_layers(model), config)` give the same model, whose

@@ -2,10 +2,11 @@
 
 The stand-in cache each traced layer call gets to record the keys and values
 it puts in (`keys_and_values`: an empty DynamicCache or StaticCache, filled
-after the loop), the writer of a StaticCache's stacked buffers inside the loop
-(`written_in_place`: every decoding step), and a StaticCache held as those two
-stacked buffers, its layers reading their slices (`fill_stacked`,
-`stacked_buffers`)."""
+after the loop; `keys_and_values_after_held`: a DynamicCache that holds
+tokens, its layers stacked for the call and extended after it), the writer
+of a StaticCache's stacked buffers inside the loop (`written_in_place`:
+every decoding step), and a StaticCache held as those two stacked buffers,
+its layers reading their slices (`fill_stacked`, `stacked_buffers`)."""
 from __future__ import annotations
 
 import functools
@@ -16,11 +17,11 @@ from torch_xla_ext.layer_stack.running import Recording
 
 
 CACHE_REASON = (
-    "the key/value cache passed (past_key_values) is a DynamicCache that already holds "
-    "tokens, or a cache of another kind, and each layer reads and updates its own slot of it; "
-    "one scan stands for the layers when a DynamicCache starts empty (training, or a prompt's "
-    "prefill) and for every call with a StaticCache whose layers hold the new tokens without "
-    "sliding (full-attention layers, and sliding-window ones not yet full)")
+    "the key/value cache passed (past_key_values) is of a kind, or in a state, in which each "
+    "layer reads and updates its own slot of it; one scan stands for the layers with a "
+    "DynamicCache that starts empty (training, or a prompt's prefill) or holds as many tokens "
+    "in every layer (decoding), and with a StaticCache, as long as no sliding window is full "
+    "or fills up in the call (a window drops tokens)")
 
 
 # The cache layers that give back what an update puts in when they start empty,
@@ -58,6 +59,34 @@ def _recorded_keys_and_values(cache: _RecordingCache) -> tuple:
                          "update it, so there are no keys and values to fill the cache with")
     # Detached: what the cache holds is read by later decoding steps, not differentiated.
     return cache.keys.detach(), cache.values.detach()
+
+
+class _GrowingCache(_RecordingCache):
+    """The cache each layer gets inside the scan over a DynamicCache that holds
+    tokens (the scan's state: every layer's keys and values, stacked): as
+    DynamicLayer.update, its update gives back the layer's keys and values
+    followed by the new ones; it records the new ones, which extend the
+    cache's layers after the loop."""
+
+    def __init__(self, index: torch.Tensor, state: tuple):
+        super().__init__()
+        self.index = index.reshape(1)
+        self.held_keys, self.held_values = state
+
+    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
+        super().update(key_states, value_states, layer_idx)
+        return tuple(torch.cat([held.index_select(0, self.index)[0], new], dim=-2)
+                     for held, new in ((self.held_keys, key_states),
+                                       (self.held_values, value_states)))
+
+
+@functools.cache
+def keys_and_values_after_held(parameter: str) -> Recording:
+    """The recording of each layer's new keys and values through its cache
+    argument `parameter`, each layer reading the ones its cache holds."""
+    return Recording(("keys and values after held ones", parameter),
+                     lambda index, state: {parameter: _GrowingCache(index, state)},
+                     lambda given: _recorded_keys_and_values(given[parameter]))
 
 
 @functools.cache
@@ -225,6 +254,28 @@ def segment_starts_empty(cache, start: int, stop: int) -> bool:
     return (len(layers) >= stop
             and all(type(layer).__name__ in _GROWING_CACHE_LAYERS for layer in layers[start:stop])
             and not any(getattr(layer, "is_initialized", True) for layer in layers[start:stop]))
+
+
+def holds_tokens(cache, num_layers: int, new_tokens: int) -> bool:
+    """Whether `cache` is a DynamicCache, not offloaded, whose layers (one per
+    decoder layer) all hold keys and values of one shape and, with
+    `new_tokens` more, drop none (full-attention layers, and sliding-window
+    ones whose window holds them all): each layer's update then gives back
+    what it holds followed by the new ones, and keeps that."""
+    layers = getattr(cache, "layers", None)
+    if (not isinstance(layers, list) or len(layers) != num_layers
+            or getattr(cache, "offloading", False)
+            or any(type(layer).__name__ not in _GROWING_CACHE_LAYERS
+                   or not layer.is_initialized or layer.get_seq_length() == 0
+                   for layer in layers)):
+        return False
+    if len({(layer.keys.shape, layer.values.shape, layer.keys.dtype, layer.keys.device)
+            for layer in layers}) != 1:
+        return False
+    held = layers[0].keys.shape[-2]
+    return not any(layer.is_sliding and (layer.record_past
+                                         or held + new_tokens > layer.sliding_window - 1)
+                   for layer in layers)
 
 
 def starts_empty(cache, num_layers: int) -> bool:

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from torch_xla_ext.hf.caches import (
-    CACHE_REASON, advance, fill_stacked, is_cache, keys_and_values, keys_and_values_per_position,
-    segment_starts_empty, stacked_buffers, starts_empty, static_cache, written_in_place)
+    CACHE_REASON, advance, fill_stacked, holds_tokens, is_cache, keys_and_values,
+    keys_and_values_after_held, keys_and_values_per_position, segment_starts_empty,
+    stacked_buffers, starts_empty, static_cache, written_in_place)
 from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
 from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
@@ -40,7 +41,8 @@ class StackedLayers(LayerStack):
       the stack once, which runs every layer as one scan; an empty DynamicCache
       passed to it is filled from the scan; a StaticCache is held as stacked
       buffers that the scan writes in place (prefill and every decoding step);
-      a DynamicCache holding tokens makes it run layer by layer. Any other slice is the list of those layers;
+      a DynamicCache holding tokens is read from its layers stacked, and its
+      layers extended after the scan. Any other slice is the list of those layers;
       `layers[i]` and iteration give per-layer modules whose tensors are views of
       the stacked ones.
     * The template layer reads the model's own config object, so changing it
@@ -164,11 +166,14 @@ class StackedLayers(LayerStack):
                       f"loop")
         else:
             try:
-                static = static_cache(cache, len(self), hidden_states.shape[-2])
+                new_tokens = hidden_states.shape[-2]
+                static = static_cache(cache, len(self), new_tokens)
                 if static == "filled":
                     return self._scan_writing(cache, parameter, hidden_states, keywords)
                 if static == "empty" or starts_empty(cache, len(self)):
                     return self._scan_filling(cache, parameter, hidden_states, keywords)
+                if holds_tokens(cache, len(self), new_tokens):
+                    return self._scan_growing(cache, parameter, hidden_states, keywords)
             except Unscannable as unscannable:
                 reason = str(unscannable)
         return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
@@ -186,6 +191,28 @@ class StackedLayers(LayerStack):
         if static:
             fill_stacked(cache, keys, values)
             return hidden_states
+        for index in range(len(self)):
+            cache.update(keys[index], values[index], index)
+        return hidden_states
+
+    def _scan_growing(self, cache, parameter: str, hidden_states, keywords: dict):
+        """One scan over the layers of a DynamicCache that holds tokens (a
+        decoding step): each layer reads what its cache holds from the
+        layers' keys and values stacked for the call, and its new keys and
+        values extend its cache layer after the loop, through the layer's
+        own update."""
+        if torch.is_grad_enabled() and any(tensor.requires_grad
+                                           for tensor in self.parameters()):
+            raise Unscannable(
+                "the keys and values a DynamicCache holds are read inside the scan without "
+                "their gradients; decode under torch.no_grad() (as generate() does) to run it "
+                "as one scan")
+        held = tuple(torch.stack([getattr(layer, name) for layer in cache.layers])
+                     for name in ("keys", "values"))
+        without_cache = {name: value for name, value in keywords.items() if name != parameter}
+        hidden_states, (keys, values) = run_recording(
+            self._layers(), hidden_states, (), without_cache,
+            keys_and_values_after_held(parameter), state=held)
         for index in range(len(self)):
             cache.update(keys[index], values[index], index)
         return hidden_states

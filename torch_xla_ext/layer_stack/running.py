@@ -98,7 +98,8 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
                                                        partition_fn=layers.partition_fn,
                                                        is_fn_pure=layers.is_layer_pure)
         for tensor, final in zip(state, final_state):
-            tensor.copy_(final)
+            if final is not tensor:  # a read-only state leaves the loop as itself
+                tensor.copy_(final)
         return last_hidden, recorded
 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
