@@ -2,7 +2,8 @@
 """Benchmark greedy generation with transformers' LlamaForCausalLM four ways.
 
 * hf-generate:               the model as transformers builds it, through its
-                             `generate(..., cache_implementation="static")`,
+                             `generate(..., cache_implementation="static")`
+                             (with `--cache dynamic`, its default cache),
 * stack_layers+hf-generate:  the model after `torch_xla_ext.stack_layers`,
                              through the same `generate()`,
 * stack_layers+tx-generate:  the converted model through `torch_xla_ext.generate`
@@ -35,6 +36,7 @@ ratios, printed with their spread (min-max).
   python scripts/bench_generate.py              # L = 8, 32, 64
   python scripts/bench_generate.py --quick      # L = 2, 4: a quick check
   python scripts/bench_generate.py --modes stack_layers+hf-generate,stack_layers+tx-generate,tx-generate --rounds 3
+  python scripts/bench_generate.py --cache dynamic --modes hf-generate,stack_layers+hf-generate
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ MODES = ("hf-generate", "stack_layers+hf-generate", "stack_layers+tx-generate", 
 # Seconds one (mode, L) may take: the unconverted model at L=64 compiles a
 # graph of 64 layers for nearly every token.
 DEFAULT_TIMEOUT = 3600
-WORKLOAD_OPTIONS = ("prompt", "new_tokens", "batch", "repeats", *harness.LLAMA_SIZE_OPTIONS)
+WORKLOAD_OPTIONS = ("prompt", "new_tokens", "batch", "repeats", "cache",
+                    *harness.LLAMA_SIZE_OPTIONS)
 
 
 def run_worker(args) -> dict:
@@ -78,9 +81,10 @@ def run_worker(args) -> dict:
         if args.mode.endswith("tx-generate"):
             return tx.generate(model, prompt, new_tokens,
                                max_cache_len=args.prompt + args.new_tokens)
+        cache = {"cache_implementation": "static"} if args.cache == "static" else {}
         with torch.no_grad():
             tokens = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
-                                    pad_token_id=0, cache_implementation="static")
+                                    pad_token_id=0, **cache)
         torch_xla.sync()
         return tokens
 
@@ -163,6 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache", choices=("static", "dynamic"), default="static",
+                        help="the cache of the hf-generate modes' generate(): static (the "
+                             "default, transformers' advice on XLA) or dynamic (its default); "
+                             "torch_xla_ext.generate always uses a static one")
     harness.add_rounds_option(parser)
     harness.add_llama_size_options(parser)
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
@@ -177,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
 
     layer_counts, modes = harness.chosen_runs(parser, args, MODES, None)
     print(f"PJRT {harness.device_name()}, {harness.llama_description(args)}; greedy, batch "
-          f"{args.batch}, prompt {args.prompt} tokens, {args.new_tokens} new tokens, static "
-          f"cache", flush=True)
+          f"{args.batch}, prompt {args.prompt} tokens, {args.new_tokens} new tokens, "
+          f"generate() with a {args.cache} cache", flush=True)
     every_round = harness.measure_rounds(
         os.path.abspath(__file__), modes, layer_counts,
         harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout, args.rounds, "Runs",

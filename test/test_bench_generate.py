@@ -32,6 +32,16 @@ def test_the_modes_give_the_same_tokens_and_ours_compile_one_decoding_step(scena
     assert "token_ms" not in figures["hf-generate"]
 
 
+def test_generate_with_the_default_cache_gives_the_same_tokens_compiling_no_more_graphs(
+        scenario_server):
+    figures = {mode: worker_figures(scenario_server, "bench_generate.py", "--mode", mode,
+                                    "--layers", "2", "--cache", "dynamic", *TINY)
+               for mode in ("hf-generate", "stack_layers+hf-generate")}
+    assert figures["stack_layers+hf-generate"]["tokens"] == figures["hf-generate"]["tokens"]
+    assert (figures["stack_layers+hf-generate"]["compiles"]
+            <= figures["hf-generate"]["compiles"])
+
+
 def test_the_tables_ratios_over_rounds_and_token_check_are_printed(forked_workers, capsys):
     bench_generate.main(["--layers", "2", "--modes", "stack_layers+tx-generate,tx-generate",
                          "--rounds", "2", *TINY])

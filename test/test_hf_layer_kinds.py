@@ -241,6 +241,37 @@ def test_generate_with_a_static_cache_of_both_kinds_gives_the_unconverted_tokens
     assert torch.equal(tokens[1], tokens[0])
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_the_configs_window_and_default_cache_train_and_generate_on_xla_as_scans(device, family):
+    # Gemma's window (4096) is longer than the sequence, and its configs say
+    # use_cache=True: transformers' DynamicSlidingWindowLayer then slices its
+    # keys from before their start, which XLA refuses ("Value out of range").
+    # So the unconverted model runs without a cache (training) or with a
+    # static one (generation), and the converted one with its defaults.
+    reference, model = converted_pair(family, use_cache=True, sliding_window=4096)
+    ids, mask = batch(device)
+    results = []
+    for which, use_cache in ((reference, False), (model, True)):
+        which.to(device).train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            loss = which(ids, attention_mask=mask, labels=ids, use_cache=use_cache).loss
+        loss.backward()
+        torch_xla.sync()
+        results.append((loss, unconverted_grads(which) if which is model
+                        else per_layer_grads(which)))
+    (reference_loss, reference_grads), (loss, grads) = results
+    close(loss, reference_loss)
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in reference_grads.items():
+        close(grads[name], grad)
+    prompts, prompt_mask = left_padded_prompts((0, 2), device)
+    expected = seeded_generate(reference, prompts, prompt_mask, cache_implementation="static")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        assert seeded_generate(model, prompts, prompt_mask) == expected
+
+
 @pytest.mark.parametrize("family", ["gemma2", "qwen2"])
 def test_generate_with_a_static_cache_within_the_window_scans_every_step(device, family):
     # The configs' window (4096) holds the whole cache: its sliding layers hold

@@ -146,6 +146,25 @@ def keys_and_values_per_position(parameter: str, period: int) -> Recording:
                             for tensor in _recorded_keys_and_values(position[parameter])))
 
 
+def extend(cache, layer_index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """`cache.update(keys, values, layer_index)` for a DynamicCache, as the
+    layer's own update would leave it, in a form XLA takes: a sliding-window
+    layer that then holds fewer positions than its window keeps them all,
+    where transformers slices them from before their start
+    (`[..., -sliding_window + 1:, :]`), which CPU tensors clamp and XLA
+    refuses ("Value out of range")."""
+    layer = cache.layers[layer_index] if layer_index < len(cache.layers) else None
+    if (type(layer).__name__ != "DynamicSlidingWindowLayer" or layer.record_past
+            or layer.get_seq_length() + keys.shape[-2] >= layer.sliding_window):
+        cache.update(keys, values, layer_index)
+        return
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    layer.cumulative_length += keys.shape[-2]
+    layer.keys = torch.cat([layer.keys, keys], dim=-2)
+    layer.values = torch.cat([layer.values, values], dim=-2)
+
+
 def is_cache(value) -> bool:
     """A transformers key/value cache (`Cache`: DynamicCache, StaticCache, ...)."""
     return hasattr(value, "get_seq_length") and hasattr(value, "update")

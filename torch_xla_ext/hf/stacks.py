@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torch_xla_ext.hf.caches import (
-    CACHE_REASON, advance, fill_stacked, holds_tokens, is_cache, keys_and_values,
+    CACHE_REASON, advance, extend, fill_stacked, holds_tokens, is_cache, keys_and_values,
     keys_and_values_after_held, keys_and_values_per_position, segment_starts_empty,
     stacked_buffers, starts_empty, static_cache, written_in_place)
 from torch_xla_ext.layer_stack import LayerStack
@@ -192,7 +192,7 @@ class StackedLayers(LayerStack):
             fill_stacked(cache, keys, values)
             return hidden_states
         for index in range(len(self)):
-            cache.update(keys[index], values[index], index)
+            extend(cache, index, keys[index], values[index])
         return hidden_states
 
     def _scan_growing(self, cache, parameter: str, hidden_states, keywords: dict):
@@ -214,7 +214,7 @@ class StackedLayers(LayerStack):
             self._layers(), hidden_states, (), without_cache,
             keys_and_values_after_held(parameter), state=held)
         for index in range(len(self)):
-            cache.update(keys[index], values[index], index)
+            extend(cache, index, keys[index], values[index])
         return hidden_states
 
     def _scan_writing(self, cache, parameter: str, hidden_states, keywords: dict):
@@ -294,8 +294,8 @@ def _scan_filling_groups(stack, segment, cache, parameter: str, hidden, calls: t
     for group in range(segment.groups):
         for position in range(segment.period):
             keys, values = recorded[2 * position], recorded[2 * position + 1]
-            cache.update(keys[group], values[group],
-                         segment.start + group * segment.period + position)
+            extend(cache, segment.start + group * segment.period + position, keys[group],
+                   values[group])
     return hidden
 
 
