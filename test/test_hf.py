@@ -372,7 +372,11 @@ def test_a_prefill_with_a_cache_is_one_scan_that_fills_the_cache(device, family,
         outputs.append((cache, host_copies(tensors)))
     (reference_cache, expected), (cache, actual) = outputs
     assert type(cache) is type(reference_cache)
-    assert [type(layer) for layer in cache.layers] == [type(layer) for layer in reference_cache.layers]
+    # Layers of the same classes (a subclass of the same name, which reads the
+    # stacked keys and values from the scan, where the cache keeps all it got).
+    assert all(isinstance(layer, type(reference_layer)) and type(layer).__name__
+               == type(reference_layer).__name__
+               for layer, reference_layer in zip(cache.layers, reference_cache.layers, strict=True))
     assert cache.get_seq_length() == reference_cache.get_seq_length() == SEQ
     assert len(actual) == len(expected) == 1 + 2 * 4  # logits, then every layer's keys and values
     for tensor, expected_tensor in zip(actual, expected):
@@ -391,6 +395,9 @@ def test_decoding_steps_over_a_dynamic_cache_are_scans_with_the_unconverted_logi
         cache, step_mask, logits = output.past_key_values, mask, [output.logits]
         one_by_one = []
         for grad in (False, False, True):
+            if grad:  # what the cache's layers hold after the prefill and two steps
+                held = {id(value): value for layer in cache.layers
+                        for value in vars(layer).values() if isinstance(value, torch.Tensor)}
             step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], dim=1)
             with torch.set_grad_enabled(grad), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -402,6 +409,9 @@ def test_decoding_steps_over_a_dynamic_cache_are_scans_with_the_unconverted_logi
         results.append((cache.get_seq_length(), host_copies([*logits, *layers])))
     (expected_length, expected), (length, actual) = results
     assert length == expected_length == SEQ + 3
+    # The converted model's cache layers read two stacked buffers, which each
+    # step's scan extends; they hold no tensor of their own.
+    assert sorted(tuple(t.shape) for t in held.values()) == [(4, BATCH, 2, SEQ + 2, 8)] * 2
     # The step with gradients runs layer by layer: the scan reads the held keys
     # and values without theirs.
     assert one_by_one == [[], [], [

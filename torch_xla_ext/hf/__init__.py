@@ -48,23 +48,24 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     `generate(..., cache_implementation="static")` makes, transformers'
     advice on XLA), and of sliding-window layers while their window holds
     the cache's tokens and the new ones (a window at least the cache's
-    length; see `torch_xla_ext.hf.caches.static_cache`), runs as one scan in the prefill and in every decoding step:
-    its keys and values live in two stacked buffers
-    `[layers, batch, kv_heads, max_cache_len, head_dim]`, each layer of the
-    cache reads and writes its slices as its `keys` and `values` (so
-    `get_seq_length`, `reset` and beam reordering work as before; no view is
-    kept, which torch_xla would materialize as a copy), and each step's scan writes only the new
-    positions, in place, under `torch.no_grad()`. A `DynamicCache` that
-    holds as many tokens in every layer (each decoding step of `generate()`
-    with the default cache) runs as one scan under `torch.no_grad()` too:
-    its layers' keys and values are stacked for the call (one copy of the
-    cache, which the unconverted layers' own concatenations copy again), each
-    layer reads its slice, and the new keys and values extend the cache's
-    layers after the loop, through their own `update`. With a sliding window
-    that drops tokens, a cache of another kind, or gradients, the layers run
-    one by one, each with its own cache slot, and give the same results as
-    before the conversion; a `LayerByLayerWarning` says so (once per process,
-    as Python shows a warning).
+    length; see `torch_xla_ext.hf.caches.static_cache`), runs as one scan in
+    the prefill and in every decoding step: its keys and values live in two
+    stacked buffers `[layers, batch, kv_heads, max_cache_len, head_dim]`,
+    each layer of the cache reads and writes its slices as its `keys` and
+    `values` (so `get_seq_length`, `reset` and beam reordering work as
+    before; no view is kept, which torch_xla would materialize as a copy),
+    and each step's scan writes only the new positions, in place, under
+    `torch.no_grad()`. A `DynamicCache` that holds as many tokens in every
+    layer (each decoding step of `generate()` with the default cache) runs
+    as one scan under `torch.no_grad()` too: its layers read their slices of
+    two stacked buffers `[layers, batch, kv_heads, length, head_dim]` (the
+    prefill's scan leaves them so), and each step's new keys and values are
+    concatenated to them after the loop (one copy of the cache, as each
+    unconverted layer's own concatenation makes). With
+    a sliding window that drops tokens, a cache of another kind, or
+    gradients, the layers run one by one, each with its own cache slot, and
+    give the same results as before the conversion; a `LayerByLayerWarning`
+    says so (once per process, as Python shows a warning).
 
     What stays as it was: the model's forward and config, every other module,
     `state_dict()` keys and values (`model.layers.3.self_attn.q_proj.weight`),

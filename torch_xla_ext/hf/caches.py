@@ -3,10 +3,11 @@
 The stand-in cache each traced layer call gets to record the keys and values
 it puts in (`keys_and_values`: an empty DynamicCache or StaticCache, filled
 after the loop; `keys_and_values_after_held`: a DynamicCache that holds
-tokens, its layers stacked for the call and extended after it), the writer
+tokens, extended after it), the writer
 of a StaticCache's stacked buffers inside the loop (`written_in_place`:
-every decoding step), and a StaticCache held as those two stacked buffers,
-its layers reading their slices (`fill_stacked`, `stacked_buffers`)."""
+every decoding step), and a cache held as two stacked buffers, its layers
+reading their slices (a StaticCache: `fill_stacked`; a DynamicCache that
+keeps all it gets: `hold_stacked`; either: `stacked_buffers`)."""
 from __future__ import annotations
 
 import functools
@@ -154,8 +155,8 @@ def extend(cache, layer_index: int, keys: torch.Tensor, values: torch.Tensor) ->
     (`[..., -sliding_window + 1:, :]`), which CPU tensors clamp and XLA
     refuses ("Value out of range")."""
     layer = cache.layers[layer_index] if layer_index < len(cache.layers) else None
-    if (type(layer).__name__ != "DynamicSlidingWindowLayer" or layer.record_past
-            or layer.get_seq_length() + keys.shape[-2] >= layer.sliding_window):
+    if (type(layer).__name__ != "DynamicSlidingWindowLayer"
+            or not keeps_all(layer, layer.get_seq_length() + keys.shape[-2])):
         cache.update(keys, values, layer_index)
         return
     if not layer.is_initialized:
@@ -170,30 +171,58 @@ def is_cache(value) -> bool:
     return hasattr(value, "get_seq_length") and hasattr(value, "update")
 
 
-def _stacked_slice(buffer: str) -> property:
+def _stacked_slice(buffer: str, writes_through: bool) -> property:
     """A cache layer's `keys` or `values` as its slice of the stacked buffer,
-    taken at each read; assigning it (beam search's reordering) writes the slice."""
+    taken at each read. Assigning it writes the slice (`writes_through`: a
+    StaticCache layer, which beam search's reordering assigns) or gives the
+    layer its own tensors from then on (a DynamicCache layer, whose update,
+    crop and reordering replace them with tensors of other shapes)."""
+    stacked = "_stacked_" + buffer
 
     def read(layer) -> torch.Tensor:
-        return getattr(layer, buffer)[layer._stacked_index]
+        return getattr(layer, stacked)[layer._stacked_index]
 
     def write(layer, new: torch.Tensor) -> None:
-        getattr(layer, buffer)[layer._stacked_index].copy_(new)
+        if writes_through:
+            read(layer).copy_(new)
+            return
+        _leave_stacked_buffers(layer)
+        setattr(layer, buffer, new)
 
     return property(read, write)
 
 
 @functools.cache
 def _reading_stacked_buffers(layer_class: type) -> type:
-    """The class a StaticCache layer takes once its cache is stacked: a
-    subclass of the same name (what checks a cache layer's kind by name still
-    sees it) whose keys and values are its slices of the stacked buffers. A
-    view held by the layer would not do: torch_xla materializes every live
-    view at a sync, which would keep a second copy of the cache."""
+    """The class a cache layer takes once its cache is stacked: a subclass of
+    the same name (what checks a cache layer's kind by name still sees it)
+    whose keys and values are its slices of the stacked buffers. A view held
+    by the layer would not do: torch_xla materializes every live view at a
+    sync, which would keep a second copy of the cache."""
+    writes_through = layer_class.__name__ in _STATIC_CACHE_LAYERS
     return type(layer_class.__name__, (layer_class,), {
         "__module__": layer_class.__module__, "__qualname__": layer_class.__qualname__,
-        "keys": _stacked_slice("_stacked_keys"), "values": _stacked_slice("_stacked_values"),
-        "reads_stacked_buffers": True})
+        "keys": _stacked_slice("keys", writes_through),
+        "values": _stacked_slice("values", writes_through), "reads_stacked_buffers": True})
+
+
+def _leave_stacked_buffers(layer) -> None:
+    """The layer takes its slices as its own tensors, and its class back."""
+    keys, values = layer.keys, layer.values
+    layer.__class__ = type(layer).__mro__[1]
+    for name in ("_stacked_keys", "_stacked_values", "_stacked_index"):
+        del layer.__dict__[name]
+    layer.keys, layer.values = keys, values
+
+
+def _layer_per_layer(cache, num_layers: int) -> list | None:
+    """The cache's layers, if it has one per decoder layer and keeps them on
+    the device (not offloaded); else None."""
+    layers = getattr(cache, "layers", None)
+    if (not isinstance(layers, list) or len(layers) != num_layers
+            or getattr(cache, "offloading", False)):
+        return None
+    return layers
 
 
 def static_cache(cache, num_layers: int, new_tokens: int) -> str | None:
@@ -207,9 +236,8 @@ def static_cache(cache, num_layers: int, new_tokens: int) -> str | None:
     they hold and the new tokens: such a layer updates as a full-attention one
     (it writes the new keys and values at its next positions and gives back
     its whole buffers), where one that is full drops its oldest position."""
-    layers = getattr(cache, "layers", None)
-    if (not isinstance(layers, list) or len(layers) != num_layers
-            or getattr(cache, "offloading", False)
+    layers = _layer_per_layer(cache, num_layers)
+    if (layers is None
             or any(type(layer).__name__ not in _STATIC_CACHE_LAYERS for layer in layers)
             or len({layer.max_cache_len for layer in layers}) != 1
             or any(layer.is_sliding and layer.cumulative_length_int + new_tokens
@@ -236,7 +264,8 @@ def _bind_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
         # Its own tensors go: the slices replace them.
         layer.__dict__.pop("keys", None)
         layer.__dict__.pop("values", None)
-        layer.__class__ = _reading_stacked_buffers(type(layer))
+        if not getattr(layer, "reads_stacked_buffers", False):  # else it reads new ones
+            layer.__class__ = _reading_stacked_buffers(type(layer))
         layer._stacked_keys, layer._stacked_values, layer._stacked_index = keys, values, index
 
 
@@ -253,9 +282,10 @@ def fill_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def stacked_buffers(cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The filled StaticCache's stacked key and value buffers. Stacks its
-    layers' tensors first (one copy) when it was filled layer by layer."""
-    if not all(getattr(layer, "reads_stacked_buffers", False) for layer in cache.layers):
+    """The filled cache's stacked key and value buffers. Stacks its layers'
+    tensors first (one copy) when they are not slices of the same ones (the
+    cache was filled layer by layer)."""
+    if not _read_one_stack(cache.layers):
         _bind_stacked(cache, torch.stack([layer.keys for layer in cache.layers]),
                       torch.stack([layer.values for layer in cache.layers]))
     return cache.layers[0]._stacked_keys, cache.layers[0]._stacked_values
@@ -281,20 +311,43 @@ def holds_tokens(cache, num_layers: int, new_tokens: int) -> bool:
     `new_tokens` more, drop none (full-attention layers, and sliding-window
     ones whose window holds them all): each layer's update then gives back
     what it holds followed by the new ones, and keeps that."""
-    layers = getattr(cache, "layers", None)
-    if (not isinstance(layers, list) or len(layers) != num_layers
-            or getattr(cache, "offloading", False)
-            or any(type(layer).__name__ not in _GROWING_CACHE_LAYERS
-                   or not layer.is_initialized or layer.get_seq_length() == 0
-                   for layer in layers)):
+    layers = _layer_per_layer(cache, num_layers)
+    if layers is None or any(type(layer).__name__ not in _GROWING_CACHE_LAYERS
+                             or not layer.is_initialized for layer in layers):
         return False
-    if len({(layer.keys.shape, layer.values.shape, layer.keys.dtype, layer.keys.device)
-            for layer in layers}) != 1:
+    if not _read_one_stack(layers) and len(
+            {(layer.keys.shape, layer.values.shape, layer.keys.dtype, layer.keys.device)
+             for layer in layers}) != 1:
         return False
     held = layers[0].keys.shape[-2]
-    return not any(layer.is_sliding and (layer.record_past
-                                         or held + new_tokens > layer.sliding_window - 1)
-                   for layer in layers)
+    return held > 0 and all(keeps_all(layer, held + new_tokens) for layer in layers)
+
+
+def keeps_all(layer, length: int) -> bool:
+    """Whether a DynamicCache layer that receives `length` positions in all
+    keeps every one (a sliding window keeps its last `sliding_window - 1`)."""
+    return not layer.is_sliding or (not layer.record_past and length < layer.sliding_window)
+
+
+def _read_one_stack(layers) -> bool:
+    """Whether the layers read their slices of the same stacked buffers."""
+    stacked = layers[0].__dict__.get("_stacked_keys")
+    return stacked is not None and all(layer.__dict__.get("_stacked_keys") is stacked
+                                       for layer in layers)
+
+
+def hold_stacked(cache, keys: torch.Tensor, values: torch.Tensor, new_tokens: int) -> None:
+    """Makes the layers of a DynamicCache (one per decoder layer, each keeping
+    all it receives) read their slices of `keys`/`values` [layers, batch,
+    heads, length, head_dim], as their own updates would have left them had
+    they been given the last `new_tokens` positions: no per-layer tensor, so
+    a decoding step reads them as they are, without stacking them again."""
+    for index, layer in enumerate(cache.layers):
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys[index], values[index])
+        if layer.is_sliding:  # which counts what it was given
+            layer.cumulative_length += new_tokens
+    _bind_stacked(cache, keys, values)
 
 
 def starts_empty(cache, num_layers: int) -> bool:

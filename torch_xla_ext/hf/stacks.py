@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from torch_xla_ext.hf.caches import (
-    CACHE_REASON, advance, extend, fill_stacked, holds_tokens, is_cache, keys_and_values,
-    keys_and_values_after_held, keys_and_values_per_position, segment_starts_empty,
-    stacked_buffers, starts_empty, static_cache, written_in_place)
+    CACHE_REASON, advance, extend, fill_stacked, hold_stacked, holds_tokens, is_cache,
+    keeps_all, keys_and_values, keys_and_values_after_held, keys_and_values_per_position,
+    segment_starts_empty, stacked_buffers, starts_empty, static_cache, written_in_place)
 from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
 from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
@@ -41,8 +41,8 @@ class StackedLayers(LayerStack):
       the stack once, which runs every layer as one scan; an empty DynamicCache
       passed to it is filled from the scan; a StaticCache is held as stacked
       buffers that the scan writes in place (prefill and every decoding step);
-      a DynamicCache holding tokens is read from its layers stacked, and its
-      layers extended after the scan. Any other slice is the list of those layers;
+      a DynamicCache is held as stacked buffers too, which each decoding
+      step's scan reads and extends. Any other slice is the list of those layers;
       `layers[i]` and iteration give per-layer modules whose tensors are views of
       the stacked ones.
     * The template layer reads the model's own config object, so changing it
@@ -190,31 +190,32 @@ class StackedLayers(LayerStack):
                                                       without_cache, recording)
         if static:
             fill_stacked(cache, keys, values)
-            return hidden_states
-        for index in range(len(self)):
-            extend(cache, index, keys[index], values[index])
+        elif len(cache.layers) == len(self) and all(keeps_all(layer, keys.shape[-2])
+                                                    for layer in cache.layers):
+            hold_stacked(cache, keys, values, keys.shape[-2])
+        else:
+            for index in range(len(self)):
+                extend(cache, index, keys[index], values[index])
         return hidden_states
 
     def _scan_growing(self, cache, parameter: str, hidden_states, keywords: dict):
         """One scan over the layers of a DynamicCache that holds tokens (a
         decoding step): each layer reads what its cache holds from the
-        layers' keys and values stacked for the call, and its new keys and
-        values extend its cache layer after the loop, through the layer's
-        own update."""
+        layers' stacked keys and values (stacked now if the cache was filled
+        layer by layer), and the new ones follow them in the stacked buffers
+        the cache's layers read after the loop."""
         if torch.is_grad_enabled() and any(tensor.requires_grad
                                            for tensor in self.parameters()):
             raise Unscannable(
                 "the keys and values a DynamicCache holds are read inside the scan without "
                 "their gradients; decode under torch.no_grad() (as generate() does) to run it "
                 "as one scan")
-        held = tuple(torch.stack([getattr(layer, name) for layer in cache.layers])
-                     for name in ("keys", "values"))
+        held = stacked_buffers(cache)
         without_cache = {name: value for name, value in keywords.items() if name != parameter}
-        hidden_states, (keys, values) = run_recording(
-            self._layers(), hidden_states, (), without_cache,
-            keys_and_values_after_held(parameter), state=held)
-        for index in range(len(self)):
-            extend(cache, index, keys[index], values[index])
+        hidden_states, new = run_recording(self._layers(), hidden_states, (), without_cache,
+                                           keys_and_values_after_held(parameter), state=held)
+        hold_stacked(cache, *(torch.cat([before, after], dim=-2)
+                              for before, after in zip(held, new)), new[0].shape[-2])
         return hidden_states
 
     def _scan_writing(self, cache, parameter: str, hidden_states, keywords: dict):
