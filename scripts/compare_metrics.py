@@ -206,18 +206,8 @@ def mode_list(text: str) -> list[str]:
     return modes
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
-    return value
-
-
 def step_count(text: str) -> int:
-    steps = positive_int(text)
+    steps = harness.positive_int(text)
     if steps < 2:
         # The first step compiles; per-step figures come from the steps after it.
         raise argparse.ArgumentTypeError(
@@ -229,7 +219,7 @@ def layer_list(text: str) -> list[int]:
     depths = []
     for part in text.split(","):
         try:
-            depth = positive_int(part.strip())
+            depth = harness.positive_int(part.strip())
         except argparse.ArgumentTypeError as error:
             raise argparse.ArgumentTypeError(f"in {text!r}: {error}") from None
         if depth in depths:
@@ -460,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Options the run command passes on to its workers.
     workload_options = argparse.ArgumentParser(add_help=False)
     workload_options.add_argument(
-        "--hidden", type=positive_int, default=DEFAULT_HIDDEN,
+        "--hidden", type=harness.positive_int, default=DEFAULT_HIDDEN,
         help=f"width of the layers (default {DEFAULT_HIDDEN}; a multiple of "
              f"{DECODER_HEADS} for the decoder blocks' {DECODER_HEADS} heads)")
     workload_options.add_argument(
@@ -479,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"differ from {BASELINE_MODE} by more than 10%.\n\nmodes:\n{mode_lines}",
         epilog=WORKLOAD_HELP)
     depth = run.add_mutually_exclusive_group()
-    depth.add_argument("--layers", type=positive_int, default=DEFAULT_LAYERS,
+    depth.add_argument("--layers", type=harness.positive_int, default=DEFAULT_LAYERS,
                        help=f"number of layers (default {DEFAULT_LAYERS})")
     depth.add_argument("--sweep-layers", type=layer_list, metavar="N,N,...",
                        help="run every mode at each of these depths, a table per depth")
@@ -504,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     # One mode in this process, for run; not listed in the help.
     worker = commands.add_parser(WORKER_COMMAND, parents=[workload_options])
     worker.add_argument("--mode", choices=MODES, required=True)
-    worker.add_argument("--layers", type=positive_int, required=True)
+    worker.add_argument("--layers", type=harness.positive_int, required=True)
     worker.set_defaults(handler=run_worker)
     return parser
 

@@ -208,20 +208,20 @@ def add_timeout_option(parser: argparse.ArgumentParser, default: float, run: str
                              f"a {run} that exceeds it is reported as timed out")
 
 
-def round_count(text: str) -> int:
-    """argparse type of --rounds: a whole number, at least 1."""
+def positive_int(text: str) -> int:
+    """argparse type of a count: a whole number, at least 1."""
     try:
-        rounds = int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if rounds < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {rounds}")
-    return rounds
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
 
 
 def add_rounds_option(parser: argparse.ArgumentParser) -> None:
     """--rounds: how many times every (mode, L) runs, round after round."""
-    parser.add_argument("--rounds", type=round_count, default=1,
+    parser.add_argument("--rounds", type=positive_int, default=1,
                         help="times each (mode, L) runs, round after round; ratios are the "
                              "rounds' median, printed with their spread (default 1)")
 

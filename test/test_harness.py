@@ -246,7 +246,7 @@ def test_ratios_over_rounds_are_their_median_with_the_spread():
 
 @pytest.mark.parametrize("argv, error", [
     (["--block", "ours,gpt"], "unknown blocks ['gpt']; choose from ours, fused_qkv_sdpa, llama"),
-    (["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    (["--rounds", "0"], "argument --rounds: '0' must be 1 or more"),
 ])
 def test_bench_layers_refuses_unknown_blocks_and_no_rounds_before_any_run(argv, error, capsys):
     with pytest.raises(SystemExit) as exited:

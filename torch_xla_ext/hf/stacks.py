@@ -198,18 +198,22 @@ class StackedLayers(LayerStack):
                 extend(cache, index, keys[index], values[index])
         return hidden_states
 
+    def _refuse_gradients(self, why: str) -> None:
+        """Raises Unscannable, saying `why`, for a decoding call that would
+        differentiate the layers."""
+        if torch.is_grad_enabled() and any(tensor.requires_grad
+                                           for tensor in self.parameters()):
+            raise Unscannable(f"{why}; decode under torch.no_grad() (as generate() does) to "
+                              f"run it as one scan")
+
     def _scan_growing(self, cache, parameter: str, hidden_states, keywords: dict):
         """One scan over the layers of a DynamicCache that holds tokens (a
         decoding step): each layer reads what its cache holds from the
         layers' stacked keys and values (stacked now if the cache was filled
         layer by layer), and the new ones follow them in the stacked buffers
         the cache's layers read after the loop."""
-        if torch.is_grad_enabled() and any(tensor.requires_grad
-                                           for tensor in self.parameters()):
-            raise Unscannable(
-                "the keys and values a DynamicCache holds are read inside the scan without "
-                "their gradients; decode under torch.no_grad() (as generate() does) to run it "
-                "as one scan")
+        self._refuse_gradients("the keys and values a DynamicCache holds are read inside the "
+                               "scan without their gradients")
         held = stacked_buffers(cache)
         without_cache = {name: value for name, value in keywords.items() if name != parameter}
         hidden_states, new = run_recording(self._layers(), hidden_states, (), without_cache,
@@ -221,12 +225,8 @@ class StackedLayers(LayerStack):
     def _scan_writing(self, cache, parameter: str, hidden_states, keywords: dict):
         """One scan over the layers and the StaticCache's stacked buffers, each
         layer writing its new keys and values into its slice in place."""
-        if torch.is_grad_enabled() and any(tensor.requires_grad
-                                           for tensor in self.parameters()):
-            raise Unscannable(
-                "a StaticCache that holds tokens is written in place inside the scan, without "
-                "gradients; decode under torch.no_grad() (as generate() does) to run it as one "
-                "scan")
+        self._refuse_gradients("a StaticCache that holds tokens is written in place inside "
+                               "the scan, without gradients")
         keys, values = stacked_buffers(cache)
         without_cache = {name: value for name, value in keywords.items() if name != parameter}
         hidden_states, _ = run_recording(self._layers(), hidden_states, (), without_cache,
