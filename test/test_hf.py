@@ -1,6 +1,7 @@
 """stack_layers on unmodified transformers causal LMs, against the same model unconverted."""
 import copy
 import glob
+import io
 import os
 import re
 import warnings
@@ -415,9 +416,9 @@ def test_decoding_steps_over_a_dynamic_cache_are_scans_with_the_unconverted_logi
     # The step with gradients runs layer by layer: the scan reads the held keys
     # and values without theirs.
     assert one_by_one == [[], [], [
-        "The 4 layers ran one by one, as the for loop does, instead of as one scan: the keys "
-        "and values a DynamicCache holds are read inside the scan without their gradients; "
-        "decode under torch.no_grad() (as generate() does) to run it as one scan."]]
+        "The 4 layers ran one by one, as the for loop does, instead of as one scan: a "
+        "DynamicCache that holds tokens keeps the keys and values the scan adds without their "
+        "gradients; decode under torch.no_grad() (as generate() does) to run it as one scan."]]
     assert len(actual) == len(expected) == 4 + 2 * 4
     for got, want in zip(actual, expected):
         close(got, want)
@@ -425,6 +426,48 @@ def test_decoding_steps_over_a_dynamic_cache_are_scans_with_the_unconverted_logi
 
 # Mistral samples with its config's sliding window (4096: the cache holds
 # fewer positions, so its layers update as full-attention ones do).
+def test_a_dynamic_cache_of_other_forms_and_uses_keeps_the_unconverted_results(device):
+    reference, model = converted_pair(layers=2, use_cache=True)
+    ids, mask = batch(device)
+    # Frozen layers, trainable input embeddings: a decoding step's keys and
+    # values carry gradients to the step's inputs, so it runs layer by layer
+    # (the prompt's, under no_grad, carry none).
+    embeddings = torch.randn(BATCH, SEQ + 2, 32, generator=torch.Generator().manual_seed(2))
+    results = []
+    for which in (reference, model):
+        which.to(device).eval().requires_grad_(False)
+        # A cache made up front (`early_initialization`: empty 1-d tensors).
+        early = transformers.DynamicCache(config=which.config)
+        early.early_initialization(batch_size=BATCH, num_heads=2, head_dim=8,
+                                   dtype=torch.float32, device=device)
+        with torch.no_grad():
+            prefill = which(ids, attention_mask=mask, past_key_values=early).logits
+        prompt, first, second = (part.to(device).requires_grad_()
+                                 for part in embeddings.split([SEQ, 1, 1], dim=1))
+        cache = transformers.DynamicCache(config=which.config)
+        with torch.no_grad():
+            which(inputs_embeds=prompt, past_key_values=cache)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            which(inputs_embeds=first, past_key_values=cache)
+            which(inputs_embeds=second, past_key_values=cache).logits.sum().backward()
+        results.append(host_copies([prefill, first.grad, second.grad]))
+    for got, want in zip(*results):
+        close(got, want)
+    assert sum(w.category is LayerByLayerWarning for w in caught) == 2
+    # The filled cache saves with torch.save, its layers as transformers' own.
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask).past_key_values
+    saved = io.BytesIO()
+    torch.save(cache, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert [type(layer) for layer in loaded.layers] == [transformers.DynamicLayer] * 2
+    for layer, loaded_layer in zip(cache.layers, loaded.layers):
+        close(loaded_layer.keys, layer.keys)
+        close(loaded_layer.values, layer.values)
+
+
 STATIC = {
     "qwen3": ("qwen3", {}, GREEDY, (0, 2)),
     "mistral-window-sampling": ("mistral", {"sliding_window": 4096},

@@ -10,6 +10,7 @@ reading their slices (a StaticCache: `fill_stacked`; a DynamicCache that
 keeps all it gets: `hold_stacked`; either: `stacked_buffers`)."""
 from __future__ import annotations
 
+import copyreg
 import functools
 
 import torch
@@ -203,7 +204,18 @@ def _reading_stacked_buffers(layer_class: type) -> type:
     return type(layer_class.__name__, (layer_class,), {
         "__module__": layer_class.__module__, "__qualname__": layer_class.__qualname__,
         "keys": _stacked_slice("keys", writes_through),
-        "values": _stacked_slice("values", writes_through), "reads_stacked_buffers": True})
+        "values": _stacked_slice("values", writes_through), "reads_stacked_buffers": True,
+        "__reduce_ex__": _unbound_for_pickling})
+
+
+def _unbound_for_pickling(layer, protocol: int):
+    """How a layer reading stacked buffers is pickled (and copied): as a layer
+    of its transformers class holding its slices as its own tensors (pickle
+    finds a class by its name, which the subclass shares)."""
+    state = {name: value for name, value in vars(layer).items()
+             if name not in ("_stacked_keys", "_stacked_values", "_stacked_index")}
+    state["keys"], state["values"] = layer.keys, layer.values
+    return copyreg._reconstructor, (type(layer).__mro__[1], object, None), state
 
 
 def _leave_stacked_buffers(layer) -> None:
@@ -319,8 +331,11 @@ def holds_tokens(cache, num_layers: int, new_tokens: int) -> bool:
             {(layer.keys.shape, layer.values.shape, layer.keys.dtype, layer.keys.device)
              for layer in layers}) != 1:
         return False
-    held = layers[0].keys.shape[-2]
-    return held > 0 and all(keeps_all(layer, held + new_tokens) for layer in layers)
+    # [batch, heads, length, head_dim] of at least one position (a layer made
+    # by `early_initialization` holds a 1-d empty tensor).
+    shape = layers[0].keys.shape
+    return (len(shape) == 4 and shape[-2] > 0
+            and all(keeps_all(layer, shape[-2] + new_tokens) for layer in layers))
 
 
 def keeps_all(layer, length: int) -> bool:

@@ -198,11 +198,12 @@ class StackedLayers(LayerStack):
                 extend(cache, index, keys[index], values[index])
         return hidden_states
 
-    def _refuse_gradients(self, why: str) -> None:
-        """Raises Unscannable, saying `why`, for a decoding call that would
-        differentiate the layers."""
-        if torch.is_grad_enabled() and any(tensor.requires_grad
-                                           for tensor in self.parameters()):
+    def _refuse_gradients(self, why: str, hidden_states: torch.Tensor) -> None:
+        """Raises Unscannable, saying `why`, for a decoding call whose keys
+        and values would carry gradients: to the layers' parameters, or to
+        the hidden state (trainable input embeddings of frozen layers)."""
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+                tensor.requires_grad for tensor in self.parameters())):
             raise Unscannable(f"{why}; decode under torch.no_grad() (as generate() does) to "
                               f"run it as one scan")
 
@@ -212,8 +213,8 @@ class StackedLayers(LayerStack):
         layers' stacked keys and values (stacked now if the cache was filled
         layer by layer), and the new ones follow them in the stacked buffers
         the cache's layers read after the loop."""
-        self._refuse_gradients("the keys and values a DynamicCache holds are read inside the "
-                               "scan without their gradients")
+        self._refuse_gradients("a DynamicCache that holds tokens keeps the keys and values "
+                               "the scan adds without their gradients", hidden_states)
         held = stacked_buffers(cache)
         without_cache = {name: value for name, value in keywords.items() if name != parameter}
         hidden_states, new = run_recording(self._layers(), hidden_states, (), without_cache,
@@ -226,7 +227,7 @@ class StackedLayers(LayerStack):
         """One scan over the layers and the StaticCache's stacked buffers, each
         layer writing its new keys and values into its slice in place."""
         self._refuse_gradients("a StaticCache that holds tokens is written in place inside "
-                               "the scan, without gradients")
+                               "the scan, without gradients", hidden_states)
         keys, values = stacked_buffers(cache)
         without_cache = {name: value for name, value in keywords.items() if name != parameter}
         hidden_states, _ = run_recording(self._layers(), hidden_states, (), without_cache,
