@@ -63,6 +63,11 @@ def _recorded_keys_and_values(cache: _RecordingCache) -> tuple:
     return cache.keys.detach(), cache.values.detach()
 
 
+def _layer_slice(stacked: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Slice `index` (a 1-element tensor: the loop step's layer) of a stacked buffer."""
+    return stacked.index_select(0, index)[0]
+
+
 class _GrowingCache(_RecordingCache):
     """The cache each layer gets inside the scan over a DynamicCache that holds
     tokens (the scan's state: every layer's keys and values, stacked): as
@@ -77,7 +82,7 @@ class _GrowingCache(_RecordingCache):
 
     def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
         super().update(key_states, value_states, layer_idx)
-        return tuple(torch.cat([held.index_select(0, self.index)[0], new], dim=-2)
+        return tuple(torch.cat([_layer_slice(held, self.index), new], dim=-2)
                      for held, new in ((self.held_keys, key_states),
                                        (self.held_values, value_states)))
 
@@ -123,8 +128,7 @@ class _StackedCacheWriter:
                  (self.length + torch.arange(length, device=device)).view(1, 1, length))
         for stacked, new in ((self.keys, key_states), (self.values, value_states)):
             stacked.index_put_(where, new.to(stacked.dtype))
-        return (self.keys.index_select(0, self.index)[0],
-                self.values.index_select(0, self.index)[0])
+        return _layer_slice(self.keys, self.index), _layer_slice(self.values, self.index)
 
 
 @functools.cache

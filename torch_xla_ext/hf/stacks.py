@@ -167,28 +167,33 @@ class StackedLayers(LayerStack):
         else:
             try:
                 new_tokens = hidden_states.shape[-2]
+                without_cache = {name: value for name, value in keywords.items()
+                                 if name != parameter}
                 static = static_cache(cache, len(self), new_tokens)
                 if static == "filled":
-                    return self._scan_writing(cache, parameter, hidden_states, keywords)
+                    return self._scan_writing(cache, parameter, hidden_states, without_cache)
                 if static == "empty" or starts_empty(cache, len(self)):
-                    return self._scan_filling(cache, parameter, hidden_states, keywords)
+                    return self._scan_filling(cache, parameter, hidden_states, without_cache,
+                                              static_cache_empty=static == "empty")
                 if holds_tokens(cache, len(self), new_tokens):
-                    return self._scan_growing(cache, parameter, hidden_states, keywords)
+                    return self._scan_growing(cache, parameter, hidden_states, without_cache)
             except Unscannable as unscannable:
                 reason = str(unscannable)
         return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
                                   drop_in=False, reason=reason)
 
-    def _scan_filling(self, cache, parameter: str, hidden_states, keywords: dict):
+    def _scan_filling(self, cache, parameter: str, hidden_states, without_cache: dict,
+                      static_cache_empty: bool):
         """One scan over the layers, each given a cache that records its keys and
-        values; they fill `cache` after the loop, layer by layer, as the layers'
-        own updates would have."""
-        without_cache = {name: value for name, value in keywords.items() if name != parameter}
-        static = static_cache(cache, len(self), hidden_states.shape[-2]) == "empty"
-        recording = keys_and_values(parameter, cache.layers[0].max_cache_len if static else None)
+        values; they fill the empty `cache` after the loop, as the layers' own
+        updates would have: as its stacked buffers (a StaticCache, or a
+        DynamicCache whose layers keep all they get), else layer by layer (a
+        sliding window that drops some)."""
+        recording = keys_and_values(parameter, cache.layers[0].max_cache_len
+                                    if static_cache_empty else None)
         hidden_states, (keys, values) = run_recording(self._layers(), hidden_states, (),
                                                       without_cache, recording)
-        if static:
+        if static_cache_empty:
             fill_stacked(cache, keys, values)
         elif len(cache.layers) == len(self) and all(keeps_all(layer, keys.shape[-2])
                                                     for layer in cache.layers):
@@ -207,7 +212,7 @@ class StackedLayers(LayerStack):
             raise Unscannable(f"{why}; decode under torch.no_grad() (as generate() does) to "
                               f"run it as one scan")
 
-    def _scan_growing(self, cache, parameter: str, hidden_states, keywords: dict):
+    def _scan_growing(self, cache, parameter: str, hidden_states, without_cache: dict):
         """One scan over the layers of a DynamicCache that holds tokens (a
         decoding step): each layer reads what its cache holds from the
         layers' stacked keys and values (stacked now if the cache was filled
@@ -216,20 +221,18 @@ class StackedLayers(LayerStack):
         self._refuse_gradients("a DynamicCache that holds tokens keeps the keys and values "
                                "the scan adds without their gradients", hidden_states)
         held = stacked_buffers(cache)
-        without_cache = {name: value for name, value in keywords.items() if name != parameter}
         hidden_states, new = run_recording(self._layers(), hidden_states, (), without_cache,
                                            keys_and_values_after_held(parameter), state=held)
         hold_stacked(cache, *(torch.cat([before, after], dim=-2)
                               for before, after in zip(held, new)), new[0].shape[-2])
         return hidden_states
 
-    def _scan_writing(self, cache, parameter: str, hidden_states, keywords: dict):
+    def _scan_writing(self, cache, parameter: str, hidden_states, without_cache: dict):
         """One scan over the layers and the StaticCache's stacked buffers, each
         layer writing its new keys and values into its slice in place."""
         self._refuse_gradients("a StaticCache that holds tokens is written in place inside "
                                "the scan, without gradients", hidden_states)
         keys, values = stacked_buffers(cache)
-        without_cache = {name: value for name, value in keywords.items() if name != parameter}
         hidden_states, _ = run_recording(self._layers(), hidden_states, (), without_cache,
                                          written_in_place(parameter),
                                          state=(keys, values, cache.layers[0].cumulative_length))
