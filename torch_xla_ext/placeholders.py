@@ -13,7 +13,10 @@ that reads a placeholder. Three mechanisms see to that:
 * Placeholders are `PlaceholderTensor`s, and every tensor computed from one (or
   written in place from one, or a gradient accumulated through one) becomes one
   too. Reading the value of a `PlaceholderTensor` that really depends on
-  placeholder data raises `PlaceholderError` naming it.
+  placeholder data raises `PlaceholderError` naming it, and so does any ATen
+  op that would read its data on the way (`DataReadGuard`: ops whose output
+  shape depends on the data, such as `nonzero`, and ops torch_xla runs on the
+  CPU); in torch_xla 2.9.0 they kill the process.
 * Every sync entry point of torch_xla (`torch_xla.sync()`, `xm.mark_step()`,
   ...) first discards the pending computations that read placeholders: their
   tensors become value-less placeholders themselves, so the sync runs the rest
@@ -26,8 +29,12 @@ nothing; the first placeholder (or `tracing` region) installs it, once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
+import os
+import sysconfig
 import threading
+import traceback
 import warnings
 import weakref
 from typing import Iterable, NamedTuple, Sequence
@@ -35,6 +42,7 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 import torch_xla
 import torch_xla.core.xla_builder as xla_builder
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torch_xla_ext import _C
@@ -79,11 +87,11 @@ class PlaceholderTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _VALUE_READERS or (func in _DEVICE_MOVERS and _leaves_xla(func, args, kwargs)):
             _raise_if_value_missing(args, kwargs, func)
-        if func in _BACKWARD_FUNCTIONS:
-            return _backward_marking_gradients(func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            result = func(*args, **kwargs)
         sources = placeholder_sources(args, kwargs)
+        if func in _BACKWARD_FUNCTIONS:
+            return _backward_marking_gradients(func, args, kwargs, sources)
+        with torch._C.DisableTorchFunctionSubclass(), DataReadGuard(sources, func):
+            result = func(*args, **kwargs)
         mark_derived(result, sources)
         if _mutates_arguments(func):
             mark_derived(args[0] if args else None, sources)
@@ -300,13 +308,12 @@ def _leaves_xla(func, args, kwargs) -> bool:
     return False
 
 
-def _backward_marking_gradients(func, args, kwargs):
+def _backward_marking_gradients(func, args, kwargs, sources: tuple):
     """Runs a backward pass and marks the gradients it accumulates, which
     depend on the placeholders the graph read."""
     roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    sources = placeholder_sources(args, kwargs)
     leaves = list(_accumulating_leaves(t.grad_fn for t in roots))
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch._C.DisableTorchFunctionSubclass(), DataReadGuard(sources, func):
         result = func(*args, **kwargs)
     for leaf in leaves:
         mark_derived(leaf.grad, sources)
@@ -368,6 +375,102 @@ def _missing_value_message(tensor, func) -> str:
     return (f"cannot read the value of {subject} (via {action}): {why}. Placeholders only stand "
             f"for inputs while a computation is traced or lowered; run it with real tensors to "
             f"get values (for example through torch_xla_ext.scan).")
+
+
+# ---------------------------------------------------------------------------
+# Ops that read data on the way
+
+_DATA_DEPENDENT_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+# Kernels that run on the XLA device; an op with none of them goes to
+# torch_xla's CPU fallback, which copies its inputs to the host.
+_DEVICE_KERNEL_KEYS = ("XLA", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+@functools.cache
+def data_read_reason(op: torch._ops.OpOverload) -> str | None:
+    """Why running `op` on XLA tensors reads their data, or None if it does
+    not: its output shape or value depends on the data (torch tags such ops),
+    or torch_xla has no device kernel for it and runs it on the CPU."""
+    if any(tag in op.tags for tag in _DATA_DEPENDENT_TAGS):
+        return "its output's shape depends on the data"
+    if not any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+               for key in _DEVICE_KERNEL_KEYS):
+        return "torch_xla has no XLA kernel for it and runs it on the CPU, which reads the data"
+    return None
+
+
+def _reads_data(op: torch._ops.OpOverload, args) -> str | None:
+    reason = data_read_reason(op)
+    # Indexing is tagged for its boolean masks alone; integer indices give a
+    # static shape.
+    if reason is not None and op is torch.ops.aten.index.Tensor:
+        masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES]
+        return reason if masks else None
+    return reason
+
+
+class DataReadGuard(TorchDispatchMode):
+    """Raises `PlaceholderError` for an ATen op that would read the data of a
+    tensor computed from placeholders, before torch_xla runs it: torch_xla
+    2.9.0 executes such an op's inputs at once (to learn a shape, or to run it
+    on the CPU), and executing a graph that reads a placeholder kills the
+    process. Active while a `PlaceholderTensor` op runs: `caller` (the
+    function called on it) and its placeholders `sources` are for the message."""
+
+    def __init__(self, sources: tuple, caller):
+        super().__init__()
+        self.sources = sources
+        self.caller = caller
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reason = _reads_data(func, args)
+        if reason is not None:
+            reading = [leaf for leaf in tree_flatten((args, kwargs))[0]
+                       if isinstance(leaf, torch.Tensor) and depends_on_placeholder(leaf)]
+            if reading:
+                raise PlaceholderError(
+                    _data_read_message(func, self.caller, reason, reading[0], self.sources))
+        return func(*args, **kwargs)
+
+
+def _data_read_message(op, caller, reason: str, tensor: torch.Tensor, sources: tuple) -> str:
+    named = ", ".join(data.describe() for data in sources[:2]) or "placeholders"
+    if len(sources) > 2:
+        named += f" and {len(sources) - 2} more"
+    subject = f"a {_describe_shape(tensor)} tensor computed from {named}"
+    name = op.name().replace("::", ".")
+    # The function called, when it is not the op itself (x[mask] is
+    # __getitem__ running aten.index; argwhere runs aten.nonzero).
+    caller_name = getattr(caller, "__name__", str(caller)).partition(".")[0]
+    if caller_name != op._schema.name.partition("::")[2]:
+        name += f" (called by {caller_name})"
+    where = _user_line()
+    traced = tracing_what()
+    if traced is not None:
+        return (f"{traced} calls {name}{where} on {subject}: {reason}, and scan traces fn "
+                f"once from shapes alone, with placeholders, which have no data. Give the "
+                f"step static shapes (torch.where(mask, x, 0) instead of x[mask], a fixed "
+                f"number of items with topk), or run this code outside the scan.")
+    return (f"cannot run {name}{where} on {subject}: {reason}, and placeholders have a shape "
+            f"and a dtype but no data. Run it on real tensors, or use an op of static shape.")
+
+
+# Code that is not the user's: the libraries the op went through, and Python's own.
+_LIBRARY_DIRS = tuple(os.path.dirname(module.__file__) + os.sep for module in (torch, torch_xla)) + (
+    os.path.dirname(__file__) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+
+
+def _user_line() -> str:
+    """' at FILE:LINE (`source`)' for the innermost frame of the stack that is
+    not in torch, torch_xla, torch_xla_ext or the standard library: the line
+    that called the op, for the message."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_LIBRARY_DIRS):
+            source = f" (`{frame.line}`)" if frame.line else ""
+            return f" at {frame.filename}:{frame.lineno}{source}"
+    return ""
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""Ops that read their inputs' data never kill the process on placeholders:
+they raise PlaceholderError naming the op (and, in a scan, fn's line).
+
+Without the guard these cases kill the process, so they run in processes of
+their own (the checks are in data_reading_ops.py)."""
+import re
+
+import pytest
+import torch
+import torch_xla
+
+import torch_xla_ext as tx
+from data_reading_ops import ISSUE_CASES, tagged_ops
+
+
+def test_every_data_dependent_op_raises_on_a_placeholder_and_in_a_scan(run_isolated):
+    result = run_isolated("import data_reading_ops\ndata_reading_ops.sweep()\n")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    swept = re.findall(r"^ok (\S+)$", result.stdout, re.MULTILINE)
+    assert swept == [op.name().replace("::", ".") for op in tagged_ops()]
+    # The ops with XLA kernels of their own, which killed the process before.
+    assert {"aten.nonzero", "aten.masked_select", "aten.index.Tensor",
+            "aten._local_scalar_dense"} <= set(swept)
+
+
+@pytest.mark.parametrize("case", ISSUE_CASES)
+def test_the_issue_cases_raise_naming_the_op_and_the_line(run_isolated, case):
+    result = run_isolated(f"import data_reading_ops\ndata_reading_ops.check_issue_case({case!r})\n")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == f"checked {case}"
+
+
+def test_static_shape_ops_and_real_tensors_still_run():
+    device = torch_xla.device()
+    p = tx.placeholder((4,))
+    real = torch.tensor([1.0, -1.0, 2.0, 0.0], device=device)
+    # Integer indices, a masked fill and a fixed-size top-k have static shapes.
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(
+        [p[torch.tensor([0, 2], device=device)], torch.where(p > 0, p, 0), p.topk(2).indices])
+    assert "gather" in hlo
+    # A data-dependent op on real data beside placeholders runs as before.
+    assert (real > 0).nonzero().flatten().tolist() == [0, 2]
+    assert (p + real)[torch.tensor([1], device=device)].shape == (1,)
+
+
+def test_scan_error_names_fn_and_its_line(run_isolated):
+    result = run_isolated("import data_reading_ops\ndata_reading_ops.check_scan_error()\n")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "checked scan"
