@@ -20,6 +20,7 @@ from torch_xla_ext.hf.caches import (
     CACHE_REASON, advance, extend, fill_stacked, hold_stacked, holds_tokens, is_cache,
     keeps_all, keys_and_values, keys_and_values_after_held, keys_and_values_per_position,
     segment_starts_empty, stacked_buffers, starts_empty, static_cache, written_in_place)
+from torch_xla_ext.hf.experts import experts_modules, experts_reason
 from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
 from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
@@ -87,6 +88,8 @@ class StackedLayers(LayerStack):
         self.iterated_by: tuple[str, int] | None = None
         if config is not None and self._template is not None:
             _share_config(self._template, layers[0], config)
+        # Mixture-of-experts modules, whose implementation decides whether a scan can run them.
+        self.__dict__["_experts"] = () if self._template is None else experts_modules(self._template)
 
     def __getitem__(self, index):
         if isinstance(index, slice) and range(len(self))[index] == range(len(self)):
@@ -154,6 +157,10 @@ class StackedLayers(LayerStack):
 
     def forward(self, hidden_states, *args, **kwargs):
         _refuse_per_layer_outputs(self, kwargs)
+        experts = experts_reason(self._experts)
+        if experts is not None:
+            return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
+                                      drop_in=False, reason=experts)
         keywords = (None if self._template is None
                     else _with_cache_by_name(self._template, hidden_states, args, kwargs))
         if keywords is None:
