@@ -87,6 +87,18 @@ def test_enabled_before_or_after_stacking_the_scan_recomputes_with_the_unconvert
     assert_same_step(actual, expected)
 
 
+def test_with_the_default_cache_the_scan_recomputes_with_the_unconverted_gradients(
+        device, policies_run):
+    # use_cache=True, most configs' default: the scan fills the model's DynamicCache
+    # (the unconverted layers, checkpointed, leave it empty).
+    reference = make_model(layers=2, use_cache=True)
+    model = stack_layers(copy.deepcopy(reference))
+    model.gradient_checkpointing_enable()
+    expected = training_step(checkpointed_with_torch_xla(reference), device)
+    assert_same_step(training_step(model, device), expected)
+    assert policies_run == [policies.save_nothing]
+
+
 @pytest.mark.parametrize("given", [None, "save_dots"], ids=["default", "users-policy"])
 def test_disabling_restores_the_policy_in_force_before(device, policies_run, given):
     options = {} if given is None else {"partition_fn": given}
