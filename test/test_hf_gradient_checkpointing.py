@@ -15,6 +15,7 @@ from torch import nn
 import torch_xla_ext as tx
 from reference import host_copies
 from test_hf import batch, close, device, make_model, per_layer_grads  # noqa: F401 (fixture)
+from test_hf_layer_kinds import converted_pair as kinds_pair, unconverted_grads
 from torch_xla_ext import policies
 from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.hf.checkpointing import CheckpointingWarning
@@ -45,7 +46,7 @@ def checkpointed_with_torch_xla(model):
     return model
 
 
-def training_step(model, device) -> dict:
+def training_step(model, device, grads_of=per_layer_grads) -> dict:
     """The loss and every gradient (by unconverted name) of one training step, on the host."""
     ids, mask = batch(device)
     model.to(device).train()
@@ -54,7 +55,7 @@ def training_step(model, device) -> dict:
         warnings.simplefilter("error", CheckpointingWarning)
         loss = model(ids, attention_mask=mask, labels=ids).loss
     loss.backward()
-    grads = per_layer_grads(model)
+    grads = grads_of(model)
     return dict(zip(["loss", *grads], host_copies([loss, *grads.values()])))
 
 
@@ -97,6 +98,17 @@ def test_with_the_default_cache_the_scan_recomputes_with_the_unconverted_gradien
     expected = training_step(checkpointed_with_torch_xla(reference), device)
     assert_same_step(training_step(model, device), expected)
     assert policies_run == [policies.save_nothing]
+
+
+@pytest.mark.parametrize("family, groups", [("gemma2", False), ("gemma3", True)],
+                         ids=["gemma2-one-scan", "gemma3-groups"])
+def test_layers_of_several_kinds_recompute_in_every_scan(device, policies_run, family, groups):
+    reference, model = kinds_pair(family, groups)
+    model.gradient_checkpointing_enable()
+    expected = training_step(checkpointed_with_torch_xla(reference), device)
+    assert_same_step(training_step(model, device, unconverted_grads), expected)
+    scans = len(model.model.layers.plan) if groups else 1
+    assert policies_run == [policies.save_nothing] * scans
 
 
 @pytest.mark.parametrize("given", [None, "save_dots"], ids=["default", "users-policy"])
