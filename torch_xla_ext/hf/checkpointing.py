@@ -16,6 +16,11 @@ function runs inside the scan. Each call of the stack then reads it
 `save_nothing`, which recomputes each layer in the backward loop, as the
 checkpoint function would; otherwise under the stack's own `partition_fn`,
 so disabling restores it.
+
+`every_n_layers` sets the flag on some GradientCheckpointingLayers only:
+`stack_layers` refuses such layers, as one scan recomputes every layer or
+none; after the conversion the layers are no modules of the model, so
+transformers sets the flag on the stack alone and every layer recomputes.
 """
 from __future__ import annotations
 
