@@ -16,6 +16,14 @@ ways.
                    every layer through the carry, as users do today
                    (Llama's layer call, without --lora; skipped otherwise).
 
+--gradient-checkpointing measures two other modes instead, side by side:
+
+* stack_layers+save_nothing: stack_layers(model, partition_fn="save_nothing"),
+* stack_layers+checkpointing: stack_layers(model), then transformers'
+                   `model.gradient_checkpointing_enable()`, which makes the
+                   scan recompute each layer as save_nothing does; its peak RSS
+                   should be save_nothing's (within 5%).
+
 --family runs each family in turn, at the same sizes (hidden, heads,
 intermediate, vocab; GPT-2 has as many key/value heads as heads), dropout off;
 gemma3 (text) has its default pattern of 5 sliding-window layers and 1 full,
@@ -46,6 +54,8 @@ summary prints the ratios the issue asks for at L=32 and between L=64 and L=8.
   python scripts/bench_hf.py              # L = 8, 32, 64
   python scripts/bench_hf.py --quick      # L = 2, 4: a quick check
   python scripts/bench_hf.py --family llama,qwen3,gemma2,gpt2 --lora
+  python scripts/bench_hf.py --gradient-checkpointing --layers 16 --hidden 1024 --heads 8 \
+      --kv-heads 8 --intermediate 4096 --seq 512 --batch 4 --steps 3   # bench_policies' sizes
 """
 from __future__ import annotations
 
@@ -55,6 +65,9 @@ import statistics
 import harness  # first: it sets the default device before torch_xla is imported
 
 MODES = ("loop", "stack_layers", "stack_layers+cache", "torch-xla-scan")
+# The modes of --gradient-checkpointing.
+CHECKPOINTING_MODES = ("stack_layers+save_nothing", "stack_layers+checkpointing")
+CHECKPOINTING_RSS_GOAL = 1.05
 FAMILIES = ("llama", "qwen3", "gemma2", "gemma3", "qwen2-window", "gpt2")
 # What LoRA adapts in each family: the attention's query and value projections.
 LORA_TARGETS = {"gpt2": ["c_attn"]}
@@ -115,7 +128,11 @@ def make_model(args):
         model = get_peft_model(model, LoraConfig(
             r=8, lora_dropout=0.0,
             target_modules=LORA_TARGETS.get(args.family, DEFAULT_LORA_TARGETS)))
-    if args.mode.startswith("stack_layers"):
+    if args.mode == "stack_layers+save_nothing":
+        stack_layers(model, partition_fn="save_nothing")
+    elif args.mode == "stack_layers+checkpointing":
+        stack_layers(model).gradient_checkpointing_enable()
+    elif args.mode.startswith("stack_layers"):
         stack_layers(model)
     elif args.mode == "torch-xla-scan":
         model.model.layers = torch_xla_scan_layers_wrapper(model.model.layers)
@@ -229,6 +246,11 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
 
     converted = ("stack_layers", middle)
     print("\nRatios:")
+    if ("stack_layers+checkpointing", middle) in by_key:
+        ratio(f"peak RSS checkpointing/save_nothing at L={middle}",
+              ("stack_layers+checkpointing", middle), ("stack_layers+save_nothing", middle),
+              "peak_rss_mib", CHECKPOINTING_RSS_GOAL)
+        return
     ratio(f"python time stack_layers/loop at L={middle}", converted, ("loop", middle),
           "python_ms", 0.1)
     ratio(f"compile time stack_layers/loop at L={middle}", converted, ("loop", middle),
@@ -248,7 +270,10 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
 
 def main(argv: list[str] | None = None) -> None:
     parser = harness.benchmark_parser(__file__, __doc__)
-    harness.add_layer_and_mode_options(parser, MODES)
+    harness.add_layer_and_mode_options(parser, (*MODES, *CHECKPOINTING_MODES))
+    parser.set_defaults(modes=",".join(MODES))
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help=f"measure {' and '.join(CHECKPOINTING_MODES)} instead of --modes")
     parser.add_argument("--steps", type=int, default=5)
     harness.add_llama_size_options(parser)
     parser.add_argument("--seq", type=int, default=128)
@@ -265,7 +290,10 @@ def main(argv: list[str] | None = None) -> None:
         harness.report_result(run_worker(args))
         return
 
-    layer_counts, modes = harness.chosen_runs(parser, args, MODES, WARMUP_STEPS)
+    if args.gradient_checkpointing:
+        args.modes = ",".join(CHECKPOINTING_MODES)
+    layer_counts, modes = harness.chosen_runs(parser, args, (*MODES, *CHECKPOINTING_MODES),
+                                              WARMUP_STEPS)
     families = args.family.split(",")
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:

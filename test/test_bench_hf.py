@@ -47,6 +47,16 @@ def test_the_table_and_ratios_are_printed(forked_workers, capsys):
     assert "step graph compilations in 3 steps, stack_layers L=2" in printed
 
 
+def test_gradient_checkpointing_is_measured_beside_save_nothing(forked_workers, capsys):
+    bench_hf.main(["--gradient-checkpointing", "--layers", "2", *TINY])
+    printed = capsys.readouterr().out
+    for mode in bench_hf.CHECKPOINTING_MODES:
+        assert re.search(rf"^{re.escape(mode)} +2 +[\d.]+ ", printed, re.MULTILINE), printed
+    assert re.search(r"peak RSS checkpointing/save_nothing at L=2 +\d\.\d{3} +goal <= 1\.05 +"
+                     r"(ok|MISSED)$", printed, re.MULTILINE), printed
+    assert "python time stack_layers/loop" not in printed
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--modes", "loop,bogus"], "unknown modes ['bogus']"),
     (["--family", "llama,bert"], "unknown families ['bert']"),

@@ -17,7 +17,8 @@ The modules, one job each: `inspection` (reading the model: its layer list,
 its forward's loop, its layer kinds, what a scan cannot run), `stacks` (the
 stacks put in place of the layer list), `caches` (transformers' key/value
 caches around the scan), `adapters` (peft's whole-model operations on a
-stacked PeftModel).
+stacked PeftModel), `checkpointing` (transformers' gradient checkpointing as
+the scan's policy).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from torch_xla_ext.hf import adapters
 from torch_xla_ext.hf.inspection import (
-    check_no_hooks_or_checkpointing, layer_loop, layers_path, mixed_layer_types,
+    check_checkpointing_alike, check_no_hooks, layer_loop, layers_path, mixed_layer_types,
     recorded_outputs, submodule)
 from torch_xla_ext.hf.stacks import STACKS, StackedLayerKinds, StackedLayers
 
@@ -122,14 +123,17 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     that are not alike (a setting changed on one layer: the scan runs the
     first layer's code with each layer's weights), layers of kinds that
     differ in more than their settings under a forward that iterates over
-    them (`for block in self.h`), layers with hooks or gradient checkpointing
-    enabled (neither would run inside the scan), a forward that neither loops
+    them (`for block in self.h`), layers with hooks (they would not run
+    inside the scan) or with gradient checkpointing enabled on some only
+    (`every_n_layers`), a forward that neither loops
     over `self.layers[...]` nor iterates over `self.layers` calling each layer
     on the hidden state alone (after lookups such as Exaone4's `layer_type =
     self.config.layer_types[i]`, which call nothing), and calls with
     `output_hidden_states` or `output_attentions`. Gradient checkpointing
-    enabled after the conversion does not reach the layers; the scan's
-    partitioner decides what its backward recomputes. Without a cache, a
+    (transformers' `gradient_checkpointing_enable()`, before or after the
+    conversion) makes the scan recompute each layer while training (policy
+    `save_nothing`, see `torch_xla_ext.hf.checkpointing`);
+    `gradient_checkpointing_disable()` brings back `partition_fn`. Without a cache, a
     converted model runs on XLA devices only (the scan is an XLA loop).
 
     Args:
@@ -159,7 +163,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     config = getattr(owner, "config", getattr(model, "config", None))
     kinds = mixed_layer_types(config, len(layers))
     for index, layer in enumerate(layers):
-        check_no_hooks_or_checkpointing(layer, f"{path}.{index}")
+        check_no_hooks(layer, f"{path}.{index}")
+    check_checkpointing_alike(layers, path)
     try:
         if kinds is None:
             stack = StackedLayers(layers, config, recorded_outputs(owner), **options)

@@ -2,7 +2,7 @@
 decoder-layer list is, how its forward calls the layers (a slice of them, or
 an iteration that does nothing else between two layers), their kinds
 (`config.layer_types`), and what a scan could not run (hooks, gradient
-checkpointing)."""
+checkpointing on some layers only)."""
 from __future__ import annotations
 
 import ast
@@ -143,7 +143,7 @@ def mixed_layer_types(config, count: int) -> list | None:
     return layer_types
 
 
-def check_no_hooks_or_checkpointing(layer: nn.Module, path: str) -> None:
+def check_no_hooks(layer: nn.Module, path: str) -> None:
     for module_path, module in layer.named_modules():
         where = f"{path}.{module_path}" if module_path else path
         for registry in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
@@ -156,13 +156,21 @@ def check_no_hooks_or_checkpointing(layer: nn.Module, path: str) -> None:
                     f"({getattr(hook, '__qualname__', hook)!r}); the stacked layers run inside "
                     f"one scan, where hooks of the layers would not run. Remove it first; the "
                     f"model is unchanged.")
-        if getattr(module, "gradient_checkpointing", False) is True:
-            raise ValueError(
-                f"stack_layers: {where} has gradient checkpointing enabled; "
-                f"torch.utils.checkpoint cannot run inside the scan (whose partitioner decides "
-                f"what the backward recomputes). Disable it first "
-                f"(model.activation_checkpointing_disable(), gradient_checkpointing_disable() "
-                f"before transformers 5); the model is unchanged.")
+
+
+def check_checkpointing_alike(layers: nn.ModuleList, path: str) -> None:
+    """Raises unless gradient checkpointing is enabled on every layer or on
+    none (the scan recomputes every layer, or none)."""
+    enabled = [index for index, layer in enumerate(layers)
+               if any(getattr(module, "gradient_checkpointing", False) is True
+                      for module in layer.modules())]
+    if enabled and len(enabled) != len(layers):
+        raise ValueError(
+            f"stack_layers: gradient checkpointing is enabled on the layers {enabled} of "
+            f"{path!r} only, of {len(layers)} (activation_checkpointing_enable(every_n_layers="
+            f"...)?); the stacked layers run as one scan, which recomputes every layer in its "
+            f"backward loop or none. Enable it for every layer (every_n_layers=1) or disable it "
+            f"first; the model is unchanged.")
 
 
 def recorded_outputs(owner: nn.Module) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from torch_xla_ext.hf import checkpointing
 from torch_xla_ext.hf.caches import (
     CACHE_REASON, advance, extend, fill_stacked, hold_stacked, holds_tokens, is_cache,
     keeps_all, keys_and_values, keys_and_values_after_held, keys_and_values_per_position,
@@ -25,7 +26,8 @@ from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
 from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
-from torch_xla_ext.layer_stack.running import Unscannable, run_layer_by_layer, run_recording
+from torch_xla_ext.layer_stack.running import (
+    Unscannable, run, run_layer_by_layer, run_recording)
 
 
 # Output flags of transformers models that collect something from every layer
@@ -61,7 +63,16 @@ class StackedLayers(LayerStack):
       settings (else the layers run one by one). Where transformers passes one
       kind's layers no attention mask (SDPA's causal mask, or none, is theirs)
       and another kind's a mask, the None becomes the mask it stands for.
+    * transformers' gradient checkpointing, enabled before or after the
+      conversion, makes the scan recompute each layer in its backward loop
+      while training (see `torch_xla_ext.hf.checkpointing`); `layers[i]` and
+      the unstacked layers carry it as transformers sets it.
     """
+
+    # Set by transformers' gradient_checkpointing_enable() and _disable() on
+    # each module that has the attribute, as on its GradientCheckpointingLayers.
+    gradient_checkpointing = False
+    _gradient_checkpointing_func = None
 
     def __init__(self, layers: Iterable[nn.Module], config=None,
                  recorded_outputs: Iterable[str] = PER_LAYER_OUTPUTS,
@@ -90,6 +101,9 @@ class StackedLayers(LayerStack):
             _share_config(self._template, layers[0], config)
         # Mixture-of-experts modules, whose implementation decides whether a scan can run them.
         self.__dict__["_experts"] = () if self._template is None else experts_modules(self._template)
+        if self._template is not None:
+            self.gradient_checkpointing, self._gradient_checkpointing_func = (
+                checkpointing.taken_from([self._template]))
 
     def __getitem__(self, index):
         if isinstance(index, slice) and range(len(self))[index] == range(len(self)):
@@ -124,8 +138,11 @@ class StackedLayers(LayerStack):
             if index == len(self) - 1:
                 self.layer_kinds.clear()
 
+    def _layer(self, index, copied: bool) -> nn.Module:
+        return checkpointing.given_to([super()._layer(index, copied)], self)[0]
+
     def _layers(self):
-        layers = super()._layers()
+        layers = checkpointing.under_policy(self, super()._layers())
         if not self.mixed_kinds:
             return layers
         # The attributes that tell the kinds apart are read as the template's
@@ -261,7 +278,11 @@ class StackedLayerKinds(GroupedLayers):
     cache after it; a call with a cache that holds tokens, or of another
     kind, runs the layers one by one (each reads and updates its own slot),
     with a LayerByLayerWarning. Calls that ask for each layer's output raise,
-    as StackedLayers'."""
+    as StackedLayers'. Gradient checkpointing is as StackedLayers'."""
+
+    # As StackedLayers'.
+    gradient_checkpointing = False
+    _gradient_checkpointing_func = None
 
     def __init__(self, layers: Iterable[nn.Module], kinds: list, config,
                  recorded_outputs: Iterable[str] = PER_LAYER_OUTPUTS, **options):
@@ -274,13 +295,23 @@ class StackedLayerKinds(GroupedLayers):
                 _share_config(stack._template,
                               LayerGroup(layers[segment.start:segment.start + segment.period]),
                               config)
+        self.gradient_checkpointing, self._gradient_checkpointing_func = (
+            checkpointing.taken_from([stack._template for stack in self.segments]))
+
+    def __getitem__(self, index):
+        layer = super().__getitem__(index)
+        return layer if isinstance(index, slice) else checkpointing.given_to([layer], self)[0]
+
+    def unstacked(self) -> list[nn.Module]:
+        return checkpointing.given_to(super().unstacked(), self)
 
     def _run_segment(self, segment, stack, hidden, calls: tuple):
         _refuse_per_layer_outputs(self, calls[-1][1])
+        layers = checkpointing.under_policy(self, stack._layers())
         caches = {(name, id(value)): value for _, kwargs in calls
                   for name, value in kwargs.items() if is_cache(value)}
         if not caches and not any(is_cache(value) for args, _ in calls for value in args):
-            return stack(hidden, calls=calls)
+            return run(layers, hidden, (), {"calls": calls})
         reason = CACHE_REASON
         if hidden.device.type != "xla":
             reason = (f"the layers run on {hidden.device.type}, and the scan is an XLA loop")
@@ -288,20 +319,22 @@ class StackedLayerKinds(GroupedLayers):
             (parameter, _), cache = next(iter(caches.items()))
             if segment_starts_empty(cache, segment.start, segment.stop):
                 try:
-                    return _scan_filling_groups(stack, segment, cache, parameter, hidden, calls)
+                    return _scan_filling_groups(layers, segment, cache, parameter, hidden,
+                                                calls)
                 except Unscannable as unscannable:
                     reason = str(unscannable)
-        return run_layer_by_layer(stack.__getitem__, segment.groups, hidden, (),
-                                  {"calls": calls}, drop_in=False, reason=reason)
+        return run_layer_by_layer(lambda group: checkpointing.given_to([stack[group]], self)[0],
+                                  segment.groups, hidden, (), {"calls": calls}, drop_in=False,
+                                  reason=reason)
 
 
-def _scan_filling_groups(stack, segment, cache, parameter: str, hidden, calls: tuple):
-    """One scan over a segment's groups, each layer given a cache that records
-    its keys and values; they fill `cache` after the loop, layer by layer in
-    order, as the layers' own updates would have."""
+def _scan_filling_groups(layers, segment, cache, parameter: str, hidden, calls: tuple):
+    """One scan over a segment's groups (`layers`), each layer given a cache
+    that records its keys and values; they fill `cache` after the loop, layer
+    by layer in order, as the layers' own updates would have."""
     without_cache = tuple((args, {name: value for name, value in kwargs.items()
                                   if name != parameter}) for args, kwargs in calls)
-    hidden, recorded = run_recording(stack._layers(), hidden, (), {"calls": without_cache},
+    hidden, recorded = run_recording(layers, hidden, (), {"calls": without_cache},
                                      keys_and_values_per_position(parameter, segment.period))
     for group in range(segment.groups):
         for position in range(segment.period):
