@@ -165,3 +165,77 @@ def test_layers_without_one_state_are_refused_with_what_to_do():
     converted = stack_layers(make_model(layers=2))
     with pytest.raises(ValueError, match=r"different 'step'.*\[3.0, 4.0\].*unconverted model"):
         torch.optim.AdamW(converted.parameters()).load_state_dict(unconverted.state_dict())
+
+
+# transformers' Trainer on the XLA device (through accelerate), as test_hf.py
+# runs it: a run of 5 steps that writes a checkpoint at step 2 (optimizer.pt,
+# scheduler.pt: AdamW with weight decay, a linear schedule), and a run of the
+# model on the other side of the conversion that resumes from it with the
+# user's unchanged `train(resume_from_checkpoint=...)`; the losses of steps
+# 3-5 depend on the optimizer's state (without optimizer.pt they differ by 1e-2).
+TRAINER_RESUME = """
+import os, tempfile, warnings
+import torch, torch_xla, transformers
+from torch_xla_ext.hf import stack_layers
+from torch_xla_ext.layer_stack import LayerByLayerWarning
+
+SAVED_BY = os.environ["SAVED_BY"]
+
+
+def model_for(converted, seed):
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+    return stack_layers(model) if converted else model
+
+
+class StepsRun(transformers.TrainerCallback):
+    # The steps this run trained, not those of the checkpoint it resumed.
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+    def losses(self, log_history):
+        return {entry["step"]: entry["loss"] for entry in log_history
+                if "loss" in entry and entry["step"] in self.steps}
+
+
+ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(1))
+dataset = [{"input_ids": row, "labels": row} for row in ids]
+
+
+def losses(model, out, resume=None):
+    args = transformers.TrainingArguments(
+        out, per_device_train_batch_size=2, max_steps=5, logging_steps=1, save_steps=2,
+        optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear",
+        report_to=[], seed=3, disable_tqdm=True)
+    steps = StepsRun()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[steps])
+    trainer.train(resume_from_checkpoint=resume)
+    assert next(model.parameters()).device.type == "xla"
+    return steps.losses(trainer.state.log_history)
+
+
+with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+    warnings.simplefilter("error", LayerByLayerWarning)
+    expected = losses(model_for(SAVED_BY == "converted", 0), out)
+    assert {"optimizer.pt", "scheduler.pt"} <= set(os.listdir(os.path.join(out, "checkpoint-2")))
+    # Another initialization: every weight and state must come from the checkpoint.
+    resumed = losses(model_for(SAVED_BY == "unconverted", 7), os.path.join(out, "resumed"),
+                     resume=os.path.join(out, "checkpoint-2"))
+assert sorted(resumed) == [3, 4, 5], resumed
+torch.testing.assert_close(torch.tensor([resumed[step] for step in (3, 4, 5)]),
+                           torch.tensor([expected[step] for step in (3, 4, 5)]), rtol=0, atol=1e-4)
+print("resumed losses", resumed)
+"""
+
+
+@pytest.mark.parametrize("saved_by", ["unconverted", "converted"])
+def test_the_trainer_resumes_a_checkpoint_of_the_other_side_as_an_uninterrupted_run(
+        run_isolated, saved_by):
+    result = run_isolated(TRAINER_RESUME, env={"SAVED_BY": saved_by})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed losses" in result.stdout
