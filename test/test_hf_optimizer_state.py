@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 
 from test_hf import batch, close, device, make_model  # noqa: F401 (a fixture)
 from test_hf_layer_kinds import converted_pair as kinds_pair
+from test_hf_peft import peft_pair
 from torch_xla_ext.hf import StackedLayerKinds, stack_layers
 
 LAYERS, STEPS_BEFORE, STEPS_AFTER = 2, 2, 2
@@ -114,29 +115,34 @@ def artificial_state(optimizer):
                                       "exp_avg_sq": param.detach() ** 2}
 
 
-@pytest.mark.parametrize("model_kind", ["llama", "gemma3-groups"])
+def trainable(model) -> list:
+    return [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+
+
+@pytest.mark.parametrize("model_kind", ["llama", "gemma3-groups", "lora"])
 def test_named_groups_save_the_unconverted_names_order_and_state(model_kind):
     if model_kind == "llama":
         reference = make_model(layers=3)
         converted = stack_layers(make_model(layers=3))
+    elif model_kind == "lora":  # the base weights frozen, left out of the optimizer
+        reference, converted = peft_pair(r=4, target_modules=["q_proj", "v_proj"])
     else:
         reference, converted = kinds_pair("gemma3", groups=True)
         assert isinstance(converted.model.layers, StackedLayerKinds)
-    unconverted_optimizer = torch.optim.AdamW(reference.named_parameters())
+    unconverted_optimizer = torch.optim.AdamW(trainable(reference))
     artificial_state(unconverted_optimizer)
-    converted_optimizer = torch.optim.AdamW(converted.named_parameters())
+    converted_optimizer = torch.optim.AdamW(trainable(converted))
     converted_optimizer.load_state_dict(unconverted_optimizer.state_dict())
 
-    stacked_name, stacked = next((name, param) for name, param in converted.named_parameters()
+    stacked_name, stacked = next((name, param) for name, param in trainable(converted)
                                  if param.dim() == 3)
     close(converted_optimizer.state[stacked]["exp_avg"], stacked * 2)
     assert converted_optimizer.param_groups[0]["param_names"] == [
-        name for name, _ in converted.named_parameters()], stacked_name
+        name for name, _ in trainable(converted)], stacked_name
     expected = unconverted_optimizer.state_dict()
     actual = converted_optimizer.state_dict()
     assert actual["param_groups"] == expected["param_groups"]
-    assert actual["param_groups"][0]["param_names"] == [
-        name for name, _ in reference.named_parameters()]
+    assert actual["param_groups"][0]["param_names"] == [name for name, _ in trainable(reference)]
     for index, state in expected["state"].items():
         for key, value in state.items():
             close(actual["state"][index][key], value)

@@ -54,6 +54,7 @@ import weakref
 
 import torch
 
+_taught = False
 # The stacks alive in this process whose parameters an optimizer may hold;
 # the segments of a `GroupedLayers` are its own, not listed here.
 _stacks: "weakref.WeakSet" = weakref.WeakSet()
@@ -145,7 +146,8 @@ def save_unconverted(optimizer, state_dict: dict) -> dict | None:
         return None
     index_of = {id(param): index for index, param in enumerate(
         itertools.chain.from_iterable(group["params"] for group in optimizer.param_groups))}
-    saved_state, groups, position = {}, [], 0
+    saved_state = _other_entries(state_dict["state"])
+    groups, position = [], 0
     for packed, group, entries in zip(state_dict["param_groups"], optimizer.param_groups,
                                       layouts):
         names = dict(zip(map(id, group["params"]), packed.get("param_names", ())))
@@ -178,7 +180,8 @@ def load_unconverted(optimizer, state_dict: dict) -> dict | None:
     for entries, saved_group in zip(layouts, saved_groups):
         for entry, index in zip(entries, saved_group["params"]):
             saved_at.setdefault(id(entry.param), {})[entry.layer] = index
-    state, groups, position = {}, [], 0
+    state = _other_entries(saved_state)
+    groups, position = [], 0
     for group, saved_group in zip(optimizer.param_groups, saved_groups):
         for at, param in enumerate(group["params"], position):
             indices = saved_at[id(param)]
@@ -194,6 +197,12 @@ def load_unconverted(optimizer, state_dict: dict) -> dict | None:
         groups.append(converted)
         position += len(group["params"])
     return {**state_dict, "state": state, "param_groups": groups}
+
+
+def _other_entries(state: dict) -> dict:
+    """The entries of a state dict's `state` that name no parameter (torch
+    keeps a key that is not a parameter as it is)."""
+    return {key: value for key, value in state.items() if not isinstance(key, int)}
 
 
 def _is_unconverted(state_dict: dict, optimizer, layouts: list) -> bool:
@@ -264,9 +273,10 @@ def _shown(value):
 def _teach_optimizers() -> None:
     """Wraps `torch.optim.Optimizer.__init__`, once per process, so that each
     optimizer registers the two hooks above."""
-    original = torch.optim.Optimizer.__init__
-    if getattr(original, "_registers_stack_hooks", False):
+    global _taught
+    if _taught:
         return
+    original = torch.optim.Optimizer.__init__
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
@@ -274,5 +284,5 @@ def _teach_optimizers() -> None:
         self.register_state_dict_post_hook(save_unconverted)
         self.register_load_state_dict_pre_hook(load_unconverted)
 
-    __init__._registers_stack_hooks = True
     torch.optim.Optimizer.__init__ = __init__
+    _taught = True
