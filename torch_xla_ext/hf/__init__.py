@@ -71,7 +71,10 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     What stays as it was: the model's forward and config, every other module,
     `state_dict()` keys and values (`model.layers.3.self_attn.q_proj.weight`),
     so `save_pretrained()` writes an ordinary checkpoint and
-    `load_state_dict()` of one works; `model.model.layers[i]` (a module whose
+    `load_state_dict()` of one works; an optimizer's `state_dict()` (made
+    from the converted model's parameters: saved in the unconverted layout,
+    and loading it, see `torch_xla_ext.layer_stack.optimizer_state`), so a
+    Trainer checkpoint resumes on either side; `model.model.layers[i]` (a module whose
     tensors are views of slice i of the stacked ones) and `len()`.
     `named_parameters()` names the stacked tensors
     (`model.layers.stacked.mlp.up_proj.weight`), which can be sharded with

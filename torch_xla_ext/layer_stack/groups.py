@@ -30,7 +30,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 
 from torch import nn
 
-from torch_xla_ext.layer_stack import running
+from torch_xla_ext.layer_stack import optimizer_state, running
 from torch_xla_ext.layer_stack.kinds import KindCalls
 from torch_xla_ext.layer_stack.stack import LayerStack
 
@@ -137,6 +137,20 @@ class GroupedLayers(nn.Module):
                                  first=segment.start) for segment in self.plan]
         self.register_state_dict_post_hook(_state_dict_per_layer)
         self.register_load_state_dict_post_hook(_missing_and_unexpected_per_layer)
+        optimizer_state.track(self, inner=self.segments)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        optimizer_state.track(self, inner=self.segments)  # a copy, or unpickled
+
+    def layer_parameters(self) -> list[tuple[str, int, str]]:
+        """The layers' parameters in the order of the layer list's
+        `parameters()`, as `LayerStack.layer_parameters` gives them (a
+        segment's groups hold consecutive layers, in order)."""
+        return [(f"segments.{number}.{name}", group,
+                 unconverted_name(self, f"segments.{number}.{in_group}"))
+                for number, stack in enumerate(self.segments)
+                for name, group, in_group in stack.layer_parameters()]
 
     def __len__(self) -> int:
         return self.plan[-1].stop if self.plan else 0

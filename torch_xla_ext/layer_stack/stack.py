@@ -11,7 +11,7 @@ import torch
 import torch_xla.runtime
 from torch import nn
 
-from torch_xla_ext.layer_stack import running
+from torch_xla_ext.layer_stack import optimizer_state, running
 from torch_xla_ext.layer_stack.alike import (
     check_identical_layers, join, layer_tensors, layout_of)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
@@ -124,6 +124,7 @@ class LayerStack(nn.Module):
         # no part of parameters(), state_dict() or .to().
         self.__dict__["_template"] = None
         self.register_state_dict_post_hook(_state_dict_per_layer)
+        optimizer_state.track(self)
         if not layers:
             return
         layout, self.per_layer_values = check_identical_layers(layers,
@@ -142,6 +143,21 @@ class LayerStack(nn.Module):
                                              nn.Parameter(stacked, requires_grad=spec.flag))
                 else:
                     owner.register_buffer(local_name, stacked, persistent=spec.flag)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        optimizer_state.track(self)  # a copy, or unpickled
+
+    def layer_parameters(self) -> list[tuple[str, int, str]]:
+        """The layers' parameters in the order of the layer list's
+        `parameters()`, each as (the name of its stacked parameter in the
+        stack, its layer, its name in the layer list): for optimizer state
+        dicts in the unconverted layout (`optimizer_state`)."""
+        if self._template is None:
+            return []
+        names = [name for name, _ in self._template.named_parameters()]
+        return [(f"stacked.{name}", index, f"{index}.{name}")
+                for index in range(len(self)) for name in names]
 
     def _storage(self, path: str) -> _StackedTensors:
         """The `_StackedTensors` for submodule `path`, created on first use."""
