@@ -26,7 +26,7 @@ import contextlib
 
 from torch import nn
 
-from torch_xla_ext.hf import adapters
+from torch_xla_ext.hf import adapters, fsdp
 from torch_xla_ext.hf.inspection import (
     check_checkpointing_alike, check_no_hooks, layer_loop, layers_path, mixed_layer_types,
     recorded_outputs, submodule)
@@ -153,6 +153,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     if not isinstance(model, nn.Module):
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
     adapters.teach_peft()
+    fsdp.teach_class_lookup()
     path = layers_path(model) if path is None else path
     layers = submodule(model, path)
     if isinstance(layers, STACKS):
