@@ -1,4 +1,4 @@
-"""transformers' FSDPv2 wrapping (`wrap_model_xla_fsdp`, what `Trainer` does
+"""transformers' FSDP wrapping (`wrap_model_xla_fsdp`, what `Trainer` does
 with `fsdp_config={"xla": True, "xla_fsdp_v2": True,
 "transformer_layer_cls_to_wrap": [...]}`) of a model whose layers
 stack_layers stacked.
@@ -10,10 +10,11 @@ walk. So the first `stack_layers` call teaches the lookup (at once if
 transformers' Trainer utilities are imported, else when they are: they take
 seconds) to search a stack's template where it meets the stack. The layers
 stay stacked in their place, so no module of that class is wrapped as a
-unit of its own: the stack runs them as one scan, and FSDPv2 around the
-model shards their stacked weights as it would each layer's
-(`torch_xla_ext.layer_stack.sharding`). A `ShardingWarning` says what a unit
-per layer would add that the stack does not get.
+unit of its own: the stack runs them as one scan, and the wrapper around
+the model holds their stacked weights (FSDPv2 shards each as it would one
+layer's, never along the layer dimension: `torch_xla_ext.layer_stack.sharding`).
+A `ShardingWarning` says what a unit per layer would add that the stack
+does not get.
 """
 from __future__ import annotations
 
@@ -48,12 +49,12 @@ def _teach() -> None:
                 warnings.warn(
                     f"{name} is found among stacked layers ({type(module).__name__} of "
                     f"{len(module)} layers), which run as one scan: FSDP wraps no module of "
-                    f"that class as a unit of its own. FSDPv2 around the model shards each "
-                    f"stacked weight as it would shard one layer's (never along the layer "
-                    f"dimension); the sharding of each layer's output and the barrier on "
-                    f"each layer's gradients that a unit per layer adds are not applied. "
-                    f"Call tx.unstack_layers(model) first to wrap each layer.",
-                    ShardingWarning, stacklevel=3)
+                    f"that class as a unit of its own, and the wrapper around the model holds "
+                    f"the stacked weights (FSDPv2 shards each as it would one layer's, never "
+                    f"along the layer dimension). The sharding of each layer's output and the "
+                    f"barrier on each layer's gradients that a unit per layer adds are not "
+                    f"applied; call tx.unstack_layers(model) first to wrap each layer.",
+                    ShardingWarning, stacklevel=2)
                 return found
         return lookup(module, name)
 

@@ -17,6 +17,7 @@ import functools
 
 import torch
 import torch_xla
+from torch import nn
 
 from torch_xla_ext.on_import import when_imported
 
@@ -39,10 +40,13 @@ def _teach() -> None:
 
     @functools.wraps(init)
     def __init__(self, module, *args, mesh=None, **kwargs):
-        stacks = [each for each in module.modules() if isinstance(each, LayerStack)]
+        stacks = ([each for each in module.modules() if isinstance(each, LayerStack)]
+                  if isinstance(module, nn.Module) else [])
         sharding_mesh = spmd.get_global_mesh() if mesh is None else mesh
-        # Without a usable mesh FSDPv2's own checks raise, before anything is sharded.
-        if stacks and sharding_mesh is not None and "fsdp" in sharding_mesh.axis_names:
+        # Not a module, a module wrapped already, or no usable mesh: FSDPv2's
+        # own checks raise, before anything is sharded.
+        if (stacks and not isinstance(module, wrapper_class) and sharding_mesh is not None
+                and "fsdp" in sharding_mesh.axis_names):
             module.to("xla")  # as FSDPv2 does before sharding: only XLA tensors are sharded
             for stack in stacks:
                 _shard_stacked_parameters(stack, sharding_mesh, fsdp_v2)
