@@ -8,7 +8,7 @@ scheduler is made), so the wrapping function is called as the Trainer calls it."
 
 # SPMD needs a process of its own (xr.use_spmd() before any XLA tensor).
 WRAPPED_AS_THE_TRAINER_DOES = """
-import copy, math, re, tempfile, warnings
+import copy, functools, math, re, tempfile, warnings
 import numpy as np, torch, torch_xla
 import torch_xla.runtime as xr
 import torch_xla.distributed.spmd as xs
@@ -16,7 +16,8 @@ import transformers
 from transformers.integrations.tpu import wrap_model_xla_fsdp
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 from torch_xla_ext import LayerStack, stack_layers
-from torch_xla_ext.hf.fsdp import ShardingWarning
+from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
+from torch_xla_ext.layer_stack.sharding import ShardingWarning
 
 xr.use_spmd()
 mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4,), ("fsdp",))
@@ -96,6 +97,12 @@ holder = Holder()
 SpmdFullyShardedDataParallel(holder)
 assert tiles(holder.stack.stacked.weight)[:2] == [1, 4], tiles(holder.stack.stacked.weight)
 assert tiles(holder.stack.stacked.bias) == [1, 4], tiles(holder.stack.stacked.bias)
+# The size-based policy (transformers' min_num_params) keeps the stack whole
+# for the unit that holds it (its `stacked` holder has no forward to wrap).
+holder = Holder()
+SpmdFullyShardedDataParallel(holder, auto_wrap_policy=functools.partial(
+    size_based_auto_wrap_policy, min_num_params=1))
+assert type(holder.stack) is LayerStack and tiles(holder.stack.stacked.weight)[:2] == [1, 4]
 print("matched", [round(loss.item(), 5) for loss in losses[True]])
 """
 
@@ -109,7 +116,7 @@ def test_wrapped_as_the_trainer_does_shards_stacked_weights_and_trains_like_unsh
 
 # Gemma3's layer kinds as a StackedLayerKinds (a few scans, one LayerStack per
 # segment of the pattern of kinds, as stack_layers makes for kinds that differ
-# in more than their settings).
+# in more than their settings), with transformers' xla_fsdp_grad_ckpt.
 KINDS_WRAPPED_AS_THE_TRAINER_DOES = """
 import copy, math, re, tempfile, warnings
 import numpy as np, torch, torch_xla
@@ -118,6 +125,7 @@ import torch_xla.distributed.spmd as xs
 import transformers
 from transformers.integrations.tpu import wrap_model_xla_fsdp
 from torch_xla_ext.hf import StackedLayerKinds, stack_layers
+from torch_xla_ext.layer_stack.sharding import ShardingWarning
 
 xr.use_spmd()
 mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4,), ("fsdp",))
@@ -144,10 +152,14 @@ model.to(device).train()
 args = transformers.TrainingArguments(
     output_dir=tempfile.mkdtemp(), fsdp=True, report_to=[],
     fsdp_config={"xla": True, "xla_fsdp_v2": True,
-                 "transformer_layer_cls_to_wrap": ["Gemma3DecoderLayer"]})
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
+                 "transformer_layer_cls_to_wrap": ["Gemma3DecoderLayer"],
+                 "xla_fsdp_grad_ckpt": True})
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
     wrapped = wrap_model_xla_fsdp(model, args, True)
+# Checkpointing each unit does not reach stacked layers, which are no units: said.
+assert [w for w in caught if issubclass(w.category, ShardingWarning)
+        and "auto_wrapper_callable" in str(w.message)], [str(w.message) for w in caught]
 stacked = {name: param for name, param in model.model.layers.named_parameters()
            if ".stacked." in name}
 assert len(stacked) == 2 * 13, sorted(stacked)

@@ -22,11 +22,8 @@ import functools
 import warnings
 
 from torch_xla_ext.layer_stack import LayerStack
+from torch_xla_ext.layer_stack.sharding import ShardingWarning
 from torch_xla_ext.on_import import when_imported
-
-
-class ShardingWarning(UserWarning):
-    """A sharding request that stacked layers honour only in part."""
 
 
 def teach_class_lookup() -> None:
