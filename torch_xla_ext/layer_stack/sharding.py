@@ -72,8 +72,8 @@ def _teach() -> None:
         if (stacks and kwargs.get("auto_wrap_policy") is not None
                 and kwargs.get("auto_wrapper_callable") is not None):
             warnings.warn(
-                f"FSDP's auto_wrapper_callable ({kwargs['auto_wrapper_callable'].__qualname__}; "
-                f"transformers' xla_fsdp_grad_ckpt checkpoints each unit with it) is applied "
+                f"FSDP's auto_wrapper_callable (with which transformers' xla_fsdp_grad_ckpt "
+                f"checkpoints each unit) is applied "
                 f"to the units auto_wrap_policy picks, and the {len(stacks)} layer stack(s) of "
                 f"{type(module).__name__}, which run their layers as one scan, are no units of "
                 f"their own: it reaches their layers only inside a unit that holds a stack. "
