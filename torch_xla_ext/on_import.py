@@ -15,14 +15,14 @@ _handled: set[str] = set()
 
 def when_imported(name: str, teach: Callable[[], None]) -> None:
     """Calls `teach()` once per process: now if module `name` is imported,
-    else right after it is executed, if it is installed (a submodule's
-    parent package is imported to look)."""
+    else right after it is executed, if it ever is (nothing is imported to
+    look: a submodule's package may not be installed, or take seconds)."""
     if name in _handled:
         return
     _handled.add(name)
     if name in sys.modules:
         teach()
-    elif importlib.util.find_spec(name) is not None:
+    else:
         sys.meta_path.insert(0, _TeachingOnImport(name, teach))
 
 
