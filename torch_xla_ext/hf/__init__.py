@@ -18,7 +18,8 @@ its forward's loop, its layer kinds, what a scan cannot run), `stacks` (the
 stacks put in place of the layer list), `caches` (transformers' key/value
 caches around the scan), `adapters` (peft's whole-model operations on a
 stacked PeftModel), `checkpointing` (transformers' gradient checkpointing as
-the scan's policy).
+the scan's policy), `fsdp` (transformers' FSDP class lookup finding stacked
+layers).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import contextlib
 
 from torch import nn
 
-from torch_xla_ext.hf import adapters
+from torch_xla_ext.hf import adapters, fsdp
 from torch_xla_ext.hf.inspection import (
     check_checkpointing_alike, check_no_hooks, layer_loop, layers_path, mixed_layer_types,
     recorded_outputs, submodule)
@@ -78,7 +79,11 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     tensors are views of slice i of the stacked ones) and `len()`.
     `named_parameters()` names the stacked tensors
     (`model.layers.stacked.mlp.up_proj.weight`), which can be sharded with
-    `mark_sharding` along any dimension but the first.
+    `mark_sharding` along any dimension but the first; FSDPv2, as
+    transformers' Trainer wraps a model (`wrap_model_xla_fsdp`, naming the
+    layer class in `transformer_layer_cls_to_wrap`), shards each as it
+    would one layer's weight, never along the layer dimension (see
+    `torch_xla_ext.hf.fsdp`).
 
     Layers of several kinds (`config.layer_types` not all the same: Gemma2's
     alternating sliding and full attention, Gemma3's pattern, Qwen2's
@@ -153,6 +158,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     if not isinstance(model, nn.Module):
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
     adapters.teach_peft()
+    fsdp.teach_class_lookup()
     path = layers_path(model) if path is None else path
     layers = submodule(model, path)
     if isinstance(layers, STACKS):

@@ -38,48 +38,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.util
-import sys
 
 from torch import nn
 
+from torch_xla_ext.on_import import when_imported
 from torch_xla_ext.layer_stack import LayerStack
-
-_taught = False
 
 
 def teach_peft() -> None:
     """Wraps peft's whole-model operations (above), once per process, if peft
     is installed: now if it is imported, else as soon as it is."""
-    if _taught or any(isinstance(finder, _TeachingPeftOnImport) for finder in sys.meta_path):
-        return
-    if "peft" in sys.modules:
-        _teach()
-    elif importlib.util.find_spec("peft") is not None:
-        sys.meta_path.insert(0, _TeachingPeftOnImport())
-
-
-class _TeachingPeftOnImport(importlib.abc.MetaPathFinder):
-    """Finds peft as the other finders do, and teaches it once it is executed."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "peft":
-            return None
-        sys.meta_path.remove(self)  # once; and the search below must not find this finder
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None:
-            execute = spec.loader.exec_module
-
-            def execute_and_teach(module):
-                execute(module)
-                _teach()
-            spec.loader.exec_module = execute_and_teach
-        return spec
+    when_imported("peft", _teach)
 
 
 def _teach() -> None:
-    global _taught
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner
 
@@ -94,7 +66,6 @@ def _teach() -> None:
         setattr(PeftModel, name, _on_layer_modules(getattr(PeftModel, name)))
     for name in ("_enable_adapter_layers", "set_adapter", "set_requires_grad"):
         setattr(BaseTuner, name, _on_templates(getattr(BaseTuner, name)))
-    _taught = True
 
 
 def _on_unstacked_layers(method, model_of):

@@ -49,7 +49,8 @@ its state_dict mapping), `layer_list` (`scan_layers`), `kinds` (layers of
 several kinds as one scan, each given its kind's arguments), `groups` (layers
 of kinds that differ in more: a `LayerStack` per segment of their pattern),
 `optimizer_state` (optimizer state dicts of stacked parameters saved and
-loaded in the unconverted layout, so they move between the two).
+loaded in the unconverted layout, so they move between the two), `sharding`
+(FSDPv2's sharding of stacked parameters, never along the layer dimension).
 """
 from torch_xla_ext.layer_stack.running import LayerByLayerWarning
 from torch_xla_ext.layer_stack.stack import LayerStack

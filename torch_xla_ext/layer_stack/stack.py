@@ -11,7 +11,7 @@ import torch
 import torch_xla.runtime
 from torch import nn
 
-from torch_xla_ext.layer_stack import optimizer_state, running
+from torch_xla_ext.layer_stack import optimizer_state, running, sharding
 from torch_xla_ext.layer_stack.alike import (
     check_identical_layers, join, layer_tensors, layout_of)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
@@ -125,6 +125,7 @@ class LayerStack(nn.Module):
         self.__dict__["_template"] = None
         self.register_state_dict_post_hook(_state_dict_per_layer)
         optimizer_state.track(self)
+        sharding.teach_fsdp_v2()
         if not layers:
             return
         layout, self.per_layer_values = check_identical_layers(layers,
@@ -147,6 +148,7 @@ class LayerStack(nn.Module):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         optimizer_state.track(self)  # a copy, or unpickled
+        sharding.teach_fsdp_v2()
 
     def layer_parameters(self) -> list[tuple[str, int, str]]:
         """The layers' parameters in the order of the layer list's

@@ -1,0 +1,99 @@
+"""FSDP (torch_xla's `SpmdFullyShardedDataParallel`, FSDPv2, and its
+auto-wrap policies) around modules that hold layer stacks.
+
+FSDPv2 shards each parameter of the module it wraps along the parameter's
+largest dimension. For a stacked `[L, ...]` parameter that may be the layer
+dimension (L layers of norm weights `[L, d]` with `d <= L`, a per-layer scalar
+`[L, 1]`), which the scan slices at every step. So the first `LayerStack`
+made in a process teaches FSDPv2 (at once if it is imported, else when it is)
+to shard first each stacked parameter of the module it wraps as it would
+shard one layer's parameter (along that one's largest dimension), never along
+the layer dimension; its own loop then leaves them, as it shards only what
+has no sharding yet.
+
+A stack (a `LayerStack`, or the `GroupedLayers` of a few) is never a unit of
+its own: it runs its layers as one scan, and its `stacked` holder has no
+forward for a unit to call. torch_xla's size-based policy (transformers'
+`min_num_params`) keeps it whole, as it keeps `nn.ModuleList`s, for the unit
+that holds it. An `auto_wrapper_callable` (transformers'
+`xla_fsdp_grad_ckpt`, which checkpoints each unit) thus reaches stacked
+layers only inside a unit that holds them, which a `ShardingWarning` says.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch_xla
+from torch import nn
+
+from torch_xla_ext.on_import import when_imported
+
+FSDP_V2_MODULE = "torch_xla.experimental.spmd_fully_sharded_data_parallel"
+
+
+class ShardingWarning(UserWarning):
+    """A sharding request that stacked layers honour only in part."""
+
+
+def teach_fsdp_v2() -> None:
+    """Teaches FSDPv2 (above), once per process."""
+    when_imported(FSDP_V2_MODULE, _teach)
+
+
+def _teach() -> None:
+    import torch_xla.distributed.spmd as spmd
+    from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
+    from torch_xla.experimental import spmd_fully_sharded_data_parallel as fsdp_v2
+
+    from torch_xla_ext.layer_stack.groups import GroupedLayers
+    from torch_xla_ext.layer_stack.stack import LayerStack
+
+    for kept in (size_based_auto_wrap_policy.FORCE_LEAF_MODULES,
+                 size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES):
+        kept.update((LayerStack, GroupedLayers))
+
+    wrapper_class = fsdp_v2.SpmdFullyShardedDataParallel
+    init = wrapper_class.__init__
+
+    @functools.wraps(init)
+    def __init__(self, module, *args, mesh=None, **kwargs):
+        stacks = ([each for each in module.modules() if isinstance(each, LayerStack)]
+                  if isinstance(module, nn.Module) else [])
+        sharding_mesh = spmd.get_global_mesh() if mesh is None else mesh
+        # Not a module, a module wrapped already, or no usable mesh: FSDPv2's
+        # own checks raise, before anything is sharded.
+        if (stacks and not isinstance(module, wrapper_class) and sharding_mesh is not None
+                and "fsdp" in sharding_mesh.axis_names):
+            module.to("xla")  # as FSDPv2 does before sharding: only XLA tensors are sharded
+            for stack in stacks:
+                _shard_stacked_parameters(stack, sharding_mesh, fsdp_v2)
+        if (stacks and kwargs.get("auto_wrap_policy") is not None
+                and kwargs.get("auto_wrapper_callable") is not None):
+            warnings.warn(
+                f"FSDP's auto_wrapper_callable (with which transformers' xla_fsdp_grad_ckpt "
+                f"checkpoints each unit) is applied "
+                f"to the units auto_wrap_policy picks, and the {len(stacks)} layer stack(s) of "
+                f"{type(module).__name__}, which run their layers as one scan, are no units of "
+                f"their own: it reaches their layers only inside a unit that holds a stack. "
+                f"For the scan to recompute each layer in the backward, call "
+                f"model.gradient_checkpointing_enable() (transformers) or give the stack "
+                f"partition_fn='save_nothing'.", ShardingWarning, stacklevel=2)
+        init(self, module, *args, mesh=mesh, **kwargs)
+
+    wrapper_class.__init__ = __init__
+
+
+def _shard_stacked_parameters(stack, mesh, fsdp_v2) -> None:
+    """Shards each stacked parameter of `stack` that has no sharding yet as
+    FSDPv2 (module `fsdp_v2`) shards one layer's parameter, with the layer
+    dimension whole."""
+    import torch_xla.distributed.spmd as spmd
+
+    for param in stack.stacked.parameters():
+        if torch_xla._XLAC._get_xla_sharding_spec(param) != "":
+            continue
+        one_layer = torch.empty(param.shape[1:], device="meta")
+        spec = fsdp_v2._prepare_spmd_partition_spec(one_layer, shard_maximal=True)
+        spmd.mark_sharding(param, mesh, (None, *spec))
