@@ -10,12 +10,14 @@ import pytest
 import torch
 import torch_xla
 import transformers
+from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 import test_hf_layer_kinds as layer_kinds
 from test_hf import (VOCAB, batch, close, device,  # noqa: F401 (a fixture)
                      left_padded_prompts, per_layer_grads)
 import torch_xla_ext as tx
-from torch_xla_ext.hf import StackedLayers, stack_layers
+from torch_xla_ext.hf import StackedLayerKinds, StackedLayers, stack_layers
+from torch_xla_ext.hf.inspection import recorded_outputs
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
 LAYERS = 3
@@ -79,6 +81,7 @@ def test_hidden_states_and_attentions_are_the_unconverted_models(device, family,
         call = lambda: which(ids, attention_mask=mask, **({} if in_config else flags))
         with torch.no_grad():
             outputs.append(one_scan(call) if which is model else call())
+        torch_xla.sync()  # one graph for all the outputs
     expected, actual = outputs
     close(actual.logits, expected.logits)
     assert_same_tuples(actual.hidden_states, expected.hidden_states, LAYERS + 1)
@@ -94,6 +97,7 @@ def test_hidden_states_selected_by_index_are_the_unconverted_models(device):
     ids, mask = batch(device)
     outputs = [which.to(device)(ids, attention_mask=mask, output_hidden_states=[1, -1])
                for which in (reference, model)]
+    torch_xla.sync()
     expected, actual = (output.hidden_states for output in outputs)
     assert [state is None for state in actual] == [state is None for state in expected] == [
         True, False, True, False]
@@ -170,11 +174,28 @@ def test_layers_run_one_by_one_give_them_too():
     assert_same_tuples(actual.attentions, expected.attentions, LAYERS)
 
 
-def test_layers_of_kinds_that_differ_in_more_than_settings_refuse_them():
-    # A StackedLayerKinds (a few scans) does not record them; the call raises.
-    reference, model = layer_kinds.converted_pair("gemma3", groups=True)
-    ids, mask = batch("cpu")
-    with pytest.raises(ValueError, match=r"asks for every decoder layer's output "
-                                         r"\(output_hidden_states\), but the layers are of "
-                                         r"kinds that differ in more than their settings"):
-        model(ids, attention_mask=mask, output_hidden_states=True)
+def test_layers_of_kinds_that_differ_in_more_than_settings_give_them_from_their_scans(device):
+    # A StackedLayerKinds, as stack_layers makes for kinds that differ in more
+    # than their settings: Gemma3's 7 layers as two scans (groups of its
+    # pattern, then one layer), each replaying its layers' hooks.
+    torch.manual_seed(0)
+    reference = layer_kinds.FAMILIES["gemma3"](**{**layer_kinds.COMMON, "use_cache": True,
+                                                  "attn_implementation": "eager"})
+    model = copy.deepcopy(reference)
+    maybe_install_capturing_hooks(model.model)  # as stack_layers does before stacking
+    model.model.layers = StackedLayerKinds(model.model.layers, model.config.layer_types,
+                                           model.config, recorded_outputs(model.model))
+    ids, mask = batch(device)
+    outputs = []
+    for which in (reference, model):
+        traces_before = tx.cache_info().misses
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            outputs.append(which.to(device).eval()(ids, attention_mask=mask,
+                                                   output_hidden_states=True,
+                                                   output_attentions=True))
+        torch_xla.sync()  # one graph for all the outputs
+    assert tx.cache_info().misses - traces_before == len(layer_kinds.GEMMA3_GROUPS)
+    expected, actual = outputs
+    assert_same_tuples(actual.hidden_states, expected.hidden_states, 8)
+    assert_same_tuples(actual.attentions, expected.attentions, 7)

@@ -271,7 +271,9 @@ class StackedLayerKinds(GroupedLayers):
     cache after it; a call with a cache that holds tokens, or of another
     kind, runs the layers one by one (each reads and updates its own slot),
     with a LayerByLayerWarning. Calls that ask for each layer's output
-    (`output_hidden_states`, ...) raise: its scans do not record them."""
+    (`output_hidden_states`, ...) get them from the scans, as StackedLayers'
+    (each segment's scan replays the hooks of its groups' layers, group by
+    group)."""
 
     def __init__(self, layers: Iterable[nn.Module], kinds: list, config,
                  recorded_outputs: Iterable[str] = (), **options):
@@ -286,15 +288,12 @@ class StackedLayerKinds(GroupedLayers):
                               config)
 
     def _run_segment(self, segment, stack, hidden, calls: tuple):
-        requested = _requested_outputs(self, calls[-1][1])
-        if requested:
-            _refuse_per_layer_outputs(requested, "the layers are of kinds that differ in more "
-                                                 "than their settings, and their scans do not "
-                                                 "record each layer's output")
+        layers = dataclasses.replace(
+            stack._layers(), hooks_replayed=_replays_per_layer_outputs(self, calls[-1][1]))
         caches = {(name, id(value)): value for _, kwargs in calls
                   for name, value in kwargs.items() if is_cache(value)}
         if not caches and not any(is_cache(value) for args, _ in calls for value in args):
-            return stack(hidden, calls=calls)
+            return run(layers, hidden, (), {"calls": calls})
         reason = CACHE_REASON
         if hidden.device.type != "xla":
             reason = (f"the layers run on {hidden.device.type}, and the scan is an XLA loop")
@@ -302,20 +301,22 @@ class StackedLayerKinds(GroupedLayers):
             (parameter, _), cache = next(iter(caches.items()))
             if segment_starts_empty(cache, segment.start, segment.stop):
                 try:
-                    return _scan_filling_groups(stack, segment, cache, parameter, hidden, calls)
+                    return _scan_filling_groups(layers, segment, cache, parameter, hidden,
+                                                calls)
                 except Unscannable as unscannable:
                     reason = str(unscannable)
         return run_layer_by_layer(stack.__getitem__, segment.groups, hidden, (),
                                   {"calls": calls}, drop_in=False, reason=reason)
 
 
-def _scan_filling_groups(stack, segment, cache, parameter: str, hidden, calls: tuple):
+def _scan_filling_groups(layers: Layers, segment, cache, parameter: str, hidden,
+                         calls: tuple):
     """One scan over a segment's groups, each layer given a cache that records
     its keys and values; they fill `cache` after the loop, layer by layer in
     order, as the layers' own updates would have."""
     without_cache = tuple((args, {name: value for name, value in kwargs.items()
                                   if name != parameter}) for args, kwargs in calls)
-    hidden, recorded = run_recording(stack._layers(), hidden, (), {"calls": without_cache},
+    hidden, recorded = run_recording(layers, hidden, (), {"calls": without_cache},
                                      keys_and_values_per_position(parameter, segment.period))
     for group in range(segment.groups):
         for position in range(segment.period):
@@ -329,32 +330,23 @@ def _scan_filling_groups(stack, segment, cache, parameter: str, hidden, calls: t
 STACKS = (StackedLayers, StackedLayerKinds)
 
 
-def _replays_per_layer_outputs(stack: StackedLayers, kwargs: dict) -> bool:
-    """Whether the call asks for every layer's output, which transformers'
-    hooks collect (then the scan replays them); raises if it asks for one the
-    model collects in its own loop."""
-    requested = _requested_outputs(stack, kwargs)
+def _replays_per_layer_outputs(stack: nn.Module, kwargs: dict) -> bool:
+    """Whether the call asks for every layer's output (`output_hidden_states`,
+    ...), which transformers' hooks collect and the scan then replays; raises
+    if it asks for one that the model collects in its own loop, which calls
+    the stack once."""
+    requested = [name for name in dict.fromkeys((*PER_LAYER_OUTPUTS, *stack.recorded_outputs))
+                 if _output_requested(stack.model_config, f"output_{name}", kwargs)]
     own_loop = [name for name in requested if name not in stack.recorded_outputs]
     if own_loop:
-        _refuse_per_layer_outputs(own_loop, "the model collects them in its own loop (not "
-                                            "with transformers' output-capturing hooks, which "
-                                            "the stack replays), and that loop calls the "
-                                            "stack once")
+        flags = ", ".join(f"output_{name}" for name in own_loop)
+        raise ValueError(
+            f"stack_layers: the call asks for every decoder layer's output ({flags}), but the "
+            f"model collects them in its own loop (not with transformers' output-capturing "
+            f"hooks, which the stack replays), and that loop calls the stack once. Call the "
+            f"model without {flags} (and set it to False in model.config), or use a model "
+            f"that stack_layers did not convert for this call.")
     return bool(requested)
-
-
-def _requested_outputs(stack: nn.Module, kwargs: dict) -> list[str]:
-    """The per-layer outputs (`hidden_states`, ...) the call asks for."""
-    return [name for name in dict.fromkeys((*PER_LAYER_OUTPUTS, *stack.recorded_outputs))
-            if _output_requested(stack.model_config, f"output_{name}", kwargs)]
-
-
-def _refuse_per_layer_outputs(requested: list[str], why: str) -> None:
-    flags = ", ".join(f"output_{name}" for name in requested)
-    raise ValueError(
-        f"stack_layers: the call asks for every decoder layer's output ({flags}), but {why}. "
-        f"Call the model without {flags} (and set it to False in model.config), or use a "
-        f"model that stack_layers did not convert for this call.")
 
 
 def _output_requested(config, flag: str, kwargs: dict) -> bool:
