@@ -128,10 +128,10 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     on the hidden state alone (after lookups such as Exaone4's `layer_type =
     self.config.layer_types[i]`, which call nothing), and calls with
     `output_hidden_states` or `output_attentions` to a model that collects
-    them in its own loop or to a StackedLayerKinds. A StackedLayers gives
-    them from its scan: `stack_layers` installs transformers'
-    output-capturing hooks on the layers before stacking, and the stack
-    replays them after the loop (see `StackedLayers`). Gradient checkpointing
+    them in its own loop. Both stacks give them from their scans:
+    `stack_layers` installs transformers' output-capturing hooks on the
+    layers before stacking, and the stack replays them after the loop (see
+    `StackedLayers`). Gradient checkpointing
     enabled after the conversion does not reach the layers; the scan's
     partitioner decides what its backward recomputes. Without a cache, a
     converted model runs on XLA devices only (the scan is an XLA loop).
