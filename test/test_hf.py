@@ -653,11 +653,17 @@ def test_hooks_on_the_layers_are_refused():
     with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn has a hook"):
         stack_layers(model)
     # transformers' own output-capturing hooks, installed by a call that asked for hidden
-    # states, are no obstacle: the converted model refuses such calls itself.
+    # states, are no obstacle: the converted model replays them after its scan.
     model = make_model()
     model(batch("cpu")[0], output_hidden_states=True)
     assert stack_layers(model) is model and type(model.model.layers) is StackedLayers
     # (Gradient checkpointing on the layers is taken over: test_hf_gradient_checkpointing.py.)
+
+
+class OwnLoopLlamaModel(transformers.LlamaModel):
+    """A Llama whose per-layer outputs transformers' hooks do not collect (as
+    a model that collects them in its own loop over the layers)."""
+    _can_record_outputs = None
 
 
 @pytest.mark.parametrize("request_outputs", [
@@ -665,11 +671,14 @@ def test_hooks_on_the_layers_are_refused():
     lambda model, ids: model(ids, output_attentions=True),
     lambda model, ids: (setattr(model.config, "output_hidden_states", True), model(ids)),
 ], ids=["hidden-states", "attentions", "config-hidden-states"])
-def test_per_layer_outputs_are_refused(request_outputs):
-    model = stack_layers(make_model())
+def test_per_layer_outputs_that_no_hook_collects_are_refused(request_outputs):
+    # (Those transformers' hooks collect come from the scan: test_hf_per_layer_outputs.py.)
+    torch.manual_seed(0)
+    model = stack_layers(OwnLoopLlamaModel(make_model().config))
     ids, _ = batch("cpu")
     with pytest.raises(ValueError, match=r"asks for every decoder layer's output "
-                                         r"\(output_(hidden_states|attentions)\)"):
+                                         r"\(output_(hidden_states|attentions)\), but the "
+                                         r"model collects them in its own loop"):
         request_outputs(model, ids)
 
 

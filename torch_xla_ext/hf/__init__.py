@@ -137,7 +137,11 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     over `self.layers[...]` nor iterates over `self.layers` calling each layer
     on the hidden state alone (after lookups such as Exaone4's `layer_type =
     self.config.layer_types[i]`, which call nothing), and calls with
-    `output_hidden_states` or `output_attentions`. Gradient checkpointing
+    `output_hidden_states` or `output_attentions` to a model that collects
+    them in its own loop. Both stacks give them from their scans:
+    `stack_layers` installs transformers' output-capturing hooks on the
+    layers before stacking, and the stack replays them after the loop (see
+    `StackedLayers`). Gradient checkpointing
     (transformers' `gradient_checkpointing_enable()`, before or after the
     conversion) makes the scan recompute each layer while training (policy
     `save_nothing`, see `torch_xla_ext.hf.checkpointing`);
@@ -174,13 +178,19 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     for index, layer in enumerate(layers):
         check_no_hooks(layer, f"{path}.{index}")
     check_checkpointing_alike(layers, path)
+    recorded = recorded_outputs(owner)
+    if recorded:
+        # transformers puts these hooks on the layers at the first call that asks for
+        # per-layer outputs; a stack replays its template's (a copy of layer 0) after
+        # each scan, so they must be on the layers before it copies them.
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+        maybe_install_capturing_hooks(owner)
     try:
         if kinds is None:
-            stack = StackedLayers(layers, config, recorded_outputs(owner), **options)
+            stack = StackedLayers(layers, config, recorded, **options)
         else:
             try:
-                stack = StackedLayers(layers, config, recorded_outputs(owner), kinds=kinds,
-                                      **options)
+                stack = StackedLayers(layers, config, recorded, kinds=kinds, **options)
             except (TypeError, ValueError):
                 # Kinds that differ in more than their settings: a few scans.
                 if iterated_by is not None:
@@ -190,8 +200,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
                         f"{type(owner).__qualname__}.forward iterates over them (`for layer "
                         f"in self.{name}`); such layers run as scans over groups of their "
                         f"pattern only under a loop over a slice `self.{name}[: n]`") from None
-                stack = StackedLayerKinds(layers, kinds, config, recorded_outputs(owner),
-                                          **options)
+                stack = StackedLayerKinds(layers, kinds, config, recorded, **options)
         stack.iterated_by = iterated_by
     except (TypeError, ValueError) as error:
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error

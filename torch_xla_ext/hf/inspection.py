@@ -12,11 +12,10 @@ import textwrap
 
 from torch import nn
 
-from torch_xla_ext.hf.stacks import PER_LAYER_OUTPUTS, STACKS, StackedLayerKinds, StackedLayers
+from torch_xla_ext.hf.stacks import STACKS, StackedLayerKinds, StackedLayers
 
 
-# transformers' own output-capturing hooks are inactive unless an output is
-# requested, and a StackedLayers refuses such requests itself.
+# transformers' own output-capturing hooks, which a StackedLayers replays after its scan.
 _TRANSFORMERS_CAPTURE_HOOKS = "transformers.utils.output_capturing"
 
 
@@ -174,7 +173,6 @@ def check_checkpointing_alike(layers: nn.ModuleList, path: str) -> None:
 
 
 def recorded_outputs(owner: nn.Module) -> tuple[str, ...]:
-    """What the model can collect from every layer: transformers' `_can_record_outputs`
-    keys, and the hidden states and attentions any model may collect itself."""
-    recordable = getattr(owner, "_can_record_outputs", None) or {}
-    return tuple(dict.fromkeys((*PER_LAYER_OUTPUTS, *recordable)))
+    """What transformers collects from every layer with its output-capturing
+    hooks (`output_hidden_states`, ...): the keys of the model's `_can_record_outputs`."""
+    return tuple(getattr(owner, "_can_record_outputs", None) or {})

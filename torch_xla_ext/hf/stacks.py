@@ -27,11 +27,13 @@ from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
 from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.running import (
-    Unscannable, run, run_layer_by_layer, run_recording)
+    Layers, Unscannable, run, run_layer_by_layer, run_recording)
 
 
 # Output flags of transformers models that collect something from every layer
-# (`output_hidden_states`, `output_attentions`, ...); a scan has no per-layer outputs.
+# (`output_hidden_states`, `output_attentions`, ...): with transformers'
+# output-capturing hooks (the stack's `recorded_outputs`), which a StackedLayers
+# replays after its scan, else in the model's own loop, which calls the stack once.
 PER_LAYER_OUTPUTS = ("hidden_states", "attentions")
 
 
@@ -52,8 +54,16 @@ class StackedLayers(LayerStack):
       (`model.config._attn_implementation = "eager"`, say) reaches the layers as
       it would reach the original ones.
     * Calls that ask for each layer's output (`output_hidden_states`,
-      `output_attentions`, in the call or in the config) raise: one scan has no
-      per-layer outputs.
+      `output_attentions`, in the call or in the config) get the unconverted
+      model's tuples from the same one scan: transformers collects them with
+      forward hooks on each layer and its attention (`recorded_outputs`: the
+      model's `_can_record_outputs`), which `stack_layers` installs before
+      stacking; the scan's step records what the hooked modules get and
+      return, stacked along the layers as its `ys`, and after the loop the
+      hooks run once per layer on that layer's slice, as if each layer had
+      been called (`torch_xla_ext.layer_stack.hooks`). Gradients flow through
+      them. A call that runs layer by layer runs the hooks itself. A model
+      that collects them in its own loop (no such hooks) is refused.
     * Layers of several `kinds` (`config.layer_types`: Gemma's sliding and full
       attention) that differ only in settings telling the kinds apart
       (`sliding_window`, ...) run as one scan too: the model's loop over
@@ -75,7 +85,7 @@ class StackedLayers(LayerStack):
     _gradient_checkpointing_func = None
 
     def __init__(self, layers: Iterable[nn.Module], config=None,
-                 recorded_outputs: Iterable[str] = PER_LAYER_OUTPUTS,
+                 recorded_outputs: Iterable[str] = (),
                  kinds: Sequence | None = None, **options):
         layers = list(layers)
         # The attributes that tell the kinds apart; each layer keeps its own.
@@ -173,15 +183,17 @@ class StackedLayers(LayerStack):
         return super().__iter__()
 
     def forward(self, hidden_states, *args, **kwargs):
-        _refuse_per_layer_outputs(self, kwargs)
+        hooks_replayed = _replays_per_layer_outputs(self, kwargs)
+        if self._template is None:
+            return hidden_states
         experts = experts_reason(self._experts)
         if experts is not None:
             return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
                                       drop_in=False, reason=experts)
-        keywords = (None if self._template is None
-                    else _with_cache_by_name(self._template, hidden_states, args, kwargs))
+        layers = dataclasses.replace(self._layers(), hooks_replayed=hooks_replayed)
+        keywords = _with_cache_by_name(self._template, hidden_states, args, kwargs)
         if keywords is None:
-            return super().forward(hidden_states, *args, **kwargs)
+            return run(layers, hidden_states, args, kwargs)
         parameter, cache = next((name, value) for name, value in keywords.items()
                                 if is_cache(value))
         reason = CACHE_REASON
@@ -195,19 +207,21 @@ class StackedLayers(LayerStack):
                                  if name != parameter}
                 static = static_cache(cache, len(self), new_tokens)
                 if static == "filled":
-                    return self._scan_writing(cache, parameter, hidden_states, without_cache)
+                    return self._scan_writing(layers, cache, parameter, hidden_states,
+                                              without_cache)
                 if static == "empty" or starts_empty(cache, len(self)):
-                    return self._scan_filling(cache, parameter, hidden_states, without_cache,
-                                              static_cache_empty=static == "empty")
+                    return self._scan_filling(layers, cache, parameter, hidden_states,
+                                              without_cache, static_cache_empty=static == "empty")
                 if holds_tokens(cache, len(self), new_tokens):
-                    return self._scan_growing(cache, parameter, hidden_states, without_cache)
+                    return self._scan_growing(layers, cache, parameter, hidden_states,
+                                              without_cache)
             except Unscannable as unscannable:
                 reason = str(unscannable)
         return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
                                   drop_in=False, reason=reason)
 
-    def _scan_filling(self, cache, parameter: str, hidden_states, without_cache: dict,
-                      static_cache_empty: bool):
+    def _scan_filling(self, layers: Layers, cache, parameter: str, hidden_states,
+                      without_cache: dict, static_cache_empty: bool):
         """One scan over the layers, each given a cache that records its keys and
         values; they fill the empty `cache` after the loop, as the layers' own
         updates would have: as its stacked buffers (a StaticCache, or a
@@ -215,8 +229,8 @@ class StackedLayers(LayerStack):
         sliding window that drops some)."""
         recording = keys_and_values(parameter, cache.layers[0].max_cache_len
                                     if static_cache_empty else None)
-        hidden_states, (keys, values) = run_recording(self._layers(), hidden_states, (),
-                                                      without_cache, recording)
+        hidden_states, (keys, values) = run_recording(layers, hidden_states, (), without_cache,
+                                                      recording)
         if static_cache_empty:
             fill_stacked(cache, keys, values)
         elif len(cache.layers) == len(self) and all(keeps_all(layer, keys.shape[-2])
@@ -236,7 +250,8 @@ class StackedLayers(LayerStack):
             raise Unscannable(f"{why}; decode under torch.no_grad() (as generate() does) to "
                               f"run it as one scan")
 
-    def _scan_growing(self, cache, parameter: str, hidden_states, without_cache: dict):
+    def _scan_growing(self, layers: Layers, cache, parameter: str, hidden_states,
+                      without_cache: dict):
         """One scan over the layers of a DynamicCache that holds tokens (a
         decoding step): each layer reads what its cache holds from the
         layers' stacked keys and values (stacked now if the cache was filled
@@ -245,19 +260,20 @@ class StackedLayers(LayerStack):
         self._refuse_gradients("a DynamicCache that holds tokens keeps the keys and values "
                                "the scan adds without their gradients", hidden_states)
         held = stacked_buffers(cache)
-        hidden_states, new = run_recording(self._layers(), hidden_states, (), without_cache,
+        hidden_states, new = run_recording(layers, hidden_states, (), without_cache,
                                            keys_and_values_after_held(parameter), state=held)
         hold_stacked(cache, *(torch.cat([before, after], dim=-2)
                               for before, after in zip(held, new)), new[0].shape[-2])
         return hidden_states
 
-    def _scan_writing(self, cache, parameter: str, hidden_states, without_cache: dict):
+    def _scan_writing(self, layers: Layers, cache, parameter: str, hidden_states,
+                      without_cache: dict):
         """One scan over the layers and the StaticCache's stacked buffers, each
         layer writing its new keys and values into its slice in place."""
         self._refuse_gradients("a StaticCache that holds tokens is written in place inside "
                                "the scan, without gradients", hidden_states)
         keys, values = stacked_buffers(cache)
-        hidden_states, _ = run_recording(self._layers(), hidden_states, (), without_cache,
+        hidden_states, _ = run_recording(layers, hidden_states, (), without_cache,
                                          written_in_place(parameter),
                                          state=(keys, values, cache.layers[0].cumulative_length))
         advance(cache, hidden_states.shape[-2])
@@ -277,15 +293,17 @@ class StackedLayerKinds(GroupedLayers):
     segment's scan records every layer's keys and values and fills the
     cache after it; a call with a cache that holds tokens, or of another
     kind, runs the layers one by one (each reads and updates its own slot),
-    with a LayerByLayerWarning. Calls that ask for each layer's output raise,
-    as StackedLayers'. Gradient checkpointing is as StackedLayers'."""
+    with a LayerByLayerWarning. Calls that ask for each layer's output
+    (`output_hidden_states`, ...) get them from the scans, as StackedLayers'
+    (each segment's scan replays the hooks of its groups' layers, group by
+    group). Gradient checkpointing is as StackedLayers'."""
 
     # As StackedLayers'.
     gradient_checkpointing = False
     _gradient_checkpointing_func = None
 
     def __init__(self, layers: Iterable[nn.Module], kinds: list, config,
-                 recorded_outputs: Iterable[str] = PER_LAYER_OUTPUTS, **options):
+                 recorded_outputs: Iterable[str] = (), **options):
         layers = list(layers)
         super().__init__(layers, kinds, **options)
         self.model_config = config
@@ -306,8 +324,9 @@ class StackedLayerKinds(GroupedLayers):
         return checkpointing.given_to(super().unstacked(), self)
 
     def _run_segment(self, segment, stack, hidden, calls: tuple):
-        _refuse_per_layer_outputs(self, calls[-1][1])
-        layers = checkpointing.under_policy(self, stack._layers())
+        layers = dataclasses.replace(
+            checkpointing.under_policy(self, stack._layers()),
+            hooks_replayed=_replays_per_layer_outputs(self, calls[-1][1]))
         caches = {(name, id(value)): value for _, kwargs in calls
                   for name, value in kwargs.items() if is_cache(value)}
         if not caches and not any(is_cache(value) for args, _ in calls for value in args):
@@ -328,7 +347,8 @@ class StackedLayerKinds(GroupedLayers):
                                   reason=reason)
 
 
-def _scan_filling_groups(layers, segment, cache, parameter: str, hidden, calls: tuple):
+def _scan_filling_groups(layers: Layers, segment, cache, parameter: str, hidden,
+                         calls: tuple):
     """One scan over a segment's groups (`layers`), each layer given a cache
     that records its keys and values; they fill `cache` after the loop, layer
     by layer in order, as the layers' own updates would have."""
@@ -348,17 +368,23 @@ def _scan_filling_groups(layers, segment, cache, parameter: str, hidden, calls: 
 STACKS = (StackedLayers, StackedLayerKinds)
 
 
-def _refuse_per_layer_outputs(stack: nn.Module, kwargs: dict) -> None:
-    """Raises if the call asks for every layer's output, which a scan does not have."""
-    requested = [name for name in stack.recorded_outputs
+def _replays_per_layer_outputs(stack: nn.Module, kwargs: dict) -> bool:
+    """Whether the call asks for every layer's output (`output_hidden_states`,
+    ...), which transformers' hooks collect and the scan then replays; raises
+    if it asks for one that the model collects in its own loop, which calls
+    the stack once."""
+    requested = [name for name in dict.fromkeys((*PER_LAYER_OUTPUTS, *stack.recorded_outputs))
                  if _output_requested(stack.model_config, f"output_{name}", kwargs)]
-    if requested:
-        flags = ", ".join(f"output_{name}" for name in requested)
+    own_loop = [name for name in requested if name not in stack.recorded_outputs]
+    if own_loop:
+        flags = ", ".join(f"output_{name}" for name in own_loop)
         raise ValueError(
-            f"stack_layers: the call asks for every decoder layer's output ({flags}), "
-            f"but the stacked layers run as one scan, which has none. Call the model without "
-            f"{flags} (and set it to False in model.config), or use a model that "
-            f"stack_layers did not convert for this call.")
+            f"stack_layers: the call asks for every decoder layer's output ({flags}), but the "
+            f"model collects them in its own loop (not with transformers' output-capturing "
+            f"hooks, which the stack replays), and that loop calls the stack once. Call the "
+            f"model without {flags} (and set it to False in model.config), or use a model "
+            f"that stack_layers did not convert for this call.")
+    return bool(requested)
 
 
 def _output_requested(config, flag: str, kwargs: dict) -> bool:

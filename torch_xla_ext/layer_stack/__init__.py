@@ -44,7 +44,8 @@ is the loop itself, and warns with a `LayerByLayerWarning`.
 The modules, one job each: `alike` (layer layouts and the check that layers
 are alike, with its messages; `forms` holds the comparable forms it uses),
 `per_layer` (watching per-layer attributes), `running` (running a stack as one
-scan, lowering it, and the layer-by-layer fallback), `stack` (`LayerStack` and
+scan, lowering it, and the layer-by-layer fallback), `hooks` (the layers'
+forward hooks, run once per layer after the scan), `stack` (`LayerStack` and
 its state_dict mapping), `layer_list` (`scan_layers`), `kinds` (layers of
 several kinds as one scan, each given its kind's arguments), `groups` (layers
 of kinds that differ in more: a `LayerStack` per segment of their pattern),

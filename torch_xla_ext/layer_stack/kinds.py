@@ -33,6 +33,7 @@ from torch.utils._pytree import (
 
 from torch_xla_ext.layer_stack.alike import names_its_module, layout_of
 from torch_xla_ext.layer_stack.forms import differences
+from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.object_graph import VALUE_TYPES
 
 __all__ = ["PerLayerChoice", "KindCalls", "call_for_layer", "kind_attributes",
@@ -273,7 +274,8 @@ def _graph(layer: nn.Module, stacked_tensors: dict, hidden, args: tuple, kwargs:
         return output, torch.autograd.grad(output, differentiable, torch.ones_like(output),
                                            allow_unused=True)
 
-    with mode:
+    # The layer's forward hooks would see the fakes (a stack replays them after its loop).
+    with mode, hooks_held(layer):
         graph = make_fx(forward_and_backward, tracing_mode="real")(weights, index, *inputs)
     constants = [operator.attrgetter(node.target)(graph)
                  for node in graph.graph.nodes if node.op == "get_attr"]

@@ -1,9 +1,12 @@
 """Running a stack of layers: one scan over their stacked tensors (`run`), the
 same handing out what each layer recorded (`run_recording`), the HLO of that
 scan without running it (`lower`), and the for loop itself
-(`run_layer_by_layer`) for a call that one trace cannot stand for."""
+(`run_layer_by_layer`) for a call that one trace cannot stand for. A stack
+whose `Layers.hooks_replayed` is set runs its layers' forward hooks after the
+loop, once per layer (see `hooks`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -15,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from torch_xla_ext.layer_stack.alike import LayerLayout
+from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
 from torch_xla_ext.layer_stack.kinds import (
     argument_path, call_for_layer, is_choice, program_difference)
 from torch_xla_ext.layer_stack.per_layer import (
@@ -45,6 +49,10 @@ class Layers:
     # For layers of several kinds: makes one layer of each kind, whose
     # settings the template's stand for (see `kinds.program_difference`).
     kind_layers: Callable[[], tuple] | None = None
+    # Whether the template's forward hooks run after the loop, once per layer
+    # on what the layer's hooked modules got and returned (see `hooks`),
+    # rather than inside the trace.
+    hooks_replayed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +80,9 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
     variants, tensors of one shape and dtype, ride along stacked, and each
     step picks its layer's."""
     def scanned(step, init, xs):
-        (last_hidden, _), _ = scan(step, init, xs, partition_fn=layers.partition_fn,
-                                   is_fn_pure=layers.is_layer_pure)
+        (last_hidden, _), (_, calls) = scan(step, init, xs, partition_fn=layers.partition_fn,
+                                            is_fn_pure=layers.is_layer_pure)
+        _replay_hooks(layers, calls)
         return last_hidden
 
     try:
@@ -94,12 +103,13 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
     Unscannable for a call that one trace cannot stand for; the caller then
     runs the layers one by one with what they record into."""
     def scanned(step, init, xs):
-        (last_hidden, _, final_state), recorded = scan(step, (*init, state), xs,
-                                                       partition_fn=layers.partition_fn,
-                                                       is_fn_pure=layers.is_layer_pure)
+        (last_hidden, _, final_state), (recorded, calls) = scan(
+            step, (*init, state), xs, partition_fn=layers.partition_fn,
+            is_fn_pure=layers.is_layer_pure)
         for tensor, final in zip(state, final_state):
             if final is not tensor:  # a read-only state leaves the loop as itself
                 tensor.copy_(final)
+        _replay_hooks(layers, calls)
         return last_hidden, recorded
 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
@@ -135,6 +145,13 @@ class Unscannable(Exception):
     """Why a call cannot run as one scan; the message says it."""
 
 
+def _replay_hooks(layers: Layers, calls: list | None) -> None:
+    """The template's forward hooks, once per layer, on what the scan's
+    steps recorded (`calls`: None unless `layers.hooks_replayed`)."""
+    if calls is not None:
+        replay(layers.template, calls, layers.num_layers)
+
+
 # Per template layer, the scan steps made for it, one per trace key, each with
 # the per-layer attributes its traces read. `scan` caches its trace on the
 # step's identity, so each combination of layer settings and constant call
@@ -155,14 +172,17 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
     recording each layer's index, and each PerLayerChoice's per-layer
     choice); raises Unscannable when the scan cannot stand for the loop."""
     _check_carried(hidden, "input_data" if layers.drop_in else "hidden")
+    unreplayed = unreplayable(layers.template) if layers.hooks_replayed else None
+    if unreplayed is not None:
+        raise Unscannable(unreplayed)
     tensor_arguments, arguments, choices = _split_arguments(args, kwargs)
     key = (layers.layout.trace_key(), arguments, layers.drop_in,
-           recording.key if recording else None)
+           recording.key if recording else None, layers.hooks_replayed)
     steps = _STEPS.setdefault(layers.template, {})
     if key not in steps:
         reads = set()
         steps[key] = (_make_step(weakref.ref(layers.template), arguments, layers.drop_in, reads,
-                                 recording), reads)
+                                 recording, layers.hooks_replayed), reads)
     step, reads = steps[key]
     if layers.kind_layers is not None:
         _check_kinds_share_trace(layers, key, (*tree_flatten(hidden)[0], *tensor_arguments,
@@ -276,7 +296,7 @@ def _next_hidden(layer: Callable, hidden, args: tuple, kwargs: dict, drop_in: bo
 
 
 def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads: set,
-               recording: Recording | None):
+               recording: Recording | None, hooks_replayed: bool):
     spec, constants = arguments
 
     def run_one_layer(carry, x):
@@ -296,9 +316,22 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
                                               layer_kwargs, strict=True)
 
         given = recording.make(index, *with_state) if recording else {}
-        with reads_recorded_in(reads, opaque=recording is not None):
+        calls = [] if hooks_replayed else None
+        with reads_recorded_in(reads, opaque=recording is not None), (
+                hooks_held(template_ref(), calls) if hooks_replayed else contextlib.nullcontext()):
             hidden = _next_hidden(layer, hidden, args, {**kwargs, **given}, drop_in)
+        _check_recorded_calls(calls)
         return ((hidden, tensor_arguments, *with_state),
-                recording.recorded(given) if recording else None)
+                (recording.recorded(given) if recording else None, calls))
 
     return run_one_layer
+
+
+def _check_recorded_calls(calls: list | None) -> None:
+    """Raises Unscannable unless what the hooked modules got and returned is
+    tensors (and None), which the scan can stack along the layers."""
+    for path, leaf in tree_flatten_with_path(calls or [])[0]:
+        if not isinstance(leaf, (torch.Tensor, type(None))):
+            raise Unscannable(f"a hooked module's call holds a {type(leaf).__name__} at "
+                              f"{keystr(path)}, and its hooks run after the scan on what the "
+                              f"scan stacks, tensors only")
