@@ -1,7 +1,8 @@
 """Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE) under stack_layers,
 with each experts implementation transformers offers: `batched_mm` (static
-shapes) trains as one scan; the others route tokens by data, so the layers
-run one by one and the warning says why and which setting scans."""
+shapes) trains as one scan, with the router logits (output_router_logits) as
+its per-layer outputs; the others route tokens by data, so the layers run one
+by one and the warning says why and which setting scans."""
 import copy
 import warnings
 
@@ -88,3 +89,18 @@ def test_grouped_mm_fails_as_the_unconverted_model_does(device):
     assert str(error.value) == str(expected.value)
     assert any("experts_implementation='grouped_mm'" in str(w.message) for w in caught
                if issubclass(w.category, LayerByLayerWarning))
+
+
+def test_router_logits_and_the_auxiliary_loss_come_from_the_one_scan(device):
+    # The loss adds the router's load-balancing loss, computed from every
+    # layer's router logits (the scan's per-layer outputs).
+    reference, model = moe_pair("mixtral", "batched_mm", output_router_logits=True,
+                                router_aux_loss_coef=0.5)
+    assert_one_scan_with_the_unconverted_step(reference, model, device)
+    ids, mask = batch(device)
+    with torch.no_grad():
+        expected, actual = (which(ids, attention_mask=mask) for which in (reference, model))
+        assert len(actual.router_logits) == len(expected.router_logits) == 2
+        for mine, theirs in zip(actual.router_logits, expected.router_logits):
+            close(mine, theirs)
+        close(actual.aux_loss, expected.aux_loss)
