@@ -10,15 +10,19 @@ import re
 
 import torch
 import torch_xla
+import torch_xla.debug.metrics as met
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_xla_ext as tx
+from torch_xla_ext.placeholders import HOST_READING_XLA_KERNELS
 
 DATA_DEPENDENT_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 
-def tagged_ops() -> list:
+def swept_ops() -> list:
     """The ATen overloads with a data-dependent tag that run on XLA: through a
-    kernel of torch_xla's or torch_xla's CPU fallback (none is left out)."""
+    kernel of torch_xla's or torch_xla's CPU fallback (none is left out), and
+    those whose XLA kernel reads data untagged."""
     ops = []
     for name in dir(torch.ops.aten):
         packet = getattr(torch.ops.aten, name)
@@ -26,7 +30,8 @@ def tagged_ops() -> list:
             continue
         for overload in packet.overloads():
             op = getattr(packet, overload)
-            if (any(tag in op.tags for tag in DATA_DEPENDENT_TAGS)
+            if ((any(tag in op.tags for tag in DATA_DEPENDENT_TAGS)
+                 or op.name() in HOST_READING_XLA_KERNELS)
                     and torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "XLA")):
                 ops.append(op)
     return ops
@@ -87,21 +92,29 @@ def call_in_scan(op) -> tuple[str, int]:
     raise AssertionError(f"{op} ran in a scan")
 
 
-# The cases of issue 26, each with the op its message names.
+SHAPE = "its output's shape depends on the data"
+MASK = "it indexes by a boolean mask, whose positions torch_xla finds with nonzero"
+CPU = "torch_xla has no XLA kernel for it and runs it on the CPU"
+HOST = "torch_xla's kernel for it reads the data on the host"
+
+# The cases of issue 26 and a few more, each with the op its message names and why.
 ISSUE_CASES = {
-    "nonzero": (lambda p: (p > 0).nonzero(), "aten.nonzero"),
-    "mask": (lambda p: p[p > 0], "aten.index.Tensor (called by __getitem__)"),
-    "unique": (lambda p: torch.unique(p), "aten._unique2 (called by unique)"),
-    "masked_select": (lambda p: torch.masked_select(p, p > 0), "aten.masked_select"),
-    "where": (lambda p: torch.where(p > 0), "aten.nonzero (called by where)"),
-    "eig": (lambda p: torch.linalg.eig(p.reshape(2, 2)), "aten.linalg_eig"),
+    "nonzero": (lambda p: (p > 0).nonzero(), "aten.nonzero", SHAPE),
+    "mask": (lambda p: p[p > 0], "aten.index.Tensor (called by __getitem__)", MASK),
+    "unique": (lambda p: torch.unique(p), "aten._unique2 (called by unique)", SHAPE),
+    "masked_select": (lambda p: torch.masked_select(p, p > 0), "aten.masked_select", SHAPE),
+    "where": (lambda p: torch.where(p > 0), "aten.nonzero (called by where)", SHAPE),
+    "eig": (lambda p: torch.linalg.eig(p.reshape(2, 2)), "aten.linalg_eig", CPU),
+    "masked_write": (lambda p: p.clone().__setitem__(p > 0, 0),
+                     "aten.index_put (called by __setitem__)", MASK),
+    "multinomial": (lambda p: torch.multinomial(p.abs(), 2), "aten.multinomial", HOST),
 }
 
 
 def check_issue_case(name: str) -> None:
     """Runs one of `ISSUE_CASES` on a float32[4] placeholder and checks its
-    message: the op, the line that called it, the placeholder."""
-    call, op = ISSUE_CASES[name]
+    message: the op, the line that called it, the placeholder, the reason."""
+    call, op, reason = ISSUE_CASES[name]
     try:
         call(tx.placeholder((4,)))
     except tx.PlaceholderError as error:
@@ -111,10 +124,78 @@ def check_issue_case(name: str) -> None:
     assert message.startswith(f"cannot run {op} at {__file__}:{call.__code__.co_firstlineno} "), message
     assert re.search(r"on a \w+\[[\d,]+\] tensor computed from float32\[4\] placeholder #\d+",
                      message), message
-    reason = ("torch_xla has no XLA kernel for it and runs it on the CPU" if name == "eig"
-              else "its output's shape depends on the data")
     assert reason in message, message
     print("checked", name, flush=True)
+
+
+def host_reading_kernels() -> dict[str, list[str]]:
+    """The ops with an XLA kernel of torch_xla's that copy data to the host
+    when run on small real tensors (a device-to-host transfer shows in
+    torch_xla's metrics), each with the ops that reached the device, which
+    are what the guard sees (`qr` runs `linalg_qr`). Ops whose sample call
+    fails are skipped."""
+    device = torch_xla.device()
+    found = {}
+    for op in _xla_kernel_ops():
+        sample = (torch.rand(2, 2) + 0.5).to(device)
+        _discard_pending_work()
+        try:
+            args, kwargs = arguments(op, sample)
+        except TypeError:
+            continue  # an argument type the sampler does not make
+        met.clear_all()
+        try:
+            with _Reached() as reached:
+                op(*args, **kwargs)
+        except (RuntimeError, IndexError, ValueError, TypeError):
+            continue  # arguments this op refuses
+        if "TransferFromDeviceTime" in met.metric_names():
+            found[op.name()] = reached.ops
+    return found
+
+
+class _Reached(TorchDispatchMode):
+    """Records the names of the ops that reach the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def op_named(name: str):
+    """The ATen overload of a name such as 'aten::index.Tensor' or 'aten::qr'."""
+    base, _, overload = name.removeprefix("aten::").partition(".")
+    return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
+def _xla_kernel_ops() -> list:
+    ops = []
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name)
+        if name.startswith("__") or not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            # Out and in-place variants compute as the functional op; _to_cpu is a copy to the host.
+            if (not overload.endswith("out") and overload != "Q" and not name.endswith("_")
+                    and op.name() != "aten::_to_cpu"
+                    and torch._C._dispatch_has_kernel(op.name())  # not TorchScript's alone
+                    and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "XLA")):
+                ops.append(op)
+    return ops
+
+
+def _discard_pending_work() -> None:
+    """Syncs before the next sample: a sampled call may have built a graph
+    that XLA refuses to compile, which this sweep, watching transfers, ignores."""
+    try:
+        torch_xla.sync()
+    except (ValueError, RuntimeError):
+        pass
 
 
 def check_scan_error() -> None:
@@ -145,7 +226,7 @@ def check_scan_error() -> None:
 def sweep() -> None:
     """Calls every tagged op on a placeholder and in a scan, printing
     'ok NAME' after each: a crash shows which op killed the process."""
-    for op in tagged_ops():
+    for op in swept_ops():
         name = op.name().replace("::", ".")
         # An op with a composite kernel names the op it runs and itself (argwhere: nonzero).
         named = op._schema.name.partition("::")[2]

@@ -384,29 +384,63 @@ _DATA_DEPENDENT_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent
 # Kernels that run on the XLA device; an op with none of them goes to
 # torch_xla's CPU fallback, which copies its inputs to the host.
 _DEVICE_KERNEL_KEYS = ("XLA", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
+# torch_xla 2.9.0 kernels that copy their input to the host though torch does
+# not tag them (to check it, or to compute part of the result there): found
+# by running every op with an XLA kernel on real tensors and watching for
+# device-to-host transfers, which test_placeholder_data_reads does again.
+# multinomial does only when it draws several samples without replacement.
+HOST_READING_XLA_KERNELS = frozenset(
+    ["aten::linalg_qr", "aten::mvlgamma", "aten::rrelu_with_noise_functional"])
+_HOST_READING_REASON = "torch_xla's kernel for it reads the data on the host"
 _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
 @functools.cache
 def data_read_reason(op: torch._ops.OpOverload) -> str | None:
-    """Why running `op` on XLA tensors reads their data, or None if it does
-    not: its output shape or value depends on the data (torch tags such ops),
-    or torch_xla has no device kernel for it and runs it on the CPU."""
-    if any(tag in op.tags for tag in _DATA_DEPENDENT_TAGS):
+    """Why running `op` on XLA tensors reads their data whatever its
+    arguments, or None if it does not: its output's shape or value depends on
+    the data (torch tags such ops; indexing is tagged for its boolean masks
+    alone, see `_reads_data`), torch_xla's kernel reads it on the host, or
+    torch_xla has no device kernel for it and runs it on the CPU."""
+    if any(tag in op.tags for tag in _DATA_DEPENDENT_TAGS) and indices_position(op) is None:
         return "its output's shape depends on the data"
+    if op.name() in HOST_READING_XLA_KERNELS:
+        return _HOST_READING_REASON
     if not any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
                for key in _DEVICE_KERNEL_KEYS):
         return "torch_xla has no XLA kernel for it and runs it on the CPU, which reads the data"
     return None
 
 
-def _reads_data(op: torch._ops.OpOverload, args) -> str | None:
+@functools.cache
+def indices_position(op: torch._ops.OpOverload) -> int | None:
+    """The position of an indexing op's list of optional index tensors
+    (`aten.index`, `index_put`, ...), or None for other ops."""
+    for position, argument in enumerate(op._schema.arguments):
+        if (argument.name == "indices" and isinstance(argument.type, torch._C.ListType)
+                and "Tensor" in str(argument.type.getElementType())):
+            return position
+    return None
+
+
+def _reads_data(op: torch._ops.OpOverload, args, kwargs) -> str | None:
+    """Why this call of `op` reads its inputs' data, or None: `data_read_reason`,
+    and the ops that read it for some arguments only."""
     reason = data_read_reason(op)
-    # Indexing is tagged for its boolean masks alone; integer indices give a
-    # static shape.
-    if reason is not None and op is torch.ops.aten.index.Tensor:
-        masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES]
-        return reason if masks else None
+    position = indices_position(op)
+    if reason is None and position is not None:
+        # torch_xla finds a boolean mask's positions with nonzero; integer
+        # indices need no data.
+        indices = args[position] if position < len(args) else kwargs.get("indices", ())
+        if any(isinstance(index, torch.Tensor) and index.dtype in _MASK_DTYPES
+               for index in indices):
+            return ("it indexes by a boolean mask, whose positions torch_xla finds with "
+                    "nonzero, an op whose output's shape depends on the data")
+    if op is torch.ops.aten.multinomial.default:
+        # It checks on the host that there are enough categories to draw from.
+        replacement = args[2] if len(args) > 2 else kwargs.get("replacement", False)
+        if args[1] > 1 and not replacement:
+            return _HOST_READING_REASON
     return reason
 
 
@@ -425,7 +459,7 @@ class DataReadGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reason = _reads_data(func, args)
+        reason = _reads_data(func, args, kwargs)
         if reason is not None:
             reading = [leaf for leaf in tree_flatten((args, kwargs))[0]
                        if isinstance(leaf, torch.Tensor) and depends_on_placeholder(leaf)]
