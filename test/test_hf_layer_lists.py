@@ -14,6 +14,7 @@ from torch import nn
 from test_hf import close, device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
 from torch_xla_ext.hf import (StackedLayers, UnstackedLayersWarning, stack_layers,
                               unstack_layers)
+from torch_xla_ext.layer_stack import LayerByLayerWarning
 
 VOCAB, TEXT_TOKENS, BATCH = 128, 6, 2
 IMAGE_TOKEN, BEGIN_IMAGE, END_IMAGE = 127, 125, 126
@@ -30,18 +31,22 @@ def gemma3():
     """Gemma3ForConditionalGeneration: a SigLIP vision tower and a Gemma3 language model."""
     config = transformers.Gemma3Config(
         vision_config=transformers.SiglipVisionConfig(**VISION),
-        text_config=transformers.Gemma3TextConfig(**TEXT, head_dim=8, sliding_window=4),
+        text_config=transformers.Gemma3TextConfig(**TEXT, head_dim=8,
+                                                  layer_types=["full_attention"] * 2),
         mm_tokens_per_image=PATCHES, image_token_index=IMAGE_TOKEN,
         boi_token_index=BEGIN_IMAGE, eoi_token_index=END_IMAGE)
     torch.manual_seed(0)
     return transformers.Gemma3ForConditionalGeneration(config)
 
 
-def llava():
-    """LlavaForConditionalGeneration: a CLIP vision tower and a Llama language model."""
+def llava(vision_feature_layer=-2):
+    """LlavaForConditionalGeneration: a CLIP vision tower and a Llama language
+    model, which takes the vision tower's hidden state `vision_feature_layer`
+    (-2 by default: the output of the layer before the last)."""
     config = transformers.LlavaConfig(
         vision_config=transformers.CLIPVisionConfig(**VISION, projection_dim=32),
-        text_config=transformers.LlamaConfig(**TEXT), image_token_id=IMAGE_TOKEN)
+        text_config=transformers.LlamaConfig(**TEXT), image_token_id=IMAGE_TOKEN,
+        vision_feature_layer=vision_feature_layer)
     torch.manual_seed(0)
     return transformers.LlavaForConditionalGeneration(config)
 
@@ -54,8 +59,21 @@ def image_and_text(device, seed=1):
     return ids.to(device), pixels.to(device)
 
 
-def test_a_multimodal_model_stacks_its_vision_and_language_layers(device):
-    reference = gemma3()
+# Each model, and the scans its training step runs beyond the unconverted model's loops.
+MULTIMODAL = {
+    "gemma3": (gemma3, 2),
+    # The vision tower's last hidden state: a scan of each list.
+    "llava-last-layer": (lambda: llava(vision_feature_layer=-1), 2),
+    # The hidden state after the vision tower's first layer, which one scan does not
+    # give: its layers run one by one (LayerByLayerWarning), the language model's as a scan.
+    "llava": (llava, 1),
+}
+
+
+@pytest.mark.parametrize("family", MULTIMODAL)
+def test_image_and_text_training_matches_the_unconverted_model(device, family):
+    make, scans = MULTIMODAL[family]
+    reference = make()
     model = stack_layers(copy.deepcopy(reference))
     for path in (VISION_LAYERS, TEXT_LAYERS):
         stack = model.get_submodule(path)
@@ -64,31 +82,45 @@ def test_a_multimodal_model_stacks_its_vision_and_language_layers(device):
     assert model.state_dict().keys() == reference.state_dict().keys()
 
     ids, pixels = image_and_text(device)
-    losses = []
+    results = []
     for which in (reference, model):
         which.to(device).train()
-        loss = which(input_ids=ids, pixel_values=pixels, labels=ids).loss
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = which(input_ids=ids, pixel_values=pixels, labels=ids).loss
         loss.backward()
         hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
-        losses.append((loss, hlo.count(" while(")))
-    (expected, loops_before), (actual, loops_after) = losses
+        torch_xla.sync()
+        which.cpu()  # the gradients too: compared on the host, without a graph per slice
+        results.append((loss.cpu(), hlo.count(" while("),
+                        [str(each.message) for each in caught
+                         if each.category is LayerByLayerWarning]))
+    (expected, loops_before, _), (actual, loops_after, one_by_one) = results
     close(actual, expected)
-    assert loops_after == loops_before + 2  # a scan of each list
+    assert loops_after == loops_before + scans
+    assert len(one_by_one) == 2 - scans
+    assert all("selects the hidden states [1]" in message for message in one_by_one)
     expected_grads, grads = per_layer_grads(reference), per_layer_grads(model)
-    assert grads.keys() == expected_grads.keys()
-    assert any(name.startswith(VISION_LAYERS) for name in grads)
-    for name, grad in expected_grads.items():
-        close(grads[name], grad)
+    assert any(name.startswith(VISION_LAYERS) for name in expected_grads)
+    for name, grad in grads.items():
+        # A layer whose output nothing reads (LLaVA's last vision layer) has no
+        # gradient unconverted, and zeros in the stacked one.
+        close(grad, expected_grads.get(name, torch.zeros_like(grad)))
+    assert expected_grads.keys() <= grads.keys()
 
 
-def test_text_only_generation_of_a_stacked_multimodal_model(device):
-    reference = gemma3()
+@pytest.mark.parametrize("family", ["gemma3", "llava"])
+def test_text_only_generation_of_a_stacked_multimodal_model(device, family):
+    reference = MULTIMODAL[family][0]()
     model = stack_layers(copy.deepcopy(reference))
     ids = torch.randint(1, BEGIN_IMAGE, (BATCH, TEXT_TOKENS),
                         generator=torch.Generator().manual_seed(2)).to(device)
     mask = torch.ones_like(ids)
-    assert seeded_generate(model, ids, mask, do_sample=False) == seeded_generate(
-        reference, ids, mask, do_sample=False)
+    expected = seeded_generate(reference, ids, mask, do_sample=False)
+    with warnings.catch_warnings():
+        # The prefill and the decoding step are scans (the window holds every token).
+        warnings.simplefilter("error", LayerByLayerWarning)
+        assert seeded_generate(model, ids, mask, do_sample=False) == expected
 
 
 def test_unstack_layers_undoes_every_list(device):

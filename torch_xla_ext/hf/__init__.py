@@ -2,8 +2,8 @@
 under the model's own, unmodified `forward`.
 
 `stack_layers(model)` replaces the decoder-layer `nn.ModuleList` of a
-transformers model (`model.model.layers` of Llama, Mistral, Qwen2, ...) by a
-`StackedLayers`: a `LayerStack` that holds every weight once, stacked along a
+transformers model (`model.model.layers` of Llama, Mistral, Qwen2, ...; each
+of a multimodal model's layer lists) by a `StackedLayers`: a `LayerStack` that holds every weight once, stacked along a
 leading layer dimension. The model's forward loops
 `for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
 of all the layers of a `StackedLayers` is a list of one callable, the stack
@@ -18,7 +18,8 @@ its forward's loop, its layer kinds, what a scan cannot run), `stacks` (the
 stacks put in place of the layer list), `caches` (transformers' key/value
 caches around the scan), `adapters` (peft's whole-model operations on a
 stacked PeftModel), `checkpointing` (transformers' gradient checkpointing as
-the scan's policy).
+the scan's policy), `selected_outputs` (hidden states a call selects by
+index, handed to transformers).
 """
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     over `self.layers[...]` nor iterates over `self.layers` calling each layer
     on the hidden state alone (after lookups such as Exaone4's `layer_type =
     self.config.layer_types[i]`, which call nothing), and calls with
-    `output_hidden_states` or `output_attentions`. Gradient checkpointing
+    `output_hidden_states` or `output_attentions` (every layer's output).
+    Gradient checkpointing
     (transformers' `gradient_checkpointing_enable()`, before or after the
     conversion) makes the scan recompute each layer while training (policy
     `save_nothing`, see `torch_xla_ext.hf.checkpointing`);
@@ -144,9 +146,17 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     Args:
       model: a transformers model (`LlamaForCausalLM`, `MistralForCausalLM`,
         `Qwen2ForCausalLM`, their base models, ...), on any device.
-      path: the attribute path of the decoder-layer `nn.ModuleList`, such as
-        "model.layers"; by default the one `nn.ModuleList` of the model whose
-        layers are all of a class the model names in `_no_split_modules`.
+      path: the attribute path of the decoder-layer `nn.ModuleList` to stack,
+        such as "model.layers"; an error says why if it cannot be stacked. By
+        default every `nn.ModuleList` of the model whose layers are all of a
+        class the model names in `_no_split_modules` (a multimodal model's
+        vision encoder layers and language model layers, each its own scan);
+        one that cannot be stacked stays as it was, with an
+        `UnstackedLayersWarning` saying which and why, unless none can be
+        (then the error says why). A call that selects hidden states by
+        index (`output_hidden_states=-2`, what LLaVA asks of its vision
+        tower) gets them: the last layer's output from the scan, another
+        layer's by running the layers one by one, with a LayerByLayerWarning.
       options: passed to `LayerStack`: `partition_fn` (what the forward loop
         keeps for the backward: a policy of `torch_xla_ext.policies` or its
         name, `"save_nothing"` to recompute each layer in the backward),

@@ -19,7 +19,8 @@ from torch_xla_ext.hf.stacks import PER_LAYER_OUTPUTS, STACKS, StackedLayerKinds
 
 
 # transformers' own output-capturing hooks are inactive unless an output is
-# requested, and a StackedLayers refuses such requests itself.
+# requested, and a StackedLayers refuses such requests itself or hands over
+# the hidden states selected by index (`selected_outputs`).
 _TRANSFORMERS_CAPTURE_HOOKS = "transformers.utils.output_capturing"
 
 
@@ -82,7 +83,7 @@ def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
         return None
     if not isinstance(layers, nn.ModuleList):
         return Unstackable(path, f"{path!r} is a {type(layers).__name__}, not the "
-                                 f"nn.ModuleList of decoder layers; pass the path of that list.",
+                                 f"nn.ModuleList of decoder layers; pass the path of that list",
                            TypeError)
     parent_path, _, name = path.rpartition(".")
     owner = model.get_submodule(parent_path)

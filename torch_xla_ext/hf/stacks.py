@@ -22,6 +22,7 @@ from torch_xla_ext.hf.caches import (
     keeps_all, keys_and_values, keys_and_values_after_held, keys_and_values_per_position,
     segment_starts_empty, stacked_buffers, starts_empty, static_cache, written_in_place)
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
+from torch_xla_ext.hf.selected_outputs import SelectedHiddenStates, selected_hidden_states
 from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
 from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
@@ -173,6 +174,10 @@ class StackedLayers(LayerStack):
         return super().__iter__()
 
     def forward(self, hidden_states, *args, **kwargs):
+        selection = selected_hidden_states(kwargs)
+        if selection is not None:
+            return self._run_selecting(selection, hidden_states, args,
+                                       {**kwargs, "output_hidden_states": False})
         _refuse_per_layer_outputs(self, kwargs)
         experts = experts_reason(self._experts)
         if experts is not None:
@@ -205,6 +210,34 @@ class StackedLayers(LayerStack):
                 reason = str(unscannable)
         return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
                                   drop_in=False, reason=reason)
+
+    def _run_selecting(self, selection: SelectedHiddenStates, hidden_states, args: tuple,
+                       kwargs: dict):
+        """The call, handing transformers the hidden states it selects: one
+        scan when they are the first layer's input or the last one's output,
+        else the layers one by one."""
+        if not selection.collected:
+            selection.record(hidden_states)
+        inner = selection.inner(len(self))
+        if not inner:
+            hidden_states = self(hidden_states, *args, **kwargs)
+            selection.collected.extend([None] * (len(self) - 1))
+            selection.record(hidden_states)
+            return hidden_states
+
+        def recording(index):
+            layer = self[index]
+
+            def call(*layer_args, **layer_kwargs):
+                output = layer(*layer_args, **layer_kwargs)
+                selection.record(output[0] if isinstance(output, tuple) else output)
+                return output
+            return call
+        return run_layer_by_layer(
+            recording, len(self), hidden_states, args, kwargs, drop_in=False,
+            reason=f"the call selects the hidden states {inner} (output_hidden_states, in "
+                   f"transformers' numbering), the output of a layer other than the last, "
+                   f"which one scan does not give")
 
     def _scan_filling(self, cache, parameter: str, hidden_states, without_cache: dict,
                       static_cache_empty: bool):
