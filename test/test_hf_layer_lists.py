@@ -213,3 +213,13 @@ def test_a_model_whose_every_list_cannot_be_stacked_is_refused():
             stack_layers(model)
     assert type(model.model.encoder.layers) is nn.ModuleList
     assert type(model.model.decoder.layers) is nn.ModuleList
+
+
+def test_a_list_whose_layers_are_not_alike_is_refused_and_the_model_is_unchanged():
+    model = gemma3()
+    model.get_submodule(VISION_LAYERS)[1].layer_norm1.eps = 1e-3
+    with pytest.raises(ValueError, match=rf"cannot stack the layers at '{VISION_LAYERS}': "
+                                         rf"[Ll]ayer 1 setting 'layer_norm1\.eps'"):
+        stack_layers(model)
+    assert type(model.get_submodule(VISION_LAYERS)) is nn.ModuleList
+    assert type(model.get_submodule(TEXT_LAYERS)) is nn.ModuleList

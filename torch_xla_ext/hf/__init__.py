@@ -151,9 +151,10 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         default every `nn.ModuleList` of the model whose layers are all of a
         class the model names in `_no_split_modules` (a multimodal model's
         vision encoder layers and language model layers, each its own scan);
-        one that cannot be stacked stays as it was, with an
-        `UnstackedLayersWarning` saying which and why, unless none can be
-        (then the error says why). A call that selects hidden states by
+        one that cannot be stacked (its forward's loop, hooks, checkpointing
+        on some layers) stays as it was, with an `UnstackedLayersWarning`
+        saying which and why, unless none can be (then the error says why);
+        layers of a list that are not alike raise, as with a path. A call that selects hidden states by
         index (`output_hidden_states=-2`, what LLaVA asks of its vision
         tower) gets them: the last layer's output from the scan, another
         layer's by running the layers one by one, with a LayerByLayerWarning.
