@@ -3,9 +3,9 @@ under the model's own, unmodified `forward`.
 
 `stack_layers(model)` replaces the decoder-layer `nn.ModuleList` of a
 transformers model (`model.model.layers` of Llama, Mistral, Qwen2, ...; each
-of a multimodal model's layer lists) by a `StackedLayers`: a `LayerStack` that holds every weight once, stacked along a
-leading layer dimension. The model's forward loops
-`for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
+of a multimodal model's layer lists) by a `StackedLayers`: a `LayerStack`
+that holds every weight once, stacked along a leading layer dimension. The
+model's forward loops `for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
 of all the layers of a `StackedLayers` is a list of one callable, the stack
 itself, which runs every layer as one scan. A forward that iterates over the
 layers (`for block in self.h`, GPT-2's) gets the stack first, then callables
@@ -154,9 +154,9 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         one that cannot be stacked (its forward's loop, hooks, checkpointing
         on some layers) stays as it was, with an `UnstackedLayersWarning`
         saying which and why, unless none can be (then the error says why);
-        layers of a list that are not alike raise, as with a path. A call that selects hidden states by
-        index (`output_hidden_states=-2`, what LLaVA asks of its vision
-        tower) gets them: the last layer's output from the scan, another
+        layers of a list that are not alike raise, as with a path. A call
+        that selects hidden states by index (`output_hidden_states=-2`, what
+        LLaVA asks of its vision tower) gets them: the last layer's output from the scan, another
         layer's by running the layers one by one, with a LayerByLayerWarning.
       options: passed to `LayerStack`: `partition_fn` (what the forward loop
         keeps for the backward: a policy of `torch_xla_ext.policies` or its

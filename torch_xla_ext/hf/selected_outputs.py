@@ -22,6 +22,10 @@ class SelectedHiddenStates:
         (the first layer's input first, when nothing is collected yet)."""
         self.collected.append(hidden if len(self.collected) in self.selected else None)
 
+    def skip(self, count: int) -> None:
+        """`count` hidden states that the call does not select (see `inner`)."""
+        self.collected.extend([None] * count)
+
     def inner(self, num_layers: int) -> list[int]:
         """The selected hidden states that are the output of another layer than
         the last of the `num_layers` to run next, which one scan does not give;

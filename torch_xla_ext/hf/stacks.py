@@ -221,7 +221,7 @@ class StackedLayers(LayerStack):
         inner = selection.inner(len(self))
         if not inner:
             hidden_states = self(hidden_states, *args, **kwargs)
-            selection.collected.extend([None] * (len(self) - 1))
+            selection.skip(len(self) - 1)
             selection.record(hidden_states)
             return hidden_states
 
