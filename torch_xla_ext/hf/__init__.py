@@ -2,10 +2,10 @@
 under the model's own, unmodified `forward`.
 
 `stack_layers(model)` replaces the decoder-layer `nn.ModuleList` of a
-transformers model (`model.model.layers` of Llama, Mistral, Qwen2, ...) by a
-`StackedLayers`: a `LayerStack` that holds every weight once, stacked along a
-leading layer dimension. The model's forward loops
-`for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
+transformers model (`model.model.layers` of Llama, Mistral, Qwen2, ...; each
+of a multimodal model's layer lists) by a `StackedLayers`: a `LayerStack`
+that holds every weight once, stacked along a leading layer dimension. The
+model's forward loops `for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
 of all the layers of a `StackedLayers` is a list of one callable, the stack
 itself, which runs every layer as one scan. A forward that iterates over the
 layers (`for block in self.h`, GPT-2's) gets the stack first, then callables
@@ -24,16 +24,18 @@ layers).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from torch import nn
 
 from torch_xla_ext.hf import adapters, fsdp
 from torch_xla_ext.hf.inspection import (
-    check_checkpointing_alike, check_no_hooks, layer_loop, layers_path, mixed_layer_types,
+    LayerList, Unstackable, UnstackedLayersWarning, layer_list, layer_list_paths,
     recorded_outputs, submodule)
 from torch_xla_ext.hf.stacks import STACKS, StackedLayerKinds, StackedLayers
 
-__all__ = ["StackedLayerKinds", "StackedLayers", "stack_layers", "unstack_layers"]
+__all__ = ["StackedLayerKinds", "StackedLayers", "UnstackedLayersWarning", "stack_layers",
+           "unstack_layers"]
 
 
 def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Module:
@@ -151,9 +153,18 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     Args:
       model: a transformers model (`LlamaForCausalLM`, `MistralForCausalLM`,
         `Qwen2ForCausalLM`, their base models, ...), on any device.
-      path: the attribute path of the decoder-layer `nn.ModuleList`, such as
-        "model.layers"; by default the one `nn.ModuleList` of the model whose
-        layers are all of a class the model names in `_no_split_modules`.
+      path: the attribute path of the decoder-layer `nn.ModuleList` to stack,
+        such as "model.layers"; an error says why if it cannot be stacked. By
+        default every `nn.ModuleList` of the model whose layers are all of a
+        class the model names in `_no_split_modules` (a multimodal model's
+        vision encoder layers and language model layers, each its own scan);
+        one that cannot be stacked (its forward's loop, hooks, checkpointing
+        on some layers) stays as it was, with an `UnstackedLayersWarning`
+        saying which and why, unless none can be (then the error says why);
+        layers of a list that are not alike raise, as with a path. A call
+        that selects hidden states by index (`output_hidden_states=-2`, what
+        LLaVA asks of its vision tower) gets them: the last layer's output from the scan, another
+        layer's by running the layers one by one, with a LayerByLayerWarning.
       options: passed to `LayerStack`: `partition_fn` (what the forward loop
         keeps for the backward: a policy of `torch_xla_ext.policies` or its
         name, `"save_nothing"` to recompute each layer in the backward),
@@ -163,21 +174,25 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
     adapters.teach_peft()
     fsdp.teach_class_lookup()
-    path = layers_path(model) if path is None else path
-    layers = submodule(model, path)
-    if isinstance(layers, STACKS):
-        return model  # converted already
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"stack_layers: {path!r} is a {type(layers).__name__}, not the "
-                        f"nn.ModuleList of decoder layers; pass the path of that list.")
-    parent_path, _, name = path.rpartition(".")
-    owner = model.get_submodule(parent_path)
-    iterated_by = layer_loop(owner, name, path)
-    config = getattr(owner, "config", getattr(model, "config", None))
-    kinds = mixed_layer_types(config, len(layers))
-    for index, layer in enumerate(layers):
-        check_no_hooks(layer, f"{path}.{index}")
-    check_checkpointing_alike(layers, path)
+    found = [layer_list(model, each) for each in
+             (layer_list_paths(model) if path is None else [path])]
+    for unstackable in (each for each in found if isinstance(each, Unstackable)):
+        message = (f"stack_layers: cannot stack the layers at {unstackable.path!r}: "
+                   f"{unstackable.reason}")
+        if path is not None or all(isinstance(each, Unstackable) for each in found):
+            raise unstackable.error(f"{message}; the model is unchanged.")
+        warnings.warn(f"{message}; they stay as they were, and the model's other layer lists "
+                      f"are stacked.", UnstackedLayersWarning, stacklevel=2)
+    # Every stack is made before any is put in place: a refusal leaves the model unchanged.
+    stacks = [(each, _stack(each, options)) for each in found if isinstance(each, LayerList)]
+    for each, stack in stacks:
+        setattr(each.owner, each.name, stack)
+    return model
+
+
+def _stack(found: LayerList, options: dict) -> nn.Module:
+    """The stack that stands for the layer list `found`."""
+    layers, kinds, owner, path = found.layers, found.kinds, found.owner, found.path
     recorded = recorded_outputs(owner)
     if recorded:
         # transformers puts these hooks on the layers at the first call that asks for
@@ -187,44 +202,44 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         maybe_install_capturing_hooks(owner)
     try:
         if kinds is None:
-            stack = StackedLayers(layers, config, recorded, **options)
+            stack = StackedLayers(layers, found.config, recorded, **options)
         else:
             try:
-                stack = StackedLayers(layers, config, recorded, kinds=kinds, **options)
+                stack = StackedLayers(layers, found.config, recorded, kinds=kinds, **options)
             except (TypeError, ValueError):
                 # Kinds that differ in more than their settings: a few scans.
-                if iterated_by is not None:
+                if found.iterated_by is not None:
                     raise ValueError(
                         f"the layers are of several kinds (config.layer_types: "
                         f"{sorted(set(kinds))}) that differ in more than their settings, and "
                         f"{type(owner).__qualname__}.forward iterates over them (`for layer "
-                        f"in self.{name}`); such layers run as scans over groups of their "
-                        f"pattern only under a loop over a slice `self.{name}[: n]`") from None
-                stack = StackedLayerKinds(layers, kinds, config, recorded, **options)
-        stack.iterated_by = iterated_by
+                        f"in self.{found.name}`); such layers run as scans over groups of their "
+                        f"pattern only under a loop over a slice `self.{found.name}[: n]`"
+                    ) from None
+                stack = StackedLayerKinds(layers, kinds, found.config, recorded, **options)
+        stack.iterated_by = found.iterated_by
     except (TypeError, ValueError) as error:
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
-    setattr(owner, name, stack)
-    return model
+    return stack
 
 
 def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
     """Undoes `stack_layers` in place; returns `model`.
 
-    The `StackedLayers` at `path` (by default the model's one StackedLayers)
-    becomes an `nn.ModuleList` of the layers, each holding parameters and
-    buffers of its own, copied from its slices of the stacked ones (which
-    are dropped). For code that must find each layer among the model's
-    modules; `stack_layers(model)` stacks them again."""
-    path = _stacked_path(model) if path is None else path
-    stack = submodule(model, path)
-    if not isinstance(stack, STACKS):
-        raise TypeError(f"unstack_layers: {path!r} is a {type(stack).__name__}, not the "
-                        f"StackedLayers or StackedLayerKinds that stack_layers made; pass the "
-                        f"path of that.")
-    parent_path, _, name = path.rpartition(".")
-    setattr(model.get_submodule(parent_path), name,
-            nn.ModuleList(stack.unstacked()).train(stack.training))
+    Each `StackedLayers` or `StackedLayerKinds` of the model (only the one at
+    `path`, if given) becomes an `nn.ModuleList` of its layers, each holding
+    parameters and buffers of its own, copied from its slices of the stacked
+    ones (which are dropped). For code that must find each layer among the
+    model's modules; `stack_layers(model)` stacks them again."""
+    for each in stacked_paths(model) if path is None else [path]:
+        stack = submodule(model, each)
+        if not isinstance(stack, STACKS):
+            raise TypeError(f"unstack_layers: {each!r} is a {type(stack).__name__}, not the "
+                            f"StackedLayers or StackedLayerKinds that stack_layers made; pass "
+                            f"the path of that.")
+        parent_path, _, name = each.rpartition(".")
+        setattr(model.get_submodule(parent_path), name,
+                nn.ModuleList(stack.unstacked()).train(stack.training))
     return model
 
 
@@ -248,12 +263,3 @@ def layers_as_modules(model: nn.Module):
 
 def stacked_paths(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, STACKS)]
-
-
-def _stacked_path(model: nn.Module) -> str:
-    """The path of the model's one StackedLayers."""
-    found = stacked_paths(model)
-    if len(found) != 1:
-        raise ValueError(f"unstack_layers: {type(model).__name__} holds {len(found)} "
-                         f"StackedLayers ({found}); pass path='...' naming the one meant.")
-    return found[0]

@@ -1,11 +1,14 @@
 """Reading a transformers model before its layers are stacked: where its
-decoder-layer list is, how its forward calls the layers (a slice of them, or
+layer lists are, how its forward calls the layers (a slice of them, or
 an iteration that does nothing else between two layers), their kinds
 (`config.layer_types`), and what a scan could not run (hooks, gradient
-checkpointing on some layers only)."""
+checkpointing on some layers only). `layer_list` decides, for one list,
+whether it can be stacked: a `LayerList` to stack, or an `Unstackable` saying
+why not."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import re
 import textwrap
@@ -28,21 +31,70 @@ def submodule(model: nn.Module, path: str) -> nn.Module:
                          f"such as 'model.layers'.") from None
 
 
-def layers_path(model: nn.Module) -> str:
-    """The path of the model's one nn.ModuleList of decoder layers."""
+class UnstackedLayersWarning(UserWarning):
+    """stack_layers(model) without a path left one of the model's layer lists
+    as it was (its layers run one by one, as before) while stacking the
+    others; the message names the list and says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerList:
+    """A layer list that stack_layers can stack, and what the stack needs."""
+    path: str
+    owner: nn.Module  # whose attribute `name` the list is
+    name: str
+    layers: nn.ModuleList
+    config: object
+    kinds: list | None  # config.layer_types, when they are not all the same
+    iterated_by: tuple[str, int] | None  # see layer_loop
+
+
+@dataclasses.dataclass(frozen=True)
+class Unstackable:
+    """A layer list that stack_layers cannot stack, and why."""
+    path: str
+    reason: str
+    error: type[Exception] = ValueError
+
+
+def layer_list_paths(model: nn.Module) -> list[str]:
+    """The paths of the model's layer lists: each nn.ModuleList (or stack made
+    of one) whose layers are all of one class the model names in
+    `_no_split_modules` (transformers' decoder, encoder and vision layers)."""
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     found = [name for name, module in model.named_modules()
              if isinstance(module, (nn.ModuleList, *STACKS)) and len(module)
              and _one_class_among(module, layer_classes)]
-    if len(found) == 1:
-        return found[0]
     if not found:
         raise ValueError(
             f"stack_layers: found no decoder-layer nn.ModuleList in {type(model).__name__} "
             f"(none holds layers of the classes it names in _no_split_modules: "
             f"{sorted(layer_classes)}); pass path='...' naming it.")
-    raise ValueError(f"stack_layers: {type(model).__name__} has several lists of decoder "
-                     f"layers: {found}; pass path='...' naming the one to stack.")
+    return found
+
+
+def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
+    """The list at `path` to stack, why it cannot be stacked, or None when it
+    is stacked already."""
+    layers = submodule(model, path)
+    if isinstance(layers, STACKS):
+        return None
+    if not isinstance(layers, nn.ModuleList):
+        return Unstackable(path, f"{path!r} is a {type(layers).__name__}, not the "
+                                 f"nn.ModuleList of decoder layers; pass the path of that list",
+                           TypeError)
+    parent_path, _, name = path.rpartition(".")
+    owner = model.get_submodule(parent_path)
+    config = getattr(owner, "config", getattr(model, "config", None))
+    iterated_by, reason = layer_loop(owner, name, path)
+    reason = (reason or _kinds_reason(config, len(layers))
+              or next(filter(None, (hooks_reason(layer, f"{path}.{index}")
+                                    for index, layer in enumerate(layers))), None)
+              or checkpointing_reason(layers, path))
+    if reason is not None:
+        return Unstackable(path, reason)
+    return LayerList(path, owner, name, layers, config, mixed_layer_types(config, len(layers)),
+                     iterated_by)
 
 
 def _one_class_among(layers: nn.Module, class_names: set) -> bool:
@@ -54,13 +106,15 @@ def _one_class_among(layers: nn.Module, class_names: set) -> bool:
     return len(classes) == 1 and next(iter(classes)).__name__ in class_names
 
 
-def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[str, int] | None:
-    """How the owner's forward calls the layers: None when it takes them as a
-    slice (`for layer in self.layers[: n]`), which yields the stack itself; or
+def layer_loop(owner: nn.Module, name: str, path: str
+               ) -> tuple[tuple[str, int] | None, str | None]:
+    """How the owner's forward calls the layers, and why a scan cannot stand
+    for its loop (None if it can). How: None when it takes them as a slice
+    (`for layer in self.layers[: n]`), which yields the stack itself; or
     (file, first line) of the forward when it iterates over them (`for block in
     self.h`, `enumerate(self.h)`) with a loop body that only calls the layer on
-    the hidden state, for StackedLayers.__iter__ to recognize. Raises
-    ValueError naming the line of a loop that does more between the layers."""
+    the hidden state, for StackedLayers.__iter__ to recognize. Why not: no such
+    loop, or the line of a loop that does more between the layers."""
     forward = inspect.unwrap(type(owner).forward)
     try:
         lines, first_line = inspect.getsourcelines(forward)
@@ -68,17 +122,17 @@ def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[str, int] | None
         lines, first_line = [], 0
     source = textwrap.dedent("".join(lines))
     if re.search(rf"self\.{re.escape(name)}\s*\[", source):
-        return None
+        return None, None
     where = type(owner).__qualname__ + ".forward"
     loop = next((node for node in ast.walk(ast.parse(source)) if source and
                  isinstance(node, ast.For) and _iterates_over(node.iter, name)), None)
     if loop is None:
-        raise ValueError(
-            f"stack_layers: {where} neither loops over a slice `self.{name}[...]` nor over "
+        return None, (
+            f"{where} neither loops over a slice `self.{name}[...]` nor over "
             f"`self.{name}` itself (or its source is not available), so it would call the "
             f"layers at {path!r} one by one, not as one scan. stack_layers takes over loops of "
             f"the form `for layer in self.{name}[: n]` or `for layer in self.{name}`; for "
-            f"other models, call a torch_xla_ext.LayerStack from your own forward.")
+            f"other models, call a torch_xla_ext.LayerStack from your own forward")
     layer = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) else loop.target
     body = loop.body
     calls = [each for each in body if _only_calls_the_layer(each, layer)]
@@ -88,13 +142,13 @@ def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[str, int] | None
         statement = extra[0]
         line = first_line + statement.lineno - 1
         text = source.splitlines()[statement.lineno - 1].strip()
-        raise ValueError(
-            f"stack_layers: {where} does more between two layers than call the next one on "
+        return None, (
+            f"{where} does more between two layers than call the next one on "
             f"the hidden state ({forward.__code__.co_filename}:{line}: `{text}`); one scan "
             f"runs all the layers at once, so that work would not run between them. Move it "
             f"before or after the loop, or call a torch_xla_ext.LayerStack from your own "
-            f"forward; the model is unchanged.")
-    return forward.__code__.co_filename, forward.__code__.co_firstlineno
+            f"forward")
+    return (forward.__code__.co_filename, forward.__code__.co_firstlineno), None
 
 
 def _iterates_over(iterable: ast.expr, name: str) -> bool:
@@ -133,16 +187,18 @@ def mixed_layer_types(config, count: int) -> list | None:
     `layer_types`, and the forward passes each layer the mask of its kind:
     the kinds when they are not all the same, else None."""
     layer_types = list(getattr(config, "layer_types", None) or ())[:count]
-    if len(set(layer_types)) < 2:
-        return None
-    if len(layer_types) < count:
-        raise ValueError(
-            f"stack_layers: config.layer_types lists {len(layer_types)} kinds for {count} "
-            f"layers; give every layer its kind (or one kind for all). The model is unchanged.")
-    return layer_types
+    return layer_types if len(set(layer_types)) > 1 else None
 
 
-def check_no_hooks(layer: nn.Module, path: str) -> None:
+def _kinds_reason(config, count: int) -> str | None:
+    kinds = mixed_layer_types(config, count)
+    if kinds is not None and len(kinds) < count:
+        return (f"config.layer_types lists {len(kinds)} kinds for {count} layers; give every "
+                f"layer its kind (or one kind for all)")
+    return None
+
+
+def hooks_reason(layer: nn.Module, path: str) -> str | None:
     for module_path, module in layer.named_modules():
         where = f"{path}.{module_path}" if module_path else path
         for registry in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
@@ -150,26 +206,25 @@ def check_no_hooks(layer: nn.Module, path: str) -> None:
             for hook in getattr(module, registry).values():
                 if getattr(hook, "__module__", None) == _TRANSFORMERS_CAPTURE_HOOKS:
                     continue
-                raise ValueError(
-                    f"stack_layers: {where} has a hook in {registry} "
-                    f"({getattr(hook, '__qualname__', hook)!r}); the stacked layers run inside "
-                    f"one scan, where hooks of the layers would not run. Remove it first; the "
-                    f"model is unchanged.")
+                return (f"{where} has a hook in {registry} "
+                        f"({getattr(hook, '__qualname__', hook)!r}); the stacked layers run "
+                        f"inside one scan, where hooks of the layers would not run. Remove it "
+                        f"first")
+    return None
 
 
-def check_checkpointing_alike(layers: nn.ModuleList, path: str) -> None:
-    """Raises unless gradient checkpointing is enabled on every layer or on
+def checkpointing_reason(layers: nn.ModuleList, path: str) -> str | None:
+    """Why not, unless gradient checkpointing is enabled on every layer or on
     none (the scan recomputes every layer, or none)."""
     enabled = [index for index, layer in enumerate(layers)
                if any(getattr(module, "gradient_checkpointing", False) is True
                       for module in layer.modules())]
     if enabled and len(enabled) != len(layers):
-        raise ValueError(
-            f"stack_layers: gradient checkpointing is enabled on the layers {enabled} of "
-            f"{path!r} only, of {len(layers)} (activation_checkpointing_enable(every_n_layers="
-            f"...)?); the stacked layers run as one scan, which recomputes every layer in its "
-            f"backward loop or none. Enable it for every layer (every_n_layers=1) or disable it "
-            f"first; the model is unchanged.")
+        return (f"gradient checkpointing is enabled on the layers {enabled} of {path!r} only, "
+                f"of {len(layers)} (activation_checkpointing_enable(every_n_layers=...)?); the "
+                f"stacked layers run as one scan, which recomputes every layer in its backward "
+                f"loop or none. Enable it for every layer (every_n_layers=1) or disable it first")
+    return None
 
 
 def recorded_outputs(owner: nn.Module) -> tuple[str, ...]:
