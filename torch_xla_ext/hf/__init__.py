@@ -193,13 +193,13 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
 def _stack(found: LayerList, options: dict) -> nn.Module:
     """The stack that stands for the layer list `found`."""
     layers, kinds, owner, path = found.layers, found.kinds, found.owner, found.path
-    recorded = recorded_outputs(owner)
+    recorded = recorded_outputs(found.recorder)
     if recorded:
         # transformers puts these hooks on the layers at the first call that asks for
         # per-layer outputs; a stack replays its template's (a copy of layer 0) after
         # each scan, so they must be on the layers before it copies them.
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
-        maybe_install_capturing_hooks(owner)
+        maybe_install_capturing_hooks(found.recorder)
     try:
         if kinds is None:
             stack = StackedLayers(layers, found.config, recorded, **options)

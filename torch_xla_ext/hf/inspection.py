@@ -47,6 +47,7 @@ class LayerList:
     config: object
     kinds: list | None  # config.layer_types, when they are not all the same
     iterated_by: tuple[str, int] | None  # see layer_loop
+    recorder: nn.Module | None  # see output_recorder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
     if reason is not None:
         return Unstackable(path, reason)
     return LayerList(path, owner, name, layers, config, mixed_layer_types(config, len(layers)),
-                     iterated_by)
+                     iterated_by, output_recorder(model, path))
 
 
 def _one_class_among(layers: nn.Module, class_names: set) -> bool:
@@ -227,7 +228,20 @@ def checkpointing_reason(layers: nn.ModuleList, path: str) -> str | None:
     return None
 
 
-def recorded_outputs(owner: nn.Module) -> tuple[str, ...]:
+def output_recorder(model: nn.Module, path: str) -> nn.Module | None:
+    """The model whose output-capturing hooks collect per-layer outputs from
+    the layers at `path` (`output_hidden_states`, ...): the innermost module
+    holding them that names what it records (`_can_record_outputs`; a vision
+    tower's, not its encoder's, which holds the list), or None."""
+    parts = path.split(".")
+    for end in range(len(parts) - 1, -1, -1):
+        module = model.get_submodule(".".join(parts[:end]))
+        if getattr(module, "_can_record_outputs", None):
+            return module
+    return None
+
+
+def recorded_outputs(recorder: nn.Module | None) -> tuple[str, ...]:
     """What transformers collects from every layer with its output-capturing
-    hooks (`output_hidden_states`, ...): the keys of the model's `_can_record_outputs`."""
-    return tuple(getattr(owner, "_can_record_outputs", None) or {})
+    hooks: the keys of the recorder's `_can_record_outputs`."""
+    return tuple(getattr(recorder, "_can_record_outputs", None) or {})
