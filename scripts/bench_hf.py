@@ -88,7 +88,7 @@ EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 EXPERTS_IMPLEMENTATION = "batched_mm"
 VIT_PATCH = 16
 # What LoRA adapts in each family: the attention's query and value projections.
-LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"], "vit": ["query", "value"]}
+LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"]}
 DEFAULT_LORA_TARGETS = ["q_proj", "v_proj"]
 WARMUP_STEPS = 2
 # Seconds one (mode, L) may take: the for loop at L=64 compiles for minutes.

@@ -32,7 +32,7 @@ def test_every_mode_trains_the_same_steps(scenario_server):
     assert figures["stack_layers+cache"]["compiles"] == figures["loop"]["compiles"] - 1
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gpt2", "bert"])
 def test_lora_on_other_families_trains_the_same_steps_converted(scenario_server, family):
     figures = {mode: worker_figures(scenario_server, "bench_hf.py", "--mode", mode, "--layers",
                                     "2", "--family", family, "--lora", *TINY)
