@@ -25,7 +25,8 @@ bert,vit; --lora) four ways.
                    should be save_nothing's (within 5%).
 
 --family runs each family in turn, at the same sizes (hidden, heads,
-intermediate, vocab; GPT-2 has as many key/value heads as heads), dropout off;
+intermediate, vocab; GPT-2, BERT and ViT have as many key/value heads as
+heads), dropout off;
 gemma3 (text) has its default pattern of 5 sliding-window layers and 1 full,
 qwen2-window full attention in its first half and a window of half the
 sequence in the rest. mixtral and qwen3_moe have 4 experts of --intermediate
@@ -100,7 +101,7 @@ WORKLOAD_OPTIONS = ("steps", *harness.LLAMA_SIZE_OPTIONS, "seq", "batch")
 def skipped_because(family: str, mode: str, lora: bool) -> str | None:
     """Why `mode` does not run for `family`, or None if it does."""
     if mode == "torch-xla-scan" and (family != "llama" or lora):
-        return "the torch_xla scan_layers wrapper knows Llama's layer call only"
+        return "the torch_xla scan_layers wrapper knows Llama's layer call only, without --lora"
     if mode == "stack_layers+cache" and family in AUTO_CLASSES:
         return f"{family} makes no cache"
     return None
