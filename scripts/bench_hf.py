@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Benchmark a training step of transformers causal LMs (LlamaForCausalLM by
-default; --family llama,qwen3,gemma2,gemma3,qwen2-window,gpt2; --lora) four
-ways.
+"""Benchmark a training step of transformers models (LlamaForCausalLM by
+default; --family llama,qwen3,gemma2,gemma3,qwen2-window,gpt2,mixtral,qwen3_moe,
+bert,vit; --lora) four ways.
 
 * loop:            the model as transformers builds it (its forward's for loop
                    over the decoder layers),
@@ -9,7 +9,7 @@ ways.
                    (its own forward, the layers as one scan, stacked weights),
 * stack_layers+cache: stack_layers with the config's `use_cache=True` (most
                    configs' default): the model makes itself a DynamicCache
-                   each step, which the scan fills,
+                   each step, which the scan fills (causal LMs only),
 * torch-xla-scan:  the layers run by torch_xla's `scan_layers`, through a small
                    wrapper module put in place of `model.model.layers` that
                    broadcasts the extra arguments (rotary embeddings, mask) to
@@ -25,10 +25,18 @@ ways.
                    should be save_nothing's (within 5%).
 
 --family runs each family in turn, at the same sizes (hidden, heads,
-intermediate, vocab; GPT-2 has as many key/value heads as heads), dropout off;
+intermediate, vocab; GPT-2, BERT and ViT have as many key/value heads as
+heads), dropout off;
 gemma3 (text) has its default pattern of 5 sliding-window layers and 1 full,
 qwen2-window full attention in its first half and a window of half the
-sequence in the rest.
+sequence in the rest. mixtral and qwen3_moe have 4 experts of --intermediate
+(2 per token) in every layer, built with experts_implementation="batched_mm",
+transformers' one implementation with static shapes (the others run the
+converted layers one by one). bert is BertForMaskedLM on a padded batch (the
+sequences from the full length down to half of it, the labels the tokens,
+-100 at padding), vit ViTForImageClassification on random images of
+floor(sqrt(seq))^2 patches of 16x16 pixels (and its class token), --vocab
+classes. T5 is not here: stack_layers does not convert encoder-decoder models.
 --lora trains LoRA adapters (peft, r=8, on the attention's query and value
 projections; GPT-2's fused c_attn) in every mode: get_peft_model first, then
 stack_layers; only the adapters are trained.
@@ -59,6 +67,7 @@ summary prints the ratios the issue asks for at L=32 and between L=64 and L=8.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 
@@ -68,9 +77,19 @@ MODES = ("loop", "stack_layers", "stack_layers+cache", "torch-xla-scan")
 # The modes of --gradient-checkpointing.
 CHECKPOINTING_MODES = ("stack_layers+save_nothing", "stack_layers+checkpointing")
 CHECKPOINTING_RSS_GOAL = 1.05
-FAMILIES = ("llama", "qwen3", "gemma2", "gemma3", "qwen2-window", "gpt2")
+FAMILIES = ("llama", "qwen3", "gemma2", "gemma3", "qwen2-window", "gpt2", "mixtral",
+            "qwen3_moe", "bert", "vit")
+# The transformers auto class of each family that is not a causal LM.
+AUTO_CLASSES = {"bert": "AutoModelForMaskedLM", "vit": "AutoModelForImageClassification"}
+DEFAULT_AUTO_CLASS = "AutoModelForCausalLM"
+# Mixture-of-experts families: their experts, and the experts implementation
+# whose shapes do not depend on the routing, so that the layers scan.
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+EXPERTS, EXPERTS_PER_TOKEN = 4, 2
+EXPERTS_IMPLEMENTATION = "batched_mm"
+VIT_PATCH = 16
 # What LoRA adapts in each family: the attention's query and value projections.
-LORA_TARGETS = {"gpt2": ["c_attn"]}
+LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"]}
 DEFAULT_LORA_TARGETS = ["q_proj", "v_proj"]
 WARMUP_STEPS = 2
 # Seconds one (mode, L) may take: the for loop at L=64 compiles for minutes.
@@ -79,9 +98,13 @@ DEFAULT_TIMEOUT = 1800
 WORKLOAD_OPTIONS = ("steps", *harness.LLAMA_SIZE_OPTIONS, "seq", "batch")
 
 
-def runs_torch_xla_scan(family: str, lora: bool) -> bool:
-    """The torch_xla scan_layers wrapper knows Llama's layer call only."""
-    return family == "llama" and not lora
+def skipped_because(family: str, mode: str, lora: bool) -> str | None:
+    """Why `mode` does not run for `family`, or None if it does."""
+    if mode == "torch-xla-scan" and (family != "llama" or lora):
+        return "the torch_xla scan_layers wrapper knows Llama's layer call only, without --lora"
+    if mode == "stack_layers+cache" and family in AUTO_CLASSES:
+        return f"{family} makes no cache"
+    return None
 
 
 def model_config(args, use_cache: bool):
@@ -95,6 +118,18 @@ def model_config(args, use_cache: bool):
             attn_pdrop=0.0, use_cache=use_cache)
     if args.family == "llama":
         return harness.llama_config(args, use_cache=use_cache)
+    if args.family == "bert":
+        return transformers.BertConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, intermediate_size=args.intermediate,
+            max_position_embeddings=args.seq, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+    if args.family == "vit":
+        return transformers.ViTConfig(
+            hidden_size=args.hidden, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, intermediate_size=args.intermediate,
+            image_size=vit_image_size(args.seq), patch_size=VIT_PATCH, num_labels=args.vocab,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     config_class, settings = {
         "qwen3": (transformers.Qwen3Config, {}),
         "gemma2": (transformers.Gemma2Config, {}),
@@ -104,12 +139,43 @@ def model_config(args, use_cache: bool):
         "qwen2-window": (transformers.Qwen2Config, dict(
             use_sliding_window=True, max_window_layers=args.layers // 2,
             sliding_window=args.seq // 2)),
+        "mixtral": (transformers.MixtralConfig, dict(
+            num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN)),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+            moe_intermediate_size=args.intermediate, num_experts=EXPERTS,
+            num_experts_per_tok=EXPERTS_PER_TOKEN)),
     }[args.family]
     return config_class(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
         use_cache=use_cache, **settings)
+
+
+def vit_image_size(seq: int) -> int:
+    """The side in pixels of square images of floor(sqrt(seq))^2 patches."""
+    return math.isqrt(seq) * VIT_PATCH
+
+
+def make_inputs(args, device) -> dict:
+    """The keyword arguments of a training step of `args.family`, labels included."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    if args.family == "vit":
+        side = vit_image_size(args.seq)
+        return {"pixel_values": torch.randn(args.batch, 3, side, side,
+                                            generator=generator).to(device),
+                "labels": torch.randint(0, args.vocab, (args.batch,),
+                                        generator=generator).to(device)}
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
+    if args.family != "bert":
+        return {"input_ids": tokens.to(device), "labels": tokens.to(device)}
+    # A padded batch: lengths from the full sequence down to half of it.
+    lengths = torch.linspace(args.seq, args.seq // 2, args.batch).round().long()
+    attention_mask = (torch.arange(args.seq) < lengths[:, None]).long()
+    return {"input_ids": tokens.to(device), "attention_mask": attention_mask.to(device),
+            "labels": tokens.masked_fill(attention_mask == 0, -100).to(device)}
 
 
 def make_model(args):
@@ -120,8 +186,11 @@ def make_model(args):
     from torch_xla_ext import stack_layers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        model_config(args, use_cache=args.mode == "stack_layers+cache"))
+    auto_class = getattr(transformers, AUTO_CLASSES.get(args.family, DEFAULT_AUTO_CLASS))
+    model = auto_class.from_config(
+        model_config(args, use_cache=args.mode == "stack_layers+cache"),
+        **({"experts_implementation": EXPERTS_IMPLEMENTATION}
+           if args.family in MOE_FAMILIES else {}))
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -186,8 +255,7 @@ def run_worker(args) -> dict:
 
     device = torch_xla.device()
     model = make_model(args).to(device).train()
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
+    inputs = make_inputs(args, device)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     torch_xla.sync()
     xm.wait_device_ops()
@@ -197,7 +265,7 @@ def run_worker(args) -> dict:
         return (met.metric_data("CompileTime") or (0,))[0]
 
     def build_step():
-        loss = model(tokens, labels=tokens).loss
+        loss = model(**inputs).loss
         loss.backward()
         optimizer.step()
         return loss
@@ -234,7 +302,7 @@ def run_worker(args) -> dict:
 
 
 def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
-                 steps: int) -> None:
+                 steps: int, modes: list[str]) -> None:
     middle = 32 if 32 in layer_counts else max(layer_counts)
     smallest, largest = min(layer_counts), max(layer_counts)
 
@@ -261,6 +329,8 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
           ("stack_layers", smallest), "compile_s", 1.3)
     check(f"step graph compilations in {steps} steps, stack_layers L={middle}",
           by_key[converted]["step_compiles"] if converted in by_key else None, 1)
+    if "stack_layers+cache" not in modes:
+        return
     with_cache = ("stack_layers+cache", middle)
     ratio(f"compile time stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
           "compile_s", 1.10)
@@ -306,9 +376,10 @@ def main(argv: list[str] | None = None) -> None:
           f"steps (first {WARMUP_STEPS} not steady)", flush=True)
     all_outcomes = {}
     for family in families:
-        family_modes = [mode for mode in modes
-                        if mode != "torch-xla-scan" or runs_torch_xla_scan(family, args.lora)]
-        print(f"\n{family}{' with LoRA' if args.lora else ''}: modes {', '.join(family_modes)}",
+        skipped = {mode: skipped_because(family, mode, args.lora) for mode in modes}
+        family_modes = [mode for mode in modes if not skipped[mode]]
+        print(f"\n{family}{' with LoRA' if args.lora else ''}: modes {', '.join(family_modes)}"
+              + "".join(f"; not {mode}: {reason}" for mode, reason in skipped.items() if reason),
               flush=True)
         outcomes = harness.measure_modes_and_depths(
             os.path.abspath(__file__), family_modes, layer_counts,
@@ -317,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         print()
         harness.print_layer_table(outcomes)
         print_ratios({key: outcome.figures for key, outcome in outcomes.items() if outcome.ok},
-                     layer_counts, args.steps)
+                     layer_counts, args.steps, family_modes)
         all_outcomes.update({(f"{family} {mode}", layers): outcome
                              for (mode, layers), outcome in outcomes.items()})
     harness.exit_if_runs_failed(parser.prog, all_outcomes)

@@ -2,12 +2,16 @@
 steps in a process of its own, and the table and the issue's ratios are
 printed. The command line runs in pytest's process, its workers forked
 (benchmark_scripts.py)."""
+import argparse
 import re
+import warnings
 
 import pytest
+import torch_xla
 
 from benchmark_scripts import forked_workers, worker_figures  # noqa: F401 (a fixture)
 import bench_hf
+from torch_xla_ext.layer_stack import LayerByLayerWarning
 
 TINY = ["--steps", "3", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
         "--intermediate", "64", "--vocab", "64", "--seq", "8", "--batch", "2"]
@@ -28,13 +32,42 @@ def test_every_mode_trains_the_same_steps(scenario_server):
     assert figures["stack_layers+cache"]["compiles"] == figures["loop"]["compiles"] - 1
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gpt2", "bert"])
 def test_lora_on_other_families_trains_the_same_steps_converted(scenario_server, family):
     figures = {mode: worker_figures(scenario_server, "bench_hf.py", "--mode", mode, "--layers",
                                     "2", "--family", family, "--lora", *TINY)
                for mode in ("loop", "stack_layers")}
     assert abs(figures["stack_layers"]["last_loss"] - figures["loop"]["last_loss"]) < 1e-4
     assert figures["stack_layers"]["step_compiles"] == 1, figures
+
+
+NEW_FAMILIES = ["mixtral", "qwen3_moe", "bert", "vit"]
+
+
+def tiny_args(**settings) -> argparse.Namespace:
+    """The worker's options as bench_hf.main parses them from TINY and `settings`."""
+    options = dict(zip((option.lstrip("-").replace("-", "_") for option in TINY[::2]),
+                       map(int, TINY[1::2])))
+    return argparse.Namespace(**{**options, "lora": False, **settings})
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_moe_and_encoder_families_train_the_same_steps_as_one_scan(scenario_server, family):
+    figures = {mode: worker_figures(scenario_server, "bench_hf.py", "--mode", mode, "--layers",
+                                    "2", "--family", family, *TINY)
+               for mode in ("loop", "stack_layers", "stack_layers+checkpointing")}
+    for mode in ("stack_layers", "stack_layers+checkpointing"):
+        assert abs(figures[mode]["last_loss"] - figures["loop"]["last_loss"]) < 1e-4, figures
+        assert figures[mode]["step_compiles"] == 1, figures
+    # The converted forward, on the benchmark's own model and inputs, is one
+    # while loop and runs no layer by itself.
+    args = tiny_args(family=family, layers=2, mode="stack_layers")
+    device = torch_xla.device()
+    model = bench_hf.make_model(args).to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        loss = model(**bench_hf.make_inputs(args, device)).loss
+    assert "while" in torch_xla._XLAC._get_xla_tensors_hlo([loss])
 
 
 def test_the_table_and_ratios_are_printed(forked_workers, capsys):
@@ -59,9 +92,17 @@ def test_gradient_checkpointing_is_measured_beside_save_nothing(forked_workers, 
 
 @pytest.mark.parametrize("arguments, message", [
     (["--modes", "loop,bogus"], "unknown modes ['bogus']"),
-    (["--family", "llama,bert"], "unknown families ['bert']"),
+    (["--family", "llama,t5"], "unknown families ['t5']"),
 ])
 def test_unknown_modes_and_families_are_refused(arguments, message, capsys):
     with pytest.raises(SystemExit) as exited:
         bench_hf.main(arguments)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_encoders_say_they_run_no_cache_mode(capsys):
+    bench_hf.main(["--family", "bert,vit", "--modes", "stack_layers+cache", "--layers", "2", *TINY])
+    printed = capsys.readouterr().out
+    for family in ("bert", "vit"):
+        assert f"not stack_layers+cache: {family} makes no cache" in printed, printed
+    assert "stack_layers+cache/stack_layers" not in printed
