@@ -768,22 +768,16 @@ def test_config_changes_reach_the_layers():
 # SPMD
 
 FSDP_TRAINING_STEP = """
-import copy, re
+import re
 import numpy as np, torch, torch_xla
 import torch_xla.runtime as xr
 import torch_xla.distributed.spmd as xs
-import transformers
-from torch_xla_ext import stack_layers
+from test_hf import converted_pair
 
 xr.use_spmd()
 mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4,), ("fsdp",))
 device = torch_xla.device()
-config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=4, num_attention_heads=4,
-                                  num_key_value_heads=2, use_cache=False)
-torch.manual_seed(0)
-reference = transformers.LlamaForCausalLM(config)
-model = stack_layers(copy.deepcopy(reference))
+reference, model = converted_pair(layers=4)  # test_hf's small Llama, unconverted and converted
 reference.to(device).train()
 model.to(device).train()
 for param in model.model.layers.parameters():

@@ -8,16 +8,17 @@ scheduler is made), so the wrapping function is called as the Trainer calls it."
 
 # SPMD needs a process of its own (xr.use_spmd() before any XLA tensor).
 WRAPPED_AS_THE_TRAINER_DOES = """
-import copy, functools, math, re, tempfile, warnings
+import functools, math, re, tempfile, warnings
 import numpy as np, torch, torch_xla
 import torch_xla.runtime as xr
 import torch_xla.distributed.spmd as xs
 import transformers
 from transformers.integrations.tpu import wrap_model_xla_fsdp
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
-from torch_xla_ext import LayerStack, stack_layers
+from torch_xla_ext import LayerStack
 from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from torch_xla_ext.layer_stack.sharding import ShardingWarning
+from test_hf import converted_pair
 
 xr.use_spmd()
 mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4,), ("fsdp",))
@@ -31,12 +32,7 @@ def tiles(tensor):
     return [int(n) for n in found.group(1).split(",")] if found else []
 
 
-config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=3, num_attention_heads=4,
-                                  num_key_value_heads=2, use_cache=False)
-torch.manual_seed(0)
-reference = transformers.LlamaForCausalLM(config)
-model = stack_layers(copy.deepcopy(reference))
+reference, model = converted_pair(layers=3)  # test_hf's small Llama, unconverted and converted
 reference.to(device).train()
 model.to(device).train()
 args = transformers.TrainingArguments(
