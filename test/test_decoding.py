@@ -10,6 +10,7 @@ import torch_xla.debug.metrics as met
 import transformers
 
 import torch_xla_ext as tx
+from support import supports
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
 VOCAB, PROMPT = 128, 6
@@ -64,6 +65,7 @@ CASES = {  # Llama greedy: with three prompts
 }
 
 
+@supports("tx.generate", (case[0] for case in CASES.values()))
 @pytest.mark.parametrize("family, options, padding", CASES.values(), ids=CASES)
 def test_the_tokens_of_transformers_generate_with_a_static_cache(family, options, padding):
     model = make_model(family)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import torch_xla_ext as tx
+from support import supports
 from optimized_hlo import callees, computations, stacked_results_in_loops, while_loops
 from reference import host_copies
 from torch_xla_ext.hf import StackedLayers, stack_layers
@@ -86,6 +87,7 @@ def compilations() -> int:
 # Training
 
 
+@supports("training", FAMILIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_matches_the_unconverted_model(device, family):
     reference, model = converted_pair(family, layers=3)
@@ -138,6 +140,8 @@ ITERATING = {
 }
 
 
+@supports("training", ITERATING)
+@supports("default cache", ITERATING)
 @pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "default-cache"])
 @pytest.mark.parametrize("family", ITERATING)
 def test_forwards_that_iterate_over_the_layers_train_as_one_scan(device, family, use_cache):
@@ -269,6 +273,7 @@ def generate(model, ids, mask):
                           use_cache=True, pad_token_id=0)
 
 
+@supports("generate", FAMILIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_with_a_cache_gives_the_unconverted_tokens(family):
     reference, model = converted_pair(family)
@@ -311,6 +316,8 @@ GENERATIONS = {
 }
 
 
+@supports("default cache", (case[0] for case in GENERATIONS.values()))
+@supports("generate", (case[0] for case in GENERATIONS.values()))
 @pytest.mark.parametrize("family, config, options, padding, scanned_steps", GENERATIONS.values(),
                          ids=GENERATIONS)
 def test_generation_with_the_default_cache_gives_the_unconverted_tokens_as_scans(
@@ -332,6 +339,7 @@ def test_generation_with_the_default_cache_gives_the_unconverted_tokens_as_scans
         assert len(reasons) == 1 and "a window drops tokens" in reasons.pop()
 
 
+@supports("default cache", "llama")
 def test_training_with_the_default_cache_is_one_scan_with_the_unconverted_gradients(device):
     # use_cache=True, most configs' default: the model makes itself a DynamicCache.
     assert_one_scan_with_the_unconverted_step(*converted_pair(use_cache=True), device)
@@ -477,6 +485,7 @@ STATIC = {
 }
 
 
+@supports("generate", (case[0] for case in STATIC.values()))
 @pytest.mark.parametrize("family, config, options, padding", STATIC.values(), ids=STATIC)
 def test_generation_with_a_static_cache_runs_the_prefill_and_every_step_as_one_scan(
         device, family, config, options, padding):
@@ -806,6 +815,7 @@ print("matched")
 """
 
 
+@supports("sharded", "llama")
 def test_fsdp_sharded_stacked_weights_train_like_the_unsharded_model(run_isolated):
     result = run_isolated(FSDP_TRAINING_STEP, env={"CPU_NUM_DEVICES": "4"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -856,6 +866,7 @@ for name, (reference, converted) in pairs.items():
 """
 
 
+@supports("LoRA", "llama")
 def test_trainer_logs_the_unconverted_models_losses_full_and_lora(run_isolated):
     result = run_isolated(TRAINER_RUN)
     assert result.returncode == 0, result.stderr[-3000:]

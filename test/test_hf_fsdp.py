@@ -6,6 +6,8 @@ The Trainer's own FSDPv2 path is not run: in transformers 5.23 it fails before
 training on an unconverted model too (its optimizer is still None when the
 scheduler is made), so the wrapping function is called as the Trainer calls it."""
 
+from support import supports
+
 # SPMD needs a process of its own (xr.use_spmd() before any XLA tensor).
 WRAPPED_AS_THE_TRAINER_DOES = """
 import functools, math, re, tempfile, warnings
@@ -103,6 +105,7 @@ print("matched", [round(loss.item(), 5) for loss in losses[True]])
 """
 
 
+@supports("sharded", "llama")
 def test_wrapped_as_the_trainer_does_shards_stacked_weights_and_trains_like_unsharded(
         run_isolated):
     result = run_isolated(WRAPPED_AS_THE_TRAINER_DOES, env={"CPU_NUM_DEVICES": "4"})
@@ -178,6 +181,7 @@ print("matched", losses[1].item())
 """
 
 
+@supports("sharded", "gemma3")
 def test_layer_kinds_in_a_few_scans_wrapped_as_the_trainer_does(run_isolated):
     result = run_isolated(KINDS_WRAPPED_AS_THE_TRAINER_DOES, env={"CPU_NUM_DEVICES": "4"})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,6 +13,7 @@ import torch_xla.utils.checkpoint as xla_checkpoint
 from torch import nn
 
 import torch_xla_ext as tx
+from support import supports
 from reference import host_copies
 from test_hf import batch, close, device, make_model, per_layer_grads  # noqa: F401 (fixture)
 from test_hf_layer_kinds import converted_pair as kinds_pair, unconverted_grads
@@ -65,6 +66,7 @@ def assert_same_step(actual: dict, expected: dict) -> None:
         close(actual[name], value)
 
 
+@supports("gradient checkpointing", "llama")
 @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True},
                                     {"use_reentrant": False, "preserve_rng_state": False}],
                          ids=["no-kwargs", "reentrant", "non-reentrant"])
@@ -100,6 +102,7 @@ def test_with_the_default_cache_the_scan_recomputes_with_the_unconverted_gradien
     assert policies_run == [policies.save_nothing]
 
 
+@supports("gradient checkpointing", ("gemma2", "gemma3"))
 @pytest.mark.parametrize("family, groups", [("gemma2", False), ("gemma3", True)],
                          ids=["gemma2-one-scan", "gemma3-groups"])
 def test_layers_of_several_kinds_recompute_in_every_scan(device, policies_run, family, groups):

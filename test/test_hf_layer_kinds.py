@@ -13,6 +13,7 @@ import torch_xla
 import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from support import supports
 from test_hf import (batch, close, compilations, device,  # noqa: F401 (a fixture)
                      left_padded_prompts, per_layer_grads, seeded_generate)
 import torch_xla_ext as tx
@@ -69,6 +70,8 @@ def unconverted_grads(model) -> dict:
             for name, grad in per_layer_grads(model).items()}
 
 
+@supports("training", FAMILIES)
+@supports("default cache", FAMILIES)
 @pytest.mark.parametrize("family, groups", [
     ("gemma2", False), ("gemma3", False), ("qwen2", False), ("gemma3", True)],
     ids=["gemma2", "gemma3", "qwen2", "gemma3-groups"])
@@ -231,6 +234,7 @@ def test_kinds_whose_settings_change_the_computation_run_layer_by_layer(device):
     close(loss, reference_loss)
 
 
+@supports("tx.generate", "qwen2")
 def test_generate_with_a_static_cache_of_both_kinds_gives_the_unconverted_tokens(device):
     # The sliding layers' static cache holds 4 positions, the full ones' 14,
     # so the kinds' masks span different keys: each layer gets its own kind's.
@@ -241,6 +245,8 @@ def test_generate_with_a_static_cache_of_both_kinds_gives_the_unconverted_tokens
     assert torch.equal(tokens[1], tokens[0])
 
 
+@supports("default cache", ("gemma2", "gemma3"))
+@supports("generate", ("gemma2", "gemma3"))
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_the_configs_window_and_default_cache_train_and_generate_on_xla_as_scans(device, family):
     # Gemma's window (4096) is longer than the sequence, and its configs say
@@ -272,6 +278,8 @@ def test_the_configs_window_and_default_cache_train_and_generate_on_xla_as_scans
         assert seeded_generate(model, prompts, prompt_mask) == expected
 
 
+@supports("generate", ("gemma2", "qwen2"))
+@supports("tx.generate", ("gemma2", "qwen2"))
 @pytest.mark.parametrize("family", ["gemma2", "qwen2"])
 def test_generate_with_a_static_cache_within_the_window_scans_every_step(device, family):
     # The configs' window (4096) holds the whole cache: its sliding layers hold
@@ -292,6 +300,7 @@ def test_generate_with_a_static_cache_within_the_window_scans_every_step(device,
     assert tx.cache_info().misses - traces_before == 4
 
 
+@supports("training", OTHER_FAMILIES)
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_other_families_with_layer_kinds_train_as_unconverted(device, family):
     # One scan where the kinds compute alike (Olmo3); where they do not

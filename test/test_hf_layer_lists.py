@@ -11,6 +11,7 @@ import torch_xla
 import transformers
 from torch import nn
 
+from support import supports
 from test_hf import close, device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
 from torch_xla_ext.hf import (StackedLayers, UnstackedLayersWarning, stack_layers,
                               unstack_layers)
@@ -70,6 +71,7 @@ MULTIMODAL = {
 }
 
 
+@supports("training", ("gemma3", "llava"))
 @pytest.mark.parametrize("family", MULTIMODAL)
 def test_image_and_text_training_matches_the_unconverted_model(device, family):
     reference = MULTIMODAL[family]()
@@ -107,6 +109,7 @@ def test_image_and_text_training_matches_the_unconverted_model(device, family):
     assert expected_grads.keys() <= grads.keys()
 
 
+@supports("generate", ("gemma3", "llava"))
 @pytest.mark.parametrize("family", ["gemma3", "llava"])
 def test_text_only_generation_of_a_stacked_multimodal_model(device, family):
     reference = MULTIMODAL[family]()

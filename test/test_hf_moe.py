@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from support import supports
 from test_hf import (  # noqa: F401 (device is a fixture)
     VOCAB, assert_one_scan_with_the_unconverted_step, batch, close, device, per_layer_grads)
 from torch_xla_ext.hf import StackedLayers, stack_layers
@@ -38,6 +39,7 @@ def moe_pair(family: str, experts_implementation: str, **config):
     return model, stack_layers(copy.deepcopy(model))
 
 
+@supports("training", FAMILIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_mm_experts_train_as_one_scan(device, family):
     reference, model = moe_pair(family, "batched_mm")

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 import torch_xla
+from support import supports
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
@@ -42,6 +43,7 @@ def stacked(model) -> StackedLayers:
     Q_AND_V,
     dict(r=4, target_modules="all-linear", modules_to_save=["lm_head"], lora_dropout=0.0),
 ], ids=["q-and-v", "all-linear-and-lm_head"])
+@supports("LoRA", "llama")
 def test_training_is_one_scan_with_the_unconverted_losses_and_adapter_gradients(device, config):
     reference, model = peft_pair(**config)
     assert type(stacked(model)) is StackedLayers
