@@ -95,7 +95,10 @@ def test_one_decoding_graph_serves_any_number_of_new_tokens():
     short = our_tokens(model, ids, mask, 2, max_cache_len=PROMPT + 12)
     before, traces = compilations(), tx.cache_info().misses
     long = our_tokens(model, ids, mask, 12, max_cache_len=PROMPT + 12)
+    again = our_tokens(model, ids, mask, 2, max_cache_len=PROMPT + 12)
+    # The second and third calls compile and trace nothing.
     assert compilations() == before and tx.cache_info().misses == traces
+    assert again == short
     assert [row[:PROMPT + 2] for row in long] == short
     # The first call compiled the prefill, one decoding step and a few small
     # graphs around them (transformers' mask check, the joining of the tokens).
