@@ -430,11 +430,13 @@ def print_runs_table(outcomes: Mapping[tuple[str, int], Outcome],
 
 
 def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome]) -> None:
-    """A line per (mode, L): its figures (python_ms, compile_s, compiles,
-    execute_ms, forward_ms where measured, peak_rss_mib, param_mib), or the
+    """A line per (mode, L): its figures (first_step_s where measured,
+    python_ms, compile_s, compiles, execute_ms, forward_ms where measured, peak_rss_mib, param_mib), or the
     status of a run that gave none."""
     forward = any(o.figures and "forward_ms" in o.figures for o in outcomes.values())
+    first_step = any(o.figures and "first_step_s" in o.figures for o in outcomes.values())
     print_runs_table(outcomes, [
+        *([("first step s", lambda r: f"{r['first_step_s']:.2f}")] if first_step else []),
         ("python ms", lambda r: f"{r['python_ms']:.2f}"),
         ("compile s", lambda r: f"{r['compile_s']:.2f}"),
         ("compiles", lambda r: str(r["compiles"])),

@@ -73,9 +73,12 @@ def test_moe_and_encoder_families_train_the_same_steps_as_one_scan(scenario_serv
 def test_the_table_and_ratios_are_printed(forked_workers, capsys):
     bench_hf.main(["--layers", "2", "--modes", "stack_layers", *TINY])
     printed = capsys.readouterr().out
-    assert re.search(r"^stack_layers  2 +[\d.]+ +[\d.]+ +\d+ ", printed, re.MULTILINE), printed
+    # first step s, python ms, compile s, compiles
+    assert re.search(r"^stack_layers  2 +[\d.]+ +[\d.]+ +[\d.]+ +\d+ ", printed,
+                     re.MULTILINE), printed
     # Ratios against a mode that did not run say so; the compilation count needs none.
     assert "python time stack_layers/loop at L=2" in printed
+    assert "first step (trace+compile+run) stack_layers/loop L=2" in printed
     assert "n/a (missing run)" in printed
     assert "step graph compilations in 3 steps, stack_layers L=2" in printed
 
