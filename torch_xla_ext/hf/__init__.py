@@ -8,8 +8,10 @@ that holds every weight once, stacked along a leading layer dimension. The
 model's forward loops `for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
 of all the layers of a `StackedLayers` is a list of one callable, the stack
 itself, which runs every layer as one scan. A forward that iterates over the
-layers (`for block in self.h`, GPT-2's) gets the stack first, then callables
-that hand the hidden state on. Everything else about the model
+layers (`for block in self.h`, GPT-2's) gets a callable per layer, the first
+of which runs the scan and the others hand the hidden state on: forward
+hooks on its module tell the stack that its forward runs (elsewhere,
+iteration gives the layers as modules). Everything else about the model
 stays as it was: its forward, its config, the rest of its modules, and the
 per-layer names of its `state_dict()`.
 
