@@ -19,7 +19,7 @@ import torch_xla_ext as tx
 from support import supports
 from optimized_hlo import callees, computations, stacked_results_in_loops, while_loops
 from reference import host_copies
-from torch_xla_ext.hf import StackedLayers, stack_layers
+from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
 VOCAB, SEQ, BATCH = 128, 8, 2
@@ -759,6 +759,22 @@ def test_lookups_between_layers_are_allowed_and_a_changed_hidden_state_is_refuse
     with pytest.raises(RuntimeError, match="layer 1 got another hidden state than layer 0 "
                                            "returned"):
         second(first(x) * 2)
+
+
+def test_only_the_owners_forward_iterates_over_the_loops_callables(device):
+    model = LooksUpBetweenLayers()
+    model.names = ["first", "second"]
+    stack_layers(model).to(device)
+    # Its hooks tell the stack that the forward runs; elsewhere iteration gives modules.
+    assert all(type(layer) is nn.Linear for layer in model.blocks)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5, device=device))  # raises inside the loop
+    # The hook that marks the loop's end ran all the same.
+    assert all(type(layer) is nn.Linear for layer in model.blocks)
+    hooks = (model._forward_pre_hooks, model._forward_hooks)
+    assert all(len(each) == 1 for each in hooks)
+    unstack_layers(model)
+    assert not any(hooks) and type(model.blocks) is nn.ModuleList
 
 
 def test_a_forward_that_neither_slices_nor_iterates_is_refused():

@@ -300,6 +300,79 @@ def test_generate_with_a_static_cache_within_the_window_scans_every_step(device,
     assert tx.cache_info().misses - traces_before == 4
 
 
+def lfm2(**config):
+    """Lfm2: its short-convolution and attention layers are of one class, with other
+    submodules (`conv`, `self_attn`): kinds that differ in structure."""
+    return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, **config))
+
+
+@supports("training", "lfm2")
+def test_kinds_that_differ_in_structure_become_a_scan_per_segment(device):
+    torch.manual_seed(0)
+    reference = lfm2(**COMMON)
+    model = stack_layers(copy.deepcopy(reference))
+    assert type(model.model.layers) is StackedLayerKinds
+    assert model.model.layers.plan == [Segment(0, 2, 2)]
+    (reference_loss, reference_grads), (loss, grads), one_by_one = training_step_of_both(
+        reference, model, device, backward=True)
+    assert not one_by_one
+    close(loss, reference_loss)
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in reference_grads.items():
+        close(grads[name], grad)
+
+
+def test_layers_of_one_kind_not_alike_are_refused_as_such_not_as_groups():
+    # Layer 3, a sliding one as layer 0, has another scaling: a defect of the
+    # layers, which the one scan's check names (kinds that differ only in
+    # settings are never stacked as groups instead).
+    torch.manual_seed(0)
+    model = FAMILIES["gemma3"](**COMMON)
+    model.model.layers[3].self_attn.scaling = 0.5
+    with pytest.raises(ValueError, match=r"cannot stack the layers at 'model\.layers': Layer 3 "
+                                         r"setting 'self_attn\.scaling' is 0\.5") as refused:
+        stack_layers(model)
+    assert "group" not in str(refused.value)
+    assert type(model.model.layers) is torch.nn.ModuleList
+
+
+class Block(torch.nn.Module):
+    """A layer whose kind "gated" has a submodule more."""
+
+    def __init__(self, gated: bool):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        if gated:
+            self.gate = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden):
+        return self.linear(hidden) * (self.gate(hidden) if hasattr(self, "gate") else 1)
+
+
+class IteratesOverKinds(torch.nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.config = transformers.PretrainedConfig(layer_types=["plain", "gated"] * 2)
+        self.blocks = torch.nn.ModuleList(Block(gated=index % 2 == 1) for index in range(4))
+
+    def forward(self, hidden):
+        for block in self.blocks:
+            hidden = block(hidden)
+        return hidden
+
+
+def test_kinds_that_differ_in_structure_under_an_iterating_loop_are_refused():
+    with pytest.raises(ValueError, match=r"several kinds \(config\.layer_types: \['gated', "
+                                         r"'plain'\]\) that differ in more than their settings "
+                                         r"\(Layer 1 differs from layer 0: it has extra "
+                                         r"submodules \['gate'\].*IteratesOverKinds\.forward "
+                                         r"iterates over them"):
+        stack_layers(IteratesOverKinds())
+
+
 @supports("training", OTHER_FAMILIES)
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_other_families_with_layer_kinds_train_as_unconverted(device, family):

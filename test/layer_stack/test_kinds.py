@@ -12,7 +12,7 @@ from torch import nn
 
 from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack
 from torch_xla_ext.layer_stack.kinds import (
-    KindCalls, PerLayerChoice, kind_attributes, program_difference)
+    KindCalls, KindsCompared, PerLayerChoice, compare_kinds, kind_attributes, program_difference)
 
 HIDDEN = 8
 
@@ -51,6 +51,32 @@ def test_kind_attributes_are_what_differs_between_kinds():
     with pytest.raises(ValueError, match=r"Layer 3 setting 'window' differs from layer 1's, "
                                          r"the first layer of the same kind 'b'"):
         kind_attributes(layers, ["a", "b", "a", "b"], ())
+
+
+class Gated(Scaled):
+    """A layer of another structure: a submodule more than Scaled."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(HIDDEN, HIDDEN)
+
+
+def test_kinds_compared_differ_in_settings_or_in_structure():
+    kinds = ["a", "b", "a", "b"]
+    assert compare_kinds([Scaled(window=4), Scaled()] * 2, kinds) == KindsCompared(
+        frozenset({"window"}))
+    compared = compare_kinds([Scaled(), Gated()] * 2, kinds)
+    assert compared.settings == frozenset()
+    assert re.match(r"Layer 1 differs from layer 0: it has extra submodules \['gate'\]",
+                    compared.structure)
+    # Layers of one kind not alike are no structure of the kinds: the stack says so.
+    layers = [Scaled(), Scaled(), Gated(), Scaled()]
+    assert compare_kinds(layers, kinds).structure is None
+    with pytest.raises(ValueError, match=r"Layer 2 differs from layer 0: it has extra submodules"):
+        LayerStack(layers)
+    with pytest.raises(ValueError, match=r"the layers' kinds \['a', 'b'\] differ in more than "
+                                         r"their settings \(Layer 1 differs from layer 0"):
+        kind_attributes([Scaled(), Gated()] * 2, kinds, ())
 
 
 def test_the_proof_tells_a_setting_handed_on_from_one_that_computes():

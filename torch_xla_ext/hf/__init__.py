@@ -8,8 +8,10 @@ that holds every weight once, stacked along a leading layer dimension. The
 model's forward loops `for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
 of all the layers of a `StackedLayers` is a list of one callable, the stack
 itself, which runs every layer as one scan. A forward that iterates over the
-layers (`for block in self.h`, GPT-2's) gets the stack first, then callables
-that hand the hidden state on. Everything else about the model
+layers (`for block in self.h`, GPT-2's) gets a callable per layer, the first
+of which runs the scan and the others hand the hidden state on: forward
+hooks on its module tell the stack that its forward runs (elsewhere,
+iteration gives the layers as modules). Everything else about the model
 stays as it was: its forward, its config, the rest of its modules, and the
 per-layer names of its `state_dict()`.
 
@@ -32,7 +34,9 @@ from torch_xla_ext.hf import adapters, fsdp
 from torch_xla_ext.hf.inspection import (
     LayerList, Unstackable, UnstackedLayersWarning, layer_list, layer_list_paths,
     recorded_outputs, submodule)
-from torch_xla_ext.hf.stacks import STACKS, StackedLayerKinds, StackedLayers
+from torch_xla_ext.hf.stacks import (
+    STACKS, StackedLayerKinds, StackedLayers, hook_forward_loop, unhook_forward_loop)
+from torch_xla_ext.layer_stack.kinds import compare_kinds
 
 __all__ = ["StackedLayerKinds", "StackedLayers", "UnstackedLayersWarning", "stack_layers",
            "unstack_layers"]
@@ -187,6 +191,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     stacks = [(each, _stack(each, options)) for each in found if isinstance(each, LayerList)]
     for each, stack in stacks:
         setattr(each.owner, each.name, stack)
+        if each.iterated:
+            hook_forward_loop(each.owner, each.name)
     return model
 
 
@@ -201,23 +207,19 @@ def _stack(found: LayerList, options: dict) -> nn.Module:
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
         maybe_install_capturing_hooks(found.recorder)
     try:
-        if kinds is None:
-            stack = StackedLayers(layers, found.config, recorded, **options)
+        # Kinds that differ only in settings run as one scan; in structure, as a scan per segment.
+        compared = None if kinds is None else compare_kinds(layers, kinds)
+        if compared is None or compared.structure is None:
+            stack = StackedLayers(layers, found.config, recorded, kinds=kinds, **options)
+        elif found.iterated:
+            raise ValueError(
+                f"the layers are of several kinds (config.layer_types: {sorted(set(kinds))}) "
+                f"that differ in more than their settings ({compared.structure}), and "
+                f"{type(owner).__qualname__}.forward iterates over them (`for layer in "
+                f"self.{found.name}`); such layers run as scans over groups of their pattern "
+                f"only under a loop over a slice `self.{found.name}[: n]`")
         else:
-            try:
-                stack = StackedLayers(layers, found.config, recorded, kinds=kinds, **options)
-            except (TypeError, ValueError):
-                # Kinds that differ in more than their settings: a few scans.
-                if found.iterated_by is not None:
-                    raise ValueError(
-                        f"the layers are of several kinds (config.layer_types: "
-                        f"{sorted(set(kinds))}) that differ in more than their settings, and "
-                        f"{type(owner).__qualname__}.forward iterates over them (`for layer "
-                        f"in self.{found.name}`); such layers run as scans over groups of their "
-                        f"pattern only under a loop over a slice `self.{found.name}[: n]`"
-                    ) from None
-                stack = StackedLayerKinds(layers, kinds, found.config, recorded, **options)
-        stack.iterated_by = found.iterated_by
+            stack = StackedLayerKinds(layers, kinds, found.config, recorded, **options)
     except (TypeError, ValueError) as error:
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
     return stack
@@ -238,8 +240,9 @@ def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
                             f"StackedLayers or StackedLayerKinds that stack_layers made; pass "
                             f"the path of that.")
         parent_path, _, name = each.rpartition(".")
-        setattr(model.get_submodule(parent_path), name,
-                nn.ModuleList(stack.unstacked()).train(stack.training))
+        parent = model.get_submodule(parent_path)
+        unhook_forward_loop(parent, name)
+        setattr(parent, name, nn.ModuleList(stack.unstacked()).train(stack.training))
     return model
 
 

@@ -10,11 +10,11 @@ reading their slices (a StaticCache: `fill_stacked`; a DynamicCache that
 keeps all it gets: `hold_stacked`; either: `stacked_buffers`)."""
 from __future__ import annotations
 
-import copyreg
 import functools
 
 import torch
 
+from torch_xla_ext.class_swaps import lookalike_subclass, reduce_as_original, swap_back, swap_in
 from torch_xla_ext.layer_stack.running import Recording
 
 
@@ -205,8 +205,7 @@ def _reading_stacked_buffers(layer_class: type) -> type:
     by the layer would not do: torch_xla materializes every live view at a
     sync, which would keep a second copy of the cache."""
     writes_through = layer_class.__name__ in _STATIC_CACHE_LAYERS
-    return type(layer_class.__name__, (layer_class,), {
-        "__module__": layer_class.__module__, "__qualname__": layer_class.__qualname__,
+    return lookalike_subclass(layer_class, {
         "keys": _stacked_slice("keys", writes_through),
         "values": _stacked_slice("values", writes_through), "reads_stacked_buffers": True,
         "__reduce_ex__": _unbound_for_pickling})
@@ -219,13 +218,13 @@ def _unbound_for_pickling(layer, protocol: int):
     state = {name: value for name, value in vars(layer).items()
              if name not in ("_stacked_keys", "_stacked_values", "_stacked_index")}
     state["keys"], state["values"] = layer.keys, layer.values
-    return copyreg._reconstructor, (type(layer).__mro__[1], object, None), state
+    return reduce_as_original(layer, state)
 
 
 def _leave_stacked_buffers(layer) -> None:
     """The layer takes its slices as its own tensors, and its class back."""
     keys, values = layer.keys, layer.values
-    layer.__class__ = type(layer).__mro__[1]
+    swap_back(layer)
     for name in ("_stacked_keys", "_stacked_values", "_stacked_index"):
         del layer.__dict__[name]
     layer.keys, layer.values = keys, values
@@ -281,7 +280,7 @@ def _bind_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
         layer.__dict__.pop("keys", None)
         layer.__dict__.pop("values", None)
         if not getattr(layer, "reads_stacked_buffers", False):  # else it reads new ones
-            layer.__class__ = _reading_stacked_buffers(type(layer))
+            swap_in(layer, _reading_stacked_buffers(type(layer)))
         layer._stacked_keys, layer._stacked_values, layer._stacked_index = keys, values, index
 
 

@@ -4,7 +4,14 @@ an iteration that does nothing else between two layers), their kinds
 (`config.layer_types`), and what a scan could not run (hooks, gradient
 checkpointing on some layers only). `layer_list` decides, for one list,
 whether it can be stacked: a `LayerList` to stack, or an `Unstackable` saying
-why not."""
+why not.
+
+This is the one module that reads a model's code (`layer_loop`: its
+forward's source): a scan stands for the model's loop over the layers only
+if that loop does nothing between two layers but call the next one, which
+nothing but the loop's code shows. Once it is read, nothing is inspected
+at run time: the stack learns that the loop runs from hooks on the owner
+(`stacks.ForwardLoop`)."""
 from __future__ import annotations
 
 import ast
@@ -46,7 +53,7 @@ class LayerList:
     layers: nn.ModuleList
     config: object
     kinds: list | None  # config.layer_types, when they are not all the same
-    iterated_by: tuple[str, int] | None  # see layer_loop
+    iterated: bool  # the owner's forward iterates over the list (see layer_loop)
     recorder: nn.Module | None  # see output_recorder
 
 
@@ -87,7 +94,7 @@ def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
     parent_path, _, name = path.rpartition(".")
     owner = model.get_submodule(parent_path)
     config = getattr(owner, "config", getattr(model, "config", None))
-    iterated_by, reason = layer_loop(owner, name, path)
+    iterated, reason = layer_loop(owner, name, path)
     reason = (reason or _kinds_reason(config, len(layers))
               or next(filter(None, (hooks_reason(layer, f"{path}.{index}")
                                     for index, layer in enumerate(layers))), None)
@@ -95,7 +102,7 @@ def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
     if reason is not None:
         return Unstackable(path, reason)
     return LayerList(path, owner, name, layers, config, mixed_layer_types(config, len(layers)),
-                     iterated_by, output_recorder(model, path))
+                     iterated, output_recorder(model, path))
 
 
 def _one_class_among(layers: nn.Module, class_names: set) -> bool:
@@ -107,15 +114,14 @@ def _one_class_among(layers: nn.Module, class_names: set) -> bool:
     return len(classes) == 1 and next(iter(classes)).__name__ in class_names
 
 
-def layer_loop(owner: nn.Module, name: str, path: str
-               ) -> tuple[tuple[str, int] | None, str | None]:
+def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[bool, str | None]:
     """How the owner's forward calls the layers, and why a scan cannot stand
-    for its loop (None if it can). How: None when it takes them as a slice
-    (`for layer in self.layers[: n]`), which yields the stack itself; or
-    (file, first line) of the forward when it iterates over them (`for block in
-    self.h`, `enumerate(self.h)`) with a loop body that only calls the layer on
-    the hidden state, for StackedLayers.__iter__ to recognize. Why not: no such
-    loop, or the line of a loop that does more between the layers."""
+    for its loop (None if it can). How: False when it takes them as a slice
+    (`for layer in self.layers[: n]`), which yields the stack itself; True
+    when it iterates over them (`for block in self.h`, `enumerate(self.h)`)
+    with a loop body that only calls the layer on the hidden state, so that
+    `stack_layers` installs the owner's `stacks.ForwardLoop` hooks. Why not:
+    no such loop, or the line of a loop that does more between the layers."""
     forward = inspect.unwrap(type(owner).forward)
     try:
         lines, first_line = inspect.getsourcelines(forward)
@@ -123,12 +129,12 @@ def layer_loop(owner: nn.Module, name: str, path: str
         lines, first_line = [], 0
     source = textwrap.dedent("".join(lines))
     if re.search(rf"self\.{re.escape(name)}\s*\[", source):
-        return None, None
+        return False, None
     where = type(owner).__qualname__ + ".forward"
     loop = next((node for node in ast.walk(ast.parse(source)) if source and
                  isinstance(node, ast.For) and _iterates_over(node.iter, name)), None)
     if loop is None:
-        return None, (
+        return False, (
             f"{where} neither loops over a slice `self.{name}[...]` nor over "
             f"`self.{name}` itself (or its source is not available), so it would call the "
             f"layers at {path!r} one by one, not as one scan. stack_layers takes over loops of "
@@ -143,13 +149,13 @@ def layer_loop(owner: nn.Module, name: str, path: str
         statement = extra[0]
         line = first_line + statement.lineno - 1
         text = source.splitlines()[statement.lineno - 1].strip()
-        return None, (
+        return False, (
             f"{where} does more between two layers than call the next one on "
             f"the hidden state ({forward.__code__.co_filename}:{line}: `{text}`); one scan "
             f"runs all the layers at once, so that work would not run between them. Move it "
             f"before or after the loop, or call a torch_xla_ext.LayerStack from your own "
             f"forward")
-    return (forward.__code__.co_filename, forward.__code__.co_firstlineno), None
+    return True, None
 
 
 def _iterates_over(iterable: ast.expr, name: str) -> bool:

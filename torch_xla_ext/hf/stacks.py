@@ -10,7 +10,7 @@ import copy
 import dataclasses
 import functools
 import inspect
-import sys
+import threading
 from typing import Iterable, Sequence
 
 import torch
@@ -49,7 +49,9 @@ class StackedLayers(LayerStack):
       a DynamicCache is held as stacked buffers too, which each decoding
       step's scan reads and extends. Any other slice is the list of those layers;
       `layers[i]` and iteration give per-layer modules whose tensors are views of
-      the stacked ones.
+      the stacked ones; iteration inside the forward of a model that iterates
+      over its layers (GPT-2's `for block in self.h`) gives its loop's
+      callables instead, the first of which runs the scan (`ForwardLoop`).
     * The template layer reads the model's own config object, so changing it
       (`model.config._attn_implementation = "eager"`, say) reaches the layers as
       it would reach the original ones.
@@ -105,8 +107,6 @@ class StackedLayers(LayerStack):
         self.__dict__["_given_per_layer_attributes"] = tuple(sorted(per_layer))
         self.model_config = config
         self.recorded_outputs = tuple(recorded_outputs)
-        # (file, first line) of the forward whose loop iterates over the layers, if any.
-        self.iterated_by: tuple[str, int] | None = None
         if config is not None and self._template is not None:
             _share_config(self._template, layers[0], config)
         # Mixture-of-experts modules, whose implementation decides whether a scan can run them.
@@ -177,8 +177,7 @@ class StackedLayers(LayerStack):
         return tuple(templates)
 
     def __iter__(self):
-        caller = sys._getframe(1).f_code
-        if self.iterated_by == (caller.co_filename, caller.co_firstlineno):
+        if _LOOPING.iterating(self):  # the owner's forward iterates over the layers
             return iter(self._layer_calls())
         return super().__iter__()
 
@@ -366,6 +365,61 @@ def _scan_filling_groups(layers: Layers, segment, cache, parameter: str, hidden,
 
 # The stacks that stack_layers makes.
 STACKS = (StackedLayers, StackedLayerKinds)
+
+
+class _RunningLoops(threading.local):
+    """The forward loops running in this thread, innermost last: each
+    `ForwardLoop` with the id of the stack its forward iterates over."""
+
+    def __init__(self):
+        self.loops: list[tuple[ForwardLoop, int]] = []
+
+    def iterating(self, stack: nn.Module) -> bool:
+        return any(stack_id == id(stack) for _, stack_id in self.loops)
+
+
+_LOOPING = _RunningLoops()
+
+
+class ForwardLoop:
+    """The forward hooks by which a module whose forward iterates over its
+    stacked layer list `name` (`for block in self.h`, GPT-2's; see
+    `inspection.layer_loop`) tells the stack so: while that forward runs,
+    iterating over the stack gives the loop's callables (the first runs the
+    scan, the others hand the hidden state on); anywhere else (user code,
+    peft, ...), the layers as modules."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def entered(self, owner: nn.Module, args) -> None:
+        _LOOPING.loops.append((self, id(owner._modules.get(self.name))))
+
+    def left(self, owner: nn.Module, args, output) -> None:
+        # Its last entry: `entered` may not have run (an earlier pre-hook raised).
+        for index in range(len(_LOOPING.loops) - 1, -1, -1):
+            if _LOOPING.loops[index][0] is self:
+                del _LOOPING.loops[index]
+                return
+
+
+def hook_forward_loop(owner: nn.Module, name: str) -> None:
+    """Installs `ForwardLoop`'s hooks on `owner` for its layer list `name`
+    (the `left` one runs even if the forward raises), in place of any it has."""
+    unhook_forward_loop(owner, name)
+    loop = ForwardLoop(name)
+    owner.register_forward_pre_hook(loop.entered)
+    owner.register_forward_hook(loop.left, always_call=True)
+
+
+def unhook_forward_loop(owner: nn.Module, name: str) -> None:
+    """Removes the hooks `hook_forward_loop(owner, name)` installed, if any."""
+    for hooks in (owner._forward_pre_hooks, owner._forward_hooks):
+        for key, hook in list(hooks.items()):
+            loop = getattr(hook, "__self__", None)
+            if isinstance(loop, ForwardLoop) and loop.name == name:
+                del hooks[key]
+                owner._forward_hooks_always_called.pop(key, None)
 
 
 def _replays_per_layer_outputs(stack: nn.Module, kwargs: dict) -> bool:

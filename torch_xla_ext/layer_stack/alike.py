@@ -142,31 +142,44 @@ def names_its_module(index: int, owner_path: str, reference, other) -> bool:
     return reference.value.endswith("." + in_layer_0) and other.value == prefix + in_layer
 
 
-def _check_same_layout(index: int, reference: LayerLayout, other: LayerLayout,
-                       per_layer_attributes: frozenset[str]) -> set[str]:
-    """Raises TypeError/ValueError naming the first thing layer `index` does
-    differently; returns the settings that differ only in naming their module."""
+def structure_difference(index: int, reference: LayerLayout, other: LayerLayout
+                         ) -> tuple[type[Exception], str] | None:
+    """How layer `index` is built otherwise than layer 0, beyond the values of
+    its settings: other submodules or submodule types, other parameters or
+    buffers (names or specs), other setting names. None when it is not; else
+    the error to raise for layers that must be alike, and its message."""
     message = _key_difference(index, "submodules", reference.modules, other.modules)
     if message:
-        raise ValueError(message)
+        return ValueError, message
     for path, module_type in reference.modules.items():
         if other.modules[path] is not module_type:
             where = f"submodule '{path}'" if path else "itself"
-            raise TypeError(f"Layer {index} {where} is a {other.modules[path].__name__} but "
-                            f"layer 0's is a {module_type.__name__}; {_SAME_CODE_NOTE}.")
+            return TypeError, (f"Layer {index} {where} is a {other.modules[path].__name__} but "
+                               f"layer 0's is a {module_type.__name__}; {_SAME_CODE_NOTE}.")
     message = _key_difference(index, "parameters/buffers", reference.tensors, other.tensors)
     if message:
-        raise ValueError(message)
+        return ValueError, message
     for name, spec in reference.tensors.items():
         if other.tensors[name] != spec:
             kind = "parameter" if spec.is_parameter else "buffer"
-            raise ValueError(
+            return ValueError, (
                 f"Layer {index} {kind} '{name}' has {other.tensors[name].describe()} but "
                 f"layer 0's has {spec.describe()}; the stack keeps one [num_layers, ...] "
                 f"tensor per name, so every layer's '{name}' must match layer 0's.")
     message = _key_difference(index, "settings", reference.settings, other.settings)
     if message:
-        raise ValueError(message)
+        return ValueError, message
+    return None
+
+
+def _check_same_layout(index: int, reference: LayerLayout, other: LayerLayout,
+                       per_layer_attributes: frozenset[str]) -> set[str]:
+    """Raises TypeError/ValueError naming the first thing layer `index` does
+    differently; returns the settings that differ only in naming their module."""
+    difference = structure_difference(index, reference, other)
+    if difference is not None:
+        error, message = difference
+        raise error(message)
     naming = set()
     for name, form in reference.settings.items():
         owner_path, _, attribute = name.rpartition(".")

@@ -5,8 +5,10 @@ code for every layer, each given its kind's arguments.
 
 Three pieces, used by a stack of such layers:
 
-* `kind_attributes`: the settings that tell the kinds apart (equal within a
-  kind, different between kinds), which the stack keeps per layer;
+* `compare_kinds`: whether the kinds differ only in settings, and which
+  (`kind_attributes`: equal within a kind, different between kinds, kept
+  per layer by the stack), or in structure (other submodules or tensors),
+  which needs a scan per kind (`groups`): the one place that decides;
 * `KindCalls`: the model's loop calls each layer with its kind's arguments;
   the calls are recorded until every kind has been called once, and become
   one call whose differing arguments are `PerLayerChoice`s: the scan takes
@@ -31,13 +33,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import (
     keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten)
 
-from torch_xla_ext.layer_stack.alike import names_its_module, layout_of
+from torch_xla_ext.layer_stack.alike import names_its_module, layout_of, structure_difference
 from torch_xla_ext.layer_stack.forms import differences
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.object_graph import VALUE_TYPES
 
-__all__ = ["PerLayerChoice", "KindCalls", "call_for_layer", "kind_attributes",
-           "program_difference"]
+__all__ = ["PerLayerChoice", "KindCalls", "KindsCompared", "call_for_layer", "compare_kinds",
+           "kind_attributes", "program_difference"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,27 +65,55 @@ def for_layer(tree, index: int):
     return tree_map(lambda leaf: leaf.for_layer(index) if is_choice(leaf) else leaf, tree)
 
 
+@dataclasses.dataclass(frozen=True)
+class KindsCompared:
+    """What comparing the first layer of each kind with layer 0 found. Either
+    the kinds differ in structure (`structure` says how: other submodules,
+    parameters, buffers or setting names), so one layer's code cannot run
+    them all and each needs scans of its own (`groups.GroupedLayers`); or
+    they differ only in the values of the attributes `settings` (their names:
+    `sliding_window`, `layer_type`, ...), so one scan can stand for every kind
+    (`structure` is None)."""
+    settings: frozenset[str]
+    structure: str | None = None
+
+
+def compare_kinds(layers: Sequence[nn.Module], kinds: Sequence[Hashable]) -> KindsCompared:
+    """Compares the first layer of each of `kinds` (one per layer) with layer 0
+    (see `KindsCompared`); strings that name their module (see `alike`) are
+    no difference."""
+    first_of_kind = {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}
+    reference = layout_of(layers[0], 0)
+    names = set()
+    for index in first_of_kind.values():
+        layout = layout_of(layers[index], index)
+        difference = structure_difference(index, reference, layout)
+        if difference is not None:
+            return KindsCompared(frozenset(), difference[1])
+        for name, form in reference.settings.items():
+            owner_path, _, attribute = name.rpartition(".")
+            if any(not names_its_module(index, owner_path, *difference[1:])
+                   for difference in differences(form, layout.settings[name])):
+                names.add(attribute)
+    return KindsCompared(frozenset(names))
+
+
 def kind_attributes(layers: Sequence[nn.Module], kinds: Sequence[Hashable],
                     per_layer_attributes: Iterable[str]) -> frozenset[str]:
     """The names of the attributes (`sliding_window`, `layer_type`, ...) whose
     values differ between the first layers of different kinds (other than
-    `per_layer_attributes`, which differ anyway, and strings naming their
-    module, see `alike`); raises ValueError naming one that differs between
-    two layers of the same kind."""
-    per_layer_attributes = frozenset(per_layer_attributes)
+    `per_layer_attributes`, which differ anyway; see `compare_kinds`). Raises
+    ValueError when the kinds differ in structure, or naming an attribute
+    that differs between two layers of the same kind."""
+    compared = compare_kinds(layers, kinds)
+    if compared.structure is not None:
+        raise ValueError(
+            f"the layers' kinds {list(dict.fromkeys(kinds))} differ in more than their "
+            f"settings ({compared.structure}), so one layer's code cannot run them all in "
+            f"one scan; stack them as a GroupedLayers (a scan per segment of their pattern).")
+    names = compared.settings - frozenset(per_layer_attributes)
     layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
     first_of_kind = {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}
-    names = set()
-    for index in first_of_kind.values():
-        for name, form in layouts[0].settings.items():
-            if name not in layouts[index].settings:
-                continue  # the stack's check that the layers are alike says so
-            owner_path, _, attribute = name.rpartition(".")
-            if attribute in per_layer_attributes:
-                continue
-            if any(not names_its_module(index, owner_path, *difference[1:])
-                   for difference in differences(form, layouts[index].settings[name])):
-                names.add(attribute)
     for index, (kind, layout) in enumerate(zip(kinds, layouts)):
         first = first_of_kind[kind]
         for name, form in layout.settings.items():
@@ -92,7 +122,7 @@ def kind_attributes(layers: Sequence[nn.Module], kinds: Sequence[Hashable],
                 raise ValueError(
                     f"Layer {index} setting '{name}' differs from layer {first}'s, the first "
                     f"layer of the same kind {kind!r}; layers of one kind must be built alike.")
-    return frozenset(names)
+    return names
 
 
 class KindCalls:

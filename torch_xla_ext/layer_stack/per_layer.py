@@ -11,6 +11,8 @@ from typing import Iterable
 
 from torch import nn
 
+from torch_xla_ext.class_swaps import lookalike_subclass, swapped
+
 # transformers' attention layers keep their index only to pick their key/value cache slot.
 DEFAULT_PER_LAYER_ATTRIBUTES = ("layer_idx",)
 
@@ -97,10 +99,8 @@ class _WatchedAttribute:
 
 @functools.cache
 def _watching_class(cls: type, names: frozenset[str]) -> type:
-    """A subclass of `cls` (same name and module) watching the attributes `names`."""
-    watched = {name: _WatchedAttribute(name) for name in names}
-    return type(cls.__name__, (cls,),
-                {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **watched})
+    """A look-alike subclass of `cls` watching the attributes `names`."""
+    return lookalike_subclass(cls, {name: _WatchedAttribute(name) for name in names})
 
 
 # Serializes the class swaps of templates (a template is swapped by one call at a time).
@@ -118,14 +118,8 @@ def reads_watched(template: nn.Module, per_layer_paths: Iterable[str]):
     if not names_by_owner:
         yield
         return
-    with _WATCH_LOCK:
-        swapped = []
-        try:
-            for owner_path, names in names_by_owner.items():
-                owner = template.get_submodule(owner_path)
-                swapped.append((owner, type(owner)))
-                owner.__class__ = _watching_class(type(owner), frozenset(names))
-            yield
-        finally:
-            for owner, original in swapped:
-                owner.__class__ = original
+    with _WATCH_LOCK, contextlib.ExitStack() as swaps:
+        for owner_path, names in names_by_owner.items():
+            owner = template.get_submodule(owner_path)
+            swaps.enter_context(swapped(owner, _watching_class(type(owner), frozenset(names))))
+        yield
