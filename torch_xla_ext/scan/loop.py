@@ -196,7 +196,7 @@ class Loop:
         self._computations: dict = {}
         self._lock = threading.Lock()
 
-    def __call__(self, carries, sliced, invariants, reverse: bool, unroll=1):
+    def __call__(self, carries, sliced, invariants, reverse: bool, unroll):
         length = sliced[0].shape[0]
         computation = self.computation(length, reverse, unroll)
         operands = [*carries, *sliced, *invariants]
@@ -207,7 +207,7 @@ class Loop:
         results = _XLAC._xla_user_computation(f"xla::{self.name}", operands, computation)
         return results[:len(self.carry_avals)], results[len(self.carry_avals):]
 
-    def computation(self, length: int, reverse: bool, unroll=1):
+    def computation(self, length: int, reverse: bool, unroll):
         """The loop's XLA computation for `length` steps (built once for each
         direction and number of steps per iteration)."""
         key = (length, reverse, steps_per_iteration(unroll, length))
