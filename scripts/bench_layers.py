@@ -23,11 +23,17 @@ The compile figures are the training steps'. With `--rounds N` every
 median of the rounds' ratios, printed with their spread (min-max). The summary
 prints the ratios the layer-stack issues ask for.
 
+`--unroll 1,2,4` measures mode scan once for each number of layers per
+iteration of the scan's loops (LayerStack's `unroll`; runs "scan unroll=k",
+k = 1 being plain "scan"), and prints each one's execution and compile time
+over the for loop's side by side.
+
   python scripts/bench_layers.py                 # L = 8, 32, 64
   python scripts/bench_layers.py --quick         # L = 2, 4: a quick check
   python scripts/bench_layers.py --memory        # 16 layers holding 1 GiB of weights
   python scripts/bench_layers.py --block ours,fused_qkv_sdpa,llama --modes loop,scan \\
       --layers 32 --rounds 3                     # issue 18's figures
+  python scripts/bench_layers.py --modes loop,scan --layers 16 --unroll 1,2,4
 """
 from __future__ import annotations
 
@@ -45,6 +51,29 @@ WORKLOAD_OPTIONS = ("steps", "hidden", "heads", "seq", "batch", "intermediate")
 BLOCKS = ("ours", "fused_qkv_sdpa", "llama")
 
 
+def unroll_counts(text: str) -> list[int]:
+    """argparse type of --unroll: comma-separated layers per loop iteration, each 1 or more."""
+    return list(dict.fromkeys(harness.positive_int(part) for part in text.split(",")))
+
+
+def scan_run(unroll: int) -> str:
+    """The name of mode scan's run with `unroll` layers per loop iteration."""
+    return "scan" if unroll == 1 else f"scan unroll={unroll}"
+
+
+def worker_modes(modes: list[str], unrolls: list[int]) -> dict[str, list[str]]:
+    """Each run's name and the worker arguments that choose it, in the order of
+    `modes`, scan once per unroll."""
+    runs = {}
+    for mode in modes:
+        if mode == "scan":
+            runs.update({scan_run(unroll): [*harness.mode_option(mode), "--unroll", str(unroll)]
+                         for unroll in unrolls})
+        else:
+            runs[mode] = harness.mode_option(mode)
+    return runs
+
+
 def run_worker(args) -> dict:
     """One (mode, L) measurement in this process; returns the figures."""
     import torch
@@ -56,8 +85,10 @@ def run_worker(args) -> dict:
     from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
 
     device = torch_xla.device()
+    unroll, = args.unroll
     model = make_decoder_stack(args.layers, args.hidden, args.heads, args.mode,
-                               intermediate=args.intermediate, device=device, block=args.block)
+                               intermediate=args.intermediate, device=device, block=args.block,
+                               unroll=unroll)
     batch = make_batch(args.batch, args.seq, args.hidden, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     torch_xla.sync()
@@ -118,6 +149,29 @@ def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[i
           "forward_ms", 1.05)
 
 
+def print_unroll_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int],
+                        unrolls: list[int]) -> None:
+    """Per L and unroll k, the run "scan unroll=k" over the loop: execution
+    (training and forward-only) and compile time, each the median over `rounds`."""
+    from torch_xla_ext.metrics.table import render_rows
+
+    def cell(numerator, denominator, figure):
+        value, spread = harness.median_and_spread(
+            [harness.ratio(figures, numerator, denominator, figure) for figures in rounds])
+        if value is None:
+            return "n/a"
+        return f"{value:.3f}" + ("" if spread is None else f" ({spread[0]:.3f}-{spread[1]:.3f})")
+
+    rows: list = [["L", "unroll", "exec scan/loop", "fwd exec scan/loop", "compile scan/loop"],
+                  None]
+    for layers in layer_counts:
+        for unroll in unrolls:
+            run, loop = (scan_run(unroll), layers), ("loop", layers)
+            rows.append([str(layers), str(unroll), cell(run, loop, "execute_ms"),
+                         cell(run, loop, "forward_ms"), cell(run, loop, "compile_s")])
+    print(render_rows(rows))
+
+
 def print_memory(by_key: dict[tuple[str, int], dict]) -> None:
     """Peak RSS growth over the for loop, as a share of the parameter bytes."""
     loop = next((r for (mode, _), r in by_key.items() if mode == "loop"), None)
@@ -148,6 +202,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", default=BLOCKS[0],
                         help=f"comma-separated layer kinds, each measured apart: "
                              f"{', '.join(BLOCKS)} (default {BLOCKS[0]})")
+    parser.add_argument("--unroll", type=unroll_counts, default=[1],
+                        help="comma-separated layers per iteration of mode scan's loops "
+                             "(LayerStack's unroll), each measured as a run of its own; ratios "
+                             "over the loop are printed side by side (default 1; one int in "
+                             "--worker)")
     harness.add_rounds_option(parser)
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
     args = parser.parse_args(argv)
@@ -166,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
         args.hidden, args.heads, args.intermediate, args.seq, args.batch = 1024, 8, 4096, 16, 1
         args.layers = args.layers or "16"
     layer_counts, modes = harness.chosen_runs(parser, args, MODES, WARMUP_STEPS)
+    unrolled = args.unroll != [1]
+    if unrolled and "scan" not in modes:
+        parser.error(f"--unroll {','.join(map(str, args.unroll))} is for mode scan, which "
+                     f"--modes leaves out; add scan to --modes")
+    runs = worker_modes(modes, args.unroll)
 
     print(f"PJRT {harness.device_name()}, hidden {args.hidden}, {args.heads} heads, seq "
           f"{args.seq}, batch {args.batch}, {args.steps} steps (first {WARMUP_STEPS} not "
@@ -173,9 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     all_outcomes = {}
     for block in blocks:
         every_round = harness.measure_rounds(
-            os.path.abspath(__file__), modes, layer_counts,
+            os.path.abspath(__file__), list(runs), layer_counts,
             [*harness.passed_on(args, WORKLOAD_OPTIONS), "--block", block], args.timeout,
-            args.rounds, f"block {block}", harness.print_layer_table)
+            args.rounds, f"block {block}", harness.print_layer_table, runs.__getitem__)
         for outcomes in every_round:
             all_outcomes.update({(f"{block} {mode}" if len(blocks) > 1 else mode, layers): outcome
                                  for (mode, layers), outcome in outcomes.items()})
@@ -186,6 +250,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nRatios, block {block}" + (f", median of {args.rounds} rounds (spread)"
                                                 if args.rounds > 1 else "") + ":")
             print_ratios(rounds, layer_counts)
+            if unrolled:
+                print(f"\nUnroll (layers per loop iteration), block {block}, over the loop"
+                      + (f", median of {args.rounds} rounds (spread)" if args.rounds > 1
+                         else "") + ":")
+                print_unroll_ratios(rounds, layer_counts, args.unroll)
     harness.exit_if_runs_failed(parser.prog, all_outcomes)
 
 

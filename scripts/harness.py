@@ -289,26 +289,36 @@ def passed_on(args: argparse.Namespace, options: Sequence[str]) -> list[str]:
     return arguments
 
 
+def mode_option(mode: str) -> list[str]:
+    """A worker's arguments that choose `mode`."""
+    return ["--mode", mode]
+
+
 def measure_modes_and_depths(script: str, modes: Sequence[str], layer_counts: Sequence[int],
-                             arguments: Sequence[str], limit: float
+                             arguments: Sequence[str], limit: float,
+                             mode_arguments: Callable[[str], Sequence[str]] = mode_option
                              ) -> dict[tuple[str, int], Outcome]:
-    """Runs `script --worker --mode MODE --layers L arguments...` for each depth
-    and mode, in that order, each in a fresh process (`measure`)."""
-    return {(mode, layers): measure(script, ["--worker", "--mode", mode, "--layers", str(layers),
-                                             *arguments], limit, f"{mode} L={layers}")
+    """Runs `script --worker MODE_ARGUMENTS --layers L arguments...` for each
+    depth and mode, in that order, each in a fresh process (`measure`);
+    `mode_arguments(mode)` gives a mode's arguments (`--mode MODE`, or more for
+    a mode that is a variant of another)."""
+    return {(mode, layers): measure(script, ["--worker", *mode_arguments(mode), "--layers",
+                                             str(layers), *arguments], limit, f"{mode} L={layers}")
             for layers in layer_counts for mode in modes}
 
 
 def measure_rounds(script: str, modes: Sequence[str], layer_counts: Sequence[int],
                    arguments: Sequence[str], limit: float, rounds: int, heading: str,
-                   print_table: Callable[[Mapping[tuple[str, int], Outcome]], None]
+                   print_table: Callable[[Mapping[tuple[str, int], Outcome]], None],
+                   mode_arguments: Callable[[str], Sequence[str]] = mode_option
                    ) -> list[dict[tuple[str, int], Outcome]]:
     """`rounds` rounds of `measure_modes_and_depths`, each round's table printed
     by `print_table` under `heading` (with the round's number when there are
     several); returns every round's outcomes."""
     every_round = []
     for number in range(1, rounds + 1):
-        outcomes = measure_modes_and_depths(script, modes, layer_counts, arguments, limit)
+        outcomes = measure_modes_and_depths(script, modes, layer_counts, arguments, limit,
+                                            mode_arguments)
         print(f"\n{heading}" + (f", round {number} of {rounds}" if rounds > 1 else ""))
         print_table(outcomes)
         every_round.append(outcomes)

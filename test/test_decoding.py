@@ -77,6 +77,22 @@ def test_the_tokens_of_transformers_generate_with_a_static_cache(family, options
     assert our_tokens(reference, ids, mask, 4, **options) == expected
 
 
+def test_a_stack_unrolled_two_layers_an_iteration_prefills_and_decodes_the_unconverted_logits():
+    # 3 layers: the loops of the prefill and of the decoding step run 2, then 1 after them.
+    ids, mask = prompts()
+    logits = []
+    for model in (make_model(converted=False), tx.stack_layers(make_model(converted=False),
+                                                                unroll=2)):
+        with torch.no_grad():
+            prefill = model(ids, attention_mask=mask)  # fills a DynamicCache
+            step = model(prefill.logits[:, -1:].argmax(-1),
+                         attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], 1),
+                         past_key_values=prefill.past_key_values)
+        logits.append([prefill.logits.cpu(), step.logits.cpu()])
+    for converted, unconverted in zip(*logits):
+        torch.testing.assert_close(converted, unconverted, rtol=1e-4, atol=1e-4)
+
+
 def test_64_new_tokens_are_those_of_transformers_generate():
     # transformers' generate() on the XLA device compiles a graph per token, so
     # the unconverted model runs it on the CPU, eagerly (float32 both ways).

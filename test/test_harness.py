@@ -1,6 +1,7 @@
 """scripts/harness.py: benchmark workers in fresh processes, with a time limit."""
 import argparse
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -8,7 +9,7 @@ import textwrap
 import pytest
 
 import torch_xla_ext.metrics as metrics
-from benchmark_scripts import SCRIPTS
+from benchmark_scripts import SCRIPTS, forked_workers  # noqa: F401 (a fixture)
 import bench_layers
 import harness
 
@@ -247,9 +248,29 @@ def test_ratios_over_rounds_are_their_median_with_the_spread():
 @pytest.mark.parametrize("argv, error", [
     (["--block", "ours,gpt"], "unknown blocks ['gpt']; choose from ours, fused_qkv_sdpa, llama"),
     (["--rounds", "0"], "argument --rounds: '0' must be 1 or more"),
+    (["--unroll", "1,0"], "argument --unroll: '0' must be 1 or more"),
+    (["--modes", "loop", "--unroll", "2,4"],
+     "--unroll 2,4 is for mode scan, which --modes leaves out; add scan to --modes"),
 ])
 def test_bench_layers_refuses_unknown_blocks_and_no_rounds_before_any_run(argv, error, capsys):
     with pytest.raises(SystemExit) as exited:
         bench_layers.main(argv)
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"bench_layers.py: error: {error}"
+
+
+def test_bench_layers_measures_the_scan_at_each_unroll_beside_the_loop(forked_workers, capsys):
+    bench_layers.main(["--layers", "3", "--modes", "loop,scan", "--unroll", "1,2", "--steps", "3",
+                       "--hidden", "16", "--heads", "2", "--seq", "4", "--batch", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    rule = next(index for index, line in enumerate(lines) if set(line) == {"-"})
+    runs = [line.split("  3 ")[0].strip() for line in lines[rule + 1:rule + 4]]
+    assert runs == ["loop", "scan", "scan unroll=2"]
+    # The issue's ratios as before, then each unroll's over the loop.
+    assert any(line.startswith("  execution scan/loop at L=3 ") for line in lines)
+    heading = lines.index("Unroll (layers per loop iteration), block ours, over the loop:")
+    assert lines[heading + 1].split() == ["L", "unroll", "exec", "scan/loop", "fwd", "exec",
+                                          "scan/loop", "compile", "scan/loop"]
+    for line, unroll in zip(lines[heading + 3:heading + 5], ("1", "2")):
+        number = r"\d+\.\d{3}"
+        assert re.fullmatch(rf"3 +{unroll} +{number} +{number} +{number}", line), line

@@ -156,10 +156,16 @@ def test_forwards_that_iterate_over_the_layers_train_as_one_scan(device, family,
     assert type(layers[1]).__name__ in ("GPT2Block", "GPTNeoXLayer")
 
 
-def test_a_policy_given_to_stack_layers_gives_the_unconverted_gradients(device):
-    reference = make_model("llama", layers=2)
-    model = stack_layers(copy.deepcopy(reference), partition_fn="save_nothing")
-    assert model.model.layers.partition_fn is tx.policies.save_nothing
+@pytest.mark.parametrize("layers, option, value, kept", [
+    (2, "partition_fn", "save_nothing", tx.policies.save_nothing),
+    (3, "unroll", 2, 2),  # 2 layers per iteration of the loops, the third after them
+], ids=["policy", "unroll"])
+def test_an_option_given_to_stack_layers_gives_the_unconverted_gradients(device, layers, option,
+                                                                         value, kept):
+    reference = make_model("llama", layers=layers)
+    model = stack_layers(copy.deepcopy(reference), **{option: value})
+    assert getattr(model.model.layers, option) is kept
+    assert model.model.layers.stack_options()[option] is kept
     ids, mask = batch(device)
     grads = []
     for which in (reference, model):

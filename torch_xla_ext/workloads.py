@@ -160,15 +160,19 @@ class DecoderStack(nn.Module):
     says (see MODES)."""
 
     def __init__(self, num_layers: int, hidden: int, heads: int, mode: str,
-                 intermediate: int | None = None, block: str = "ours"):
+                 intermediate: int | None = None, block: str = "ours", unroll: int | bool = 1):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
+        if mode != "scan" and (unroll is True or unroll != 1):
+            raise ValueError(f"unroll={unroll!r} is the LayerStack's (mode 'scan'); mode "
+                             f"{mode!r} runs no loop it could unroll. Pass unroll=1.")
         if block not in BLOCKS:
             raise ValueError(f"Unknown block {block!r}; expected one of {tuple(BLOCKS)}.")
         self.mode = mode
         blocks = [BLOCKS[block](hidden, heads, intermediate) for _ in range(num_layers)]
-        self.layers = LayerStack(blocks) if mode == "scan" else nn.ModuleList(blocks)
+        self.layers = (LayerStack(blocks, unroll=unroll) if mode == "scan"
+                       else nn.ModuleList(blocks))
         self.norm = RMSNorm(hidden)
 
     def forward(self, hidden_states: torch.Tensor,
@@ -190,11 +194,12 @@ class DecoderStack(nn.Module):
 
 def make_decoder_stack(num_layers: int, hidden: int = 256, heads: int = 4,
                        mode: str = "loop", *, intermediate: int | None = None,
-                       device=None, seed: int = 0, block: str = "ours") -> DecoderStack:
+                       device=None, seed: int = 0, block: str = "ours",
+                       unroll: int | bool = 1) -> DecoderStack:
     """A `DecoderStack` whose weights depend only on `seed`, the sizes and the
-    block, not on `mode`."""
+    block, not on `mode` (nor on `unroll`, the LayerStack's in mode "scan")."""
     torch.manual_seed(seed)
-    return DecoderStack(num_layers, hidden, heads, mode, intermediate, block).to(device)
+    return DecoderStack(num_layers, hidden, heads, mode, intermediate, block, unroll).to(device)
 
 
 def make_batch(batch: int = 8, seq: int = 128, hidden: int = 256, *, device=None,

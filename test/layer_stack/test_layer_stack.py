@@ -80,6 +80,34 @@ def test_training_matches_for_loop(device, make_optimizer):
     close(scan_model.layers[2].self_attn.q_proj.weight, loop_model.layers[2].self_attn.q_proj.weight)
 
 
+def test_an_unrolled_stack_trains_as_the_for_loop(device):
+    # 3 layers, 2 per iteration: the third runs after the loop, forward and backward.
+    loop_model = make_decoder_stack(3, HIDDEN, HEADS, "loop", device=device)
+    scan_model = make_decoder_stack(3, HIDDEN, HEADS, "scan", device=device, unroll=2)
+    assert scan_model.layers.unroll == 2 and scan_model.layers.stack_options()["unroll"] == 2
+    inputs, targets = make_batch(BATCH, SEQ, HIDDEN, device=device)
+    losses = []
+    for model in (loop_model, scan_model):
+        loss = F.mse_loss(model(inputs), targets)
+        loss.backward()
+        losses.append(loss)
+    torch_xla.sync()
+    close(losses[1], losses[0])
+    for name, stacked in scan_model.layers.stacked.named_parameters():
+        for index, layer in enumerate(loop_model.layers):
+            close(stacked.grad[index], layer.get_parameter(name).grad)
+
+
+@pytest.mark.parametrize("unroll, error, message", [
+    (0, ValueError, "LayerStack: unroll must be 1 or more steps per loop iteration, got 0"),
+    (2.0, TypeError, "LayerStack: unroll must be an int (steps per loop iteration) or True "
+                     "(all steps unrolled), got float 2.0"),
+])
+def test_a_bad_unroll_is_refused_when_the_stack_is_made(unroll, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        LayerStack(blocks(), unroll=unroll)
+
+
 def stacked_param_shapes(stack: LayerStack) -> set[tuple[int, ...]]:
     return {tuple(p.shape) for p in stack.parameters()}
 

@@ -309,15 +309,18 @@ dev = torch_xla.device()
 lin = torch.nn.Linear(16, 16).to(dev)
 init = torch.zeros(4, 16, device=dev, requires_grad=True)
 xs = torch.ones(7, 4, 16, device=dev, requires_grad=True)
-carry, ys = tx.scan(lambda c, x: (torch.tanh(lin(c) + x), (c * 2).reshape(64)), init, xs)
+carry, ys = tx.scan(lambda c, x: (torch.tanh(lin(c) + x), (c * 2).reshape(64)), init, xs,
+                    unroll={unroll})
 (carry.sum() + ys.sum()).backward()
 torch_xla.sync()
 """
 
 
-def test_while_bodies_copy_no_stacked_buffer(run_isolated, tmp_path):
+# With unroll 3, each body writes 3 slices, and 1 step is left after the loop.
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_while_bodies_copy_no_stacked_buffer(run_isolated, tmp_path, unroll):
     import re
-    result = run_isolated(IN_PLACE_YS, env={
+    result = run_isolated(IN_PLACE_YS.format(unroll=unroll), env={
         "XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text"})
     assert result.returncode == 0, result.stderr[-2000:]
     optimized = [p for p in tmp_path.iterdir() if p.name.endswith("after_optimizations.txt")]

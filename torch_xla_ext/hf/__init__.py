@@ -172,7 +172,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
       options: passed to `LayerStack`: `partition_fn` (what the forward loop
         keeps for the backward: a policy of `torch_xla_ext.policies` or its
         name, `"save_nothing"` to recompute each layer in the backward),
-        `is_layer_pure`, `per_layer_attributes` (default `("layer_idx",)`).
+        `is_layer_pure`, `unroll` (layers per iteration of the scan's loop, as
+        `scan`'s; default 1), `per_layer_attributes` (default `("layer_idx",)`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")

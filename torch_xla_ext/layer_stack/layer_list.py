@@ -49,7 +49,7 @@ def scan_layers(layers: Iterable[nn.Module], input_data, partition_fn=save_every
     output = running.run(
         running.Layers(layers[0], layout, stacked, per_layer_paths=tuple(per_layer_values),
                        layer_at=layers.__getitem__, num_layers=len(layers), drop_in=True,
-                       partition_fn=partition_fn, is_layer_pure=is_layer_pure),
+                       partition_fn=partition_fn, is_layer_pure=is_layer_pure, unroll=1),
         input_data, (), {})
     _write_back_buffers(layers, buffers, writes)
     return output

@@ -46,6 +46,7 @@ class Layers:
     drop_in: bool
     partition_fn: Any
     is_layer_pure: Any
+    unroll: int | bool  # layers per iteration of the scan's loop (`scan`'s unroll)
     # For layers of several kinds: makes one layer of each kind, whose
     # settings the template's stand for (see `kinds.program_difference`).
     kind_layers: Callable[[], tuple] | None = None
@@ -81,7 +82,8 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
     step picks its layer's."""
     def scanned(step, init, xs):
         (last_hidden, _), (_, calls) = scan(step, init, xs, partition_fn=layers.partition_fn,
-                                            is_fn_pure=layers.is_layer_pure)
+                                            is_fn_pure=layers.is_layer_pure,
+                                            unroll=layers.unroll)
         _replay_hooks(layers, calls)
         return last_hidden
 
@@ -105,7 +107,7 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
     def scanned(step, init, xs):
         (last_hidden, _, final_state), (recorded, calls) = scan(
             step, (*init, state), xs, partition_fn=layers.partition_fn,
-            is_fn_pure=layers.is_layer_pure)
+            is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
         for tensor, final in zip(state, final_state):
             if final is not tensor:  # a read-only state leaves the loop as itself
                 tensor.copy_(final)
@@ -120,7 +122,8 @@ def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -
     nothing runs. Raises ValueError for a call that would run layer by layer."""
     def lowered(step, init, xs):
         return lower_scan(step, init, xs, partition_fn=layers.partition_fn,
-                          is_fn_pure=layers.is_layer_pure, device_kind=device_kind)
+                          is_fn_pure=layers.is_layer_pure, unroll=layers.unroll,
+                          device_kind=device_kind)
 
     try:
         return _through_scan(layers, hidden, args, kwargs, lowered)

@@ -17,6 +17,7 @@ from torch_xla_ext.layer_stack.alike import (
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.policies import resolve as resolve_policy, save_everything
 from torch_xla_ext.scan import Lowered
+from torch_xla_ext.scan.loop import check_unroll
 
 
 class _StackedTensors(nn.Module):
@@ -92,6 +93,10 @@ class LayerStack(nn.Module):
         policy of `torch_xla_ext.policies` (`save_nothing`, `offload("x")`,
         ...), its name, or an AOTAutograd partitioner; passed to `scan`.
       is_layer_pure: passed to `scan` as `is_fn_pure`.
+      unroll: layers run per iteration of the scan's While loop (and of its
+        backward loop), an int of 1 or more, or True for all; passed to
+        `scan`. The results are the same for every value; a layer count that
+        is not a multiple of it leaves the last layers to run after the loop.
       per_layer_attributes: names of attributes that may differ between layers,
         each layer keeping its own value; calls whose traced computation reads
         one run layer by layer (see the module docstring).
@@ -101,13 +106,14 @@ class LayerStack(nn.Module):
     """
 
     def __init__(self, layers: Iterable[nn.Module], *, partition_fn=save_everything,
-                 is_layer_pure=None,
+                 is_layer_pure=None, unroll: int | bool = 1,
                  per_layer_attributes: Iterable[str] = DEFAULT_PER_LAYER_ATTRIBUTES,
                  ignored_attributes: Iterable[str] = ()):
         super().__init__()
         layers = list(layers)
         self.partition_fn = resolve_policy(partition_fn, "LayerStack")
         self.is_layer_pure = is_layer_pure
+        self.unroll = check_unroll(unroll, "LayerStack")
         ignored_attributes = frozenset(ignored_attributes)
         if ignored_attributes:
             warnings.warn(
@@ -238,14 +244,14 @@ class LayerStack(nn.Module):
     def stack_options(self) -> dict:
         """The options this stack was made with, to make another alike."""
         return dict(partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
-                    per_layer_attributes=tuple(sorted(self.per_layer_attributes)))
+                    unroll=self.unroll, per_layer_attributes=tuple(sorted(self.per_layer_attributes)))
 
     def _layers(self) -> running.Layers:
         return running.Layers(
             self._template, layout_of(self._template, 0), self._stacked_tensors(),
             per_layer_paths=tuple(self.per_layer_values), layer_at=self.__getitem__,
             num_layers=len(self), drop_in=False, partition_fn=self.partition_fn,
-            is_layer_pure=self.is_layer_pure)
+            is_layer_pure=self.is_layer_pure, unroll=self.unroll)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):

@@ -28,7 +28,8 @@ How one call runs, one module a stage:
 3. `passes`: read-only carries leave the loop (their output is `init` itself),
    `xs` slices returned unchanged as `ys` are not copied, and saved values that
    are cheap to recompute are not stacked.
-4. `loop`: the step is lowered once to HLO and run as an XLA While loop;
+4. `loop`: the step is lowered once to HLO and run as an XLA While loop
+   (`unroll` steps an iteration, the loop's HLO built per unroll);
    `autograd`: with gradients, AOTAutograd splits `fn` into forward and
    backward graphs (`partition_fn`, a policy of `torch_xla_ext.policies`,
    deciding what is saved), both run as While loops (the backward in reverse).
@@ -53,7 +54,7 @@ from torch_xla_ext.placeholders import (
     is_tracing, mark_derived, placeholder_sources, tracing_what)
 from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack, flatten_inputs,
                                       scan_length)
-from torch_xla_ext.scan.loop import hlo_text, xla_rng_kept
+from torch_xla_ext.scan.loop import check_unroll, hlo_text, xla_rng_kept
 from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, fingerprint
 from torch_xla_ext.scan.inline import inline_scan
 from torch_xla_ext.scan.traced import Traced
@@ -64,7 +65,7 @@ __all__ = ["scan", "lower", "Lowered", "cache_info", "cache_clear", "CacheInfo",
 
 
 def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everything,
-         is_fn_pure: bool | None = None, *, reverse: bool = False):
+         is_fn_pure: bool | None = None, *, reverse: bool = False, unroll: int | bool = 1):
     """Loops `fn(carry, x) -> (carry, y)` over the leading dim of `xs`.
 
     Returns `(carry, ys)` where each `ys` leaf stacks the per-step `y` leaves on a
@@ -75,6 +76,14 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     (`save_everything`, the default; `save_nothing`, `save_dots`,
     `save_only(*names)`, `offload(*names)` with names given by
     `checkpoint_name`), a policy's name, or any AOTAutograd partitioner.
+
+    `unroll=k` (an int, 1 or more) runs k steps of `fn` in each iteration of
+    the While loop, as `jax.lax.scan`'s: fewer iterations, each with more work
+    for XLA to fuse and schedule, at the cost of a step compiled k times. When
+    the length is not a multiple of k, the steps left over run after the loop,
+    unrolled. `unroll=True` unrolls every step (`False` is 1). The results,
+    gradients included, are those of `unroll=1`; the backward loop is unrolled
+    alike. Every `unroll` shares one trace of `fn`; each builds loops of its own.
 
     `fn` is assumed pure: traced once per cache key, then replayed from the
     cache without running its Python body. The key is what can change the
@@ -128,10 +137,12 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     holds every inner step, unrolled, in the one outer trace, and the inner
     `fn` runs its Python body only while the outer `fn` is traced. The inner
     call's `partition_fn` and `is_fn_pure` have no effect (the outer call's
-    decide); `lower` of a nested scan raises.
+    decide), nor has its `unroll`, its steps being all unrolled already;
+    `lower` of a nested scan raises.
     """
     partition_fn = policies.resolve(partition_fn)
     _check_fn(fn, is_fn_pure)
+    unroll = check_unroll(unroll, "scan")
     if is_tracing():
         # Within the outer trace, which holds the RNG state and the cache entry.
         return inline_scan(fn, init, xs, reverse)
@@ -140,7 +151,7 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
         return init, call.traced.y_tree.unflatten(
             [empty_stack(a, call.carry_leaves + call.xs_leaves) for a in call.traced.y_avals])
     carry_out, ys = call.traced.run(fn, partition_fn, call.carry_leaves, call.xs_leaves,
-                                    call.captures, reverse, call.needs_grad)
+                                    call.captures, reverse, unroll, call.needs_grad)
     # Scanning placeholders stages out HLO; its results must then guard reads like them.
     mark_derived((carry_out, ys),
                  placeholder_sources((call.carry_leaves, call.xs_leaves, call.captures)))
@@ -195,7 +206,7 @@ class Lowered:
 
 
 def lower(fn: Callable, init, xs, partition_fn: Callable = policies.save_everything,
-          is_fn_pure: bool | None = None, *, reverse: bool = False,
+          is_fn_pure: bool | None = None, *, reverse: bool = False, unroll: int | bool = 1,
           device_kind: str | None = None) -> Lowered:
     """Stages `scan(fn, init, xs, ...)` without running it and returns the HLO
     text of its loops as they would run on `device_kind` ("TPU", "CPU", ...;
@@ -208,6 +219,7 @@ def lower(fn: Callable, init, xs, partition_fn: Callable = policies.save_everyth
     without one."""
     partition_fn = policies.resolve(partition_fn, "lower")
     _check_fn(fn, is_fn_pure)
+    unroll = check_unroll(unroll, "lower")
     if is_tracing():
         raise NotImplementedError(
             f"lower: called while another scan traces its fn ({tracing_what()}); lowering "
@@ -226,9 +238,9 @@ def lower(fn: Callable, init, xs, partition_fn: Callable = policies.save_everyth
     with xla_rng_kept(call.carry_leaves + call.xs_leaves):
         forward, backward = call.traced.loops(fn, partition_fn, call.captures, call.needs_grad,
                                               device_kind.upper())
-    return Lowered(hlo_text(forward.computation(call.length, reverse)),
+    return Lowered(hlo_text(forward.computation(call.length, reverse, unroll)),
                    None if backward is None
-                   else hlo_text(backward.computation(call.length, not reverse)),
+                   else hlo_text(backward.computation(call.length, not reverse, unroll)),
                    device_kind.upper())
 
 

@@ -219,19 +219,20 @@ class TrainingPlan:
             pick(x_avals, self.grad_x),
             invariant_avals + list(avals(backward_body.constants)))
 
-    def __call__(self, carry, xs, captures, reverse):
+    def __call__(self, carry, xs, captures, reverse, unroll):
         carries, sliced, invariants = self.traced.loop_inputs(carry, xs, captures)
-        results = _ScanFunction.apply(self, reverse, *carries, *sliced, *invariants)
+        results = _ScanFunction.apply(self, reverse, unroll, *carries, *sliced, *invariants)
         return self.traced.assemble(carry, xs, captures, *self.signature.split_outputs(results))
 
-    def forward(self, inputs, reverse):
+    def forward(self, inputs, reverse, unroll):
         carries, xs, invariants = self.signature.split_inputs(inputs)
         carry_out, stacked = self.forward_loop(carries, xs, invariants + self.forward_constants,
-                                               reverse)
+                                               reverse, unroll)
         stacked_out, activations = split_list(stacked, [self.signature.stacked])
         return list(carry_out) + stacked_out, activations
 
-    def backward(self, inputs, activations, output_grads, reverse):
+    def backward(self, inputs, activations, output_grads, reverse, unroll):
+        """The backward loop, unrolled as the forward one."""
         _, xs, invariants = self.signature.split_inputs(inputs)
         carry_grads, y_grads = self.signature.split_outputs(output_grads)
         zeros = [torch.zeros(invariants[i].shape, dtype=invariants[i].dtype,
@@ -239,7 +240,7 @@ class TrainingPlan:
         carries = pick(carry_grads, self.carry_tangents) + zeros
         sliced = list(activations) + pick(y_grads, self.y_tangents) + xs
         carry_out, stacked = self.backward_loop(
-            carries, sliced, invariants + self.backward_constants, not reverse)
+            carries, sliced, invariants + self.backward_constants, not reverse, unroll)
         tangent_grads, invariant_grads = split_list(carry_out, [len(self.carry_tangents)])
         signature = self.signature
         return (place(signature.carries, (self.carry_tangents, tangent_grads))
@@ -258,9 +259,9 @@ def _sync_only(tensors: list) -> None:
 
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: TrainingPlan, reverse: bool, *inputs):
-        outputs, activations = plan.forward(inputs, reverse)
-        ctx.plan, ctx.reverse = plan, reverse
+    def forward(ctx, plan: TrainingPlan, reverse: bool, unroll, *inputs):
+        outputs, activations = plan.forward(inputs, reverse, unroll)
+        ctx.plan, ctx.reverse, ctx.unroll = plan, reverse, unroll
         if (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
                 and not placeholder_sources(inputs)):
             # The caller's saved-tensor hooks may read what is saved (save_on_cpu
@@ -277,5 +278,5 @@ class _ScanFunction(torch.autograd.Function):
     def backward(ctx, *output_grads):
         saved = ctx.saved_tensors
         grads = ctx.plan.backward(saved[:ctx.input_count], saved[ctx.input_count:], output_grads,
-                                  ctx.reverse)
-        return (None, None, *grads)
+                                  ctx.reverse, ctx.unroll)
+        return (None, None, None, *grads)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import threading
 from typing import Any, Sequence
 
@@ -155,14 +156,36 @@ def _with_declared_dtype(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def check_unroll(unroll, caller: str):
+    """`unroll` as given to `caller` ("scan", "LayerStack", ...), checked: a
+    whole number of steps, 1 or more, per iteration of the loop; True for all
+    steps in one iteration, False for 1 (as `jax.lax.scan`)."""
+    if isinstance(unroll, bool):
+        return unroll if unroll else 1
+    if not isinstance(unroll, numbers.Integral):
+        raise TypeError(f"{caller}: unroll must be an int (steps per loop iteration) or True "
+                        f"(all steps unrolled), got {type(unroll).__name__} {unroll!r}")
+    if unroll < 1:
+        raise ValueError(f"{caller}: unroll must be 1 or more steps per loop iteration, got "
+                         f"{unroll!r}; pass 1 for one step per iteration")
+    return int(unroll)
+
+
+def steps_per_iteration(unroll, length: int) -> int:
+    """How many steps one loop iteration runs, for a checked `unroll` over
+    `length` steps: more than `length` would only be the same program."""
+    return length if unroll is True else min(unroll, length)
+
+
 class Loop:
-    """An XLA While loop over the steps of a `Body`, built once per scan length
-    and direction and called through `_xla_user_computation` with the current
-    tensors.
+    """An XLA While loop over the steps of a `Body`, built once per scan length,
+    direction and unroll, and called through `_xla_user_computation` with the
+    current tensors.
 
     Loop state: (step, carries, sliced inputs, stacked outputs, invariants,
     seeds). Body outputs either replace a carry, are written into slice `i` of a
-    stacked output, or are added to a carry (gradient accumulators)."""
+    stacked output, or are added to a carry (gradient accumulators). With
+    `unroll` k, each iteration calls the step k times."""
 
     def __init__(self, name: str, body: Body, outputs: Sequence[Slot], carry_avals,
                  sliced_avals, stacked_avals, invariant_avals):
@@ -173,9 +196,9 @@ class Loop:
         self._computations: dict = {}
         self._lock = threading.Lock()
 
-    def __call__(self, carries, sliced, invariants, reverse: bool):
+    def __call__(self, carries, sliced, invariants, reverse: bool, unroll):
         length = sliced[0].shape[0]
-        computation = self.computation(length, reverse)
+        computation = self.computation(length, reverse, unroll)
         operands = [*carries, *sliced, *invariants]
         if self.uses_seed:
             # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
@@ -184,16 +207,18 @@ class Loop:
         results = _XLAC._xla_user_computation(f"xla::{self.name}", operands, computation)
         return results[:len(self.carry_avals)], results[len(self.carry_avals):]
 
-    def computation(self, length: int, reverse: bool):
-        """The loop's XLA computation for `length` steps (built once)."""
+    def computation(self, length: int, reverse: bool, unroll):
+        """The loop's XLA computation for `length` steps (built once for each
+        direction and number of steps per iteration)."""
+        key = (length, reverse, steps_per_iteration(unroll, length))
         with self._lock:
-            computation = self._computations.get((length, reverse))
+            computation = self._computations.get(key)
             if computation is None:
-                computation = self._build(length, reverse)
-                self._computations[(length, reverse)] = computation
+                computation = self._build(*key)
+                self._computations[key] = computation
         return computation
 
-    def _build(self, length: int, reverse: bool):
+    def _build(self, length: int, reverse: bool, unroll: int):
         body, outputs = self.body, self.outputs
         builder = xb.create_builder(self.name)
         shapes = ([_xla_shape(a.shape, a.dtype) for a in self.carry_avals]
@@ -205,21 +230,16 @@ class Loop:
         n_carry, n_sliced = len(self.carry_avals), len(self.sliced_avals)
         carries, sliced, invariants = split_list(params, [n_carry, n_sliced])
         stacked = _stacked_buffers(builder, length, self.stacked_avals)
-        step = xb.Op.scalar(builder, 0, dtype=xb.Type.S64)
         n_stacked = len(stacked)
+        # The iterations run `unroll` steps each; the `length % unroll` steps
+        # left over run after the loop, unrolled: fewer than `unroll` steps, so
+        # no second loop, and the loop's steps are numbered as without unroll.
+        looped = length - length % unroll
 
-        def unpack(state):
-            # (step, carries, sliced, stacked, invariants)
-            (step,), *groups = split_list(state, [1, n_carry, n_sliced, n_stacked])
-            return step, *groups
-
-        def condition(step, *rest):
-            return step < xb.Op.scalar(step.builder(), length, dtype=xb.Type.S64)
-
-        def step_fn(*state):
-            step, carries, sliced, stacked, invariants = unpack(state)
-            index = (xb.Op.scalar(step.builder(), length - 1, dtype=xb.Type.S64) - step
-                     if reverse else step)
+        def run_step(position, carries, sliced, stacked, invariants):
+            # `position`: the step's number in running order (an S64 scalar).
+            index = (xb.Op.scalar(position.builder(), length - 1, dtype=xb.Type.S64) - position
+                     if reverse else position)
             read = {SlotKind.CARRY: carries.__getitem__,
                     SlotKind.SLICED: lambda i: _slice(sliced[i], index),
                     SlotKind.INVARIANT: invariants.__getitem__,
@@ -227,21 +247,43 @@ class Loop:
             arguments = [read[slot.kind](slot.index) for slot in body.inputs]
             result = xb.Op.call(body.computation, arguments)
             carries, stacked = list(carries), list(stacked)
-            for position, slot in enumerate(outputs):
-                value = result.get_tuple_element(position)
+            for output, slot in enumerate(outputs):
+                value = result.get_tuple_element(output)
                 if slot.kind is SlotKind.CARRY:
                     carries[slot.index] = value
                 elif slot.kind is SlotKind.ACCUMULATE:
                     carries[slot.index] = carries[slot.index] + value
                 else:
                     stacked[slot.index] = _update_slice(stacked[slot.index], value, index)
-            one = xb.Op.scalar(step.builder(), 1, dtype=xb.Type.S64)
-            return xb.Op.tuple((step + one, *carries, *sliced, *stacked, *invariants))
+            return carries, stacked
 
-        loop = xb.Op.mkwhile((step, *carries, *sliced, *stacked, *invariants), condition, step_fn)
-        _, carries, _, stacked, _ = unpack(
-            loop.get_tuple_element(i) for i in range(1 + n_carry + n_sliced + n_stacked))
-        return xb.Op.tuple(carries + stacked).build(self.name)
+        def unpack(state):
+            # (step, carries, sliced, stacked, invariants)
+            (step,), *groups = split_list(state, [1, n_carry, n_sliced, n_stacked])
+            return step, *groups
+
+        def condition(step, *rest):
+            return step < xb.Op.scalar(step.builder(), looped, dtype=xb.Type.S64)
+
+        def iteration(*state):
+            step, carries, sliced, stacked, invariants = unpack(state)
+            for offset in range(unroll):
+                position = step + xb.Op.scalar(step.builder(), offset, dtype=xb.Type.S64)
+                carries, stacked = run_step(position, carries, sliced, stacked, invariants)
+            advance = xb.Op.scalar(step.builder(), unroll, dtype=xb.Type.S64)
+            return xb.Op.tuple((step + advance, *carries, *sliced, *stacked, *invariants))
+
+        if looped:
+            step = xb.Op.scalar(builder, 0, dtype=xb.Type.S64)
+            loop = xb.Op.mkwhile((step, *carries, *sliced, *stacked, *invariants), condition,
+                                 iteration)
+            _, carries, sliced, stacked, invariants = unpack(
+                loop.get_tuple_element(i)
+                for i in range(1 + n_carry + n_sliced + n_stacked + len(invariants)))
+        for position in range(looped, length):
+            carries, stacked = run_step(xb.Op.scalar(builder, position, dtype=xb.Type.S64),
+                                        carries, sliced, stacked, invariants)
+        return xb.Op.tuple(list(carries) + list(stacked)).build(self.name)
 
 
 def _stacked_buffers(builder, length: int, stacked_avals) -> list:

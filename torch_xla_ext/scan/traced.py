@@ -68,19 +68,20 @@ class Traced:
             captures.append(tensor)
         return captures
 
-    def run(self, fn, partition_fn, carry, xs, captures, reverse, needs_grad):
+    def run(self, fn, partition_fn, carry, xs, captures, reverse, unroll, needs_grad):
         """One call; `fn` and `partition_fn` are this call's, used (not kept) if
-        the training plan is built now."""
+        the training plan is built now. `unroll` shapes the loops only: every
+        unroll shares this trace, each keeps its own loops' HLO."""
         if self.written.any_written_back():
             self._check_written_unaliased(fn, carry, xs, captures)
         if not needs_grad:
-            return self._inference(carry, xs, captures, reverse)
+            return self._inference(carry, xs, captures, reverse, unroll)
         with self._lock:
             if self._training is None:
                 with xla_rng_kept([*carry, *xs]):
                     self._training = TrainingPlan(self, fn, partition_fn, captures,
                                                   torch_xla.runtime.device_type())
-        return self._training(carry, xs, captures, reverse)
+        return self._training(carry, xs, captures, reverse, unroll)
 
     def loops(self, fn, partition_fn, captures, needs_grad, device_kind) -> tuple:
         """The loops a call would run on `device_kind`: (forward, backward or
@@ -141,7 +142,8 @@ class InferencePlan:
                          traced.key.x_avals, traced.loop_stacked_avals,
                          traced.loop_invariant_avals + list(avals(body.constants)))
 
-    def __call__(self, carry, xs, captures, reverse):
+    def __call__(self, carry, xs, captures, reverse, unroll):
         carries, sliced, invariants = self.traced.loop_inputs(carry, xs, captures)
-        carry_out, stacked = self.loop(carries, sliced, invariants + self.constants, reverse)
+        carry_out, stacked = self.loop(carries, sliced, invariants + self.constants, reverse,
+                                       unroll)
         return self.traced.assemble(carry, xs, captures, carry_out, stacked)
