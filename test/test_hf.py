@@ -18,7 +18,7 @@ from torch import nn
 import torch_xla_ext as tx
 from optimized_hlo import callees, computations, stacked_results_in_loops, while_loops
 from reference import host_copies
-from torch_xla_ext.hf import StackedLayers, stack_layers
+from torch_xla_ext.hf import StackedLayers, cache_plan, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
 VOCAB, SEQ, BATCH = 128, 8, 2
@@ -416,9 +416,8 @@ def test_decoding_steps_over_a_dynamic_cache_are_scans_with_the_unconverted_logi
     # The step with gradients runs layer by layer: the scan reads the held keys
     # and values without theirs.
     assert one_by_one == [[], [], [
-        "The 4 layers ran one by one, as the for loop does, instead of as one scan: a "
-        "DynamicCache that holds tokens keeps the keys and values the scan adds without their "
-        "gradients; decode under torch.no_grad() (as generate() does) to run it as one scan."]]
+        "The 4 layers ran one by one, as the for loop does, instead of as one scan: "
+        f"{cache_plan.DYNAMIC_GRADIENTS_REASON}."]]
     assert len(actual) == len(expected) == 4 + 2 * 4
     for got, want in zip(actual, expected):
         close(got, want)
@@ -466,6 +465,57 @@ def test_a_dynamic_cache_of_other_forms_and_uses_keeps_the_unconverted_results(d
     for layer, loaded_layer in zip(cache.layers, loaded.layers):
         close(loaded_layer.keys, layer.keys)
         close(loaded_layer.values, layer.values)
+
+
+def reasons_and_logits(model, ids, mask, cache, grad=False) -> tuple[list, torch.Tensor]:
+    """The reasons of the LayerByLayerWarnings of a call of `model` with
+    `cache`, and its logits."""
+    with torch.set_grad_enabled(grad), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+    ran = (f"The {model.config.num_hidden_layers} layers ran one by one, as the for loop does, "
+           f"instead of as one scan: ")
+    return [str(w.message).removeprefix(ran).removesuffix(".") for w in caught
+            if w.category is LayerByLayerWarning], logits
+
+
+def test_every_reason_of_a_cache_call_is_reached_with_the_unconverted_logits(device):
+    # Mistral with a window of SEQ + 2: a DynamicCache layer keeps SEQ + 1
+    # tokens, a StaticCache layer holds SEQ + 2 positions.
+    reference, model = converted_pair("mistral", layers=2, use_cache=True,
+                                      sliding_window=SEQ + 2)
+    ids, mask = batch("cpu")
+    masks = [torch.cat([mask, torch.ones(BATCH, more, dtype=mask.dtype)], dim=1).to(device)
+             for more in (1, 2)]
+    results = []
+    for which in (reference, model):
+        which.eval()
+        calls = [reasons_and_logits(which, ids, mask,
+                                    transformers.DynamicCache(config=which.config))]
+        which.to(device)
+        step = ids[:, -1:].to(device)  # the same tokens for both models
+        dynamic = transformers.DynamicCache(config=which.config)
+        static = transformers.StaticCache(config=which.config, max_cache_len=SEQ + 4)
+        calls += [
+            reasons_and_logits(which, ids.to(device), mask.to(device), dynamic),
+            # Decoding with gradients through what the cache holds.
+            reasons_and_logits(which, step, masks[0], dynamic, grad=True),
+            # SEQ + 2 tokens: the window drops one.
+            reasons_and_logits(which, step, masks[1], dynamic),
+            reasons_and_logits(which, ids.to(device), mask.to(device), static),
+            reasons_and_logits(which, step, masks[0], static, grad=True)]
+        results.append(calls)
+    expected, actual = results
+    assert [reasons for reasons, _ in expected] == [[]] * 6
+    reached = [reasons for reasons, _ in actual]
+    assert reached == [[cache_plan.NOT_XLA_REASON.format(device="cpu")], [],
+                       [cache_plan.DYNAMIC_GRADIENTS_REASON], [cache_plan.CACHE_REASON], [],
+                       [cache_plan.STATIC_GRADIENTS_REASON]]
+    # Every reason a call with a cache can give, reached.
+    assert {reason for reasons in reached for reason in reasons} == {
+        reason.format(device="cpu") for reason in cache_plan.REASONS}
+    for (_, got), (_, want) in zip(actual, expected, strict=True):
+        close(got, want)
 
 
 STATIC = {

@@ -2,8 +2,8 @@
 decoder-layer list: `StackedLayers` (one scan: layers of one kind, or of
 several kinds that differ only in the settings telling them apart) and
 `StackedLayerKinds` (kinds that differ in more, a few scans); each runs a call with a
-key/value cache as scans where the cache allows (`caches`), else layer by
-layer."""
+key/value cache as `torch_xla_ext.hf.cache_plan` plans it: scans where the
+cache allows, else layer by layer."""
 from __future__ import annotations
 
 import copy
@@ -41,11 +41,9 @@ class StackedLayers(LayerStack):
     A `LayerStack` with what a transformers model's forward needs:
 
     * `layers[a:b]` covering all the layers is `[layers]`: the model's loop calls
-      the stack once, which runs every layer as one scan; an empty DynamicCache
-      passed to it is filled from the scan; a StaticCache is held as stacked
-      buffers that the scan writes in place (prefill and every decoding step);
-      a DynamicCache is held as stacked buffers too, which each decoding
-      step's scan reads and extends. Any other slice is the list of those layers;
+      the stack once, which runs every layer as one scan, with the key/value
+      cache passed to it as `torch_xla_ext.hf.cache_plan` says. Any other
+      slice is the list of those layers;
       `layers[i]` and iteration give per-layer modules whose tensors are views of
       the stacked ones.
     * The template layer reads the model's own config object, so changing it
@@ -216,12 +214,9 @@ class StackedLayerKinds(GroupedLayers):
     their pattern of kinds (see `torch_xla_ext.layer_stack.groups`): the
     model's loop `for i, layer in enumerate(self.layers[: n])` calls each
     layer with its kind's mask and rotary table, and each segment's layers
-    run as one scan. With an empty DynamicCache (what use_cache=True, most
-    configs' default, makes in training and in a prompt's prefill) each
-    segment's scan records every layer's keys and values and fills the
-    cache after it; a call with a cache that holds tokens, or of another
-    kind, runs the layers one by one (each reads and updates its own slot),
-    with a LayerByLayerWarning. Calls that ask for each layer's output
+    run as one scan; a call with a key/value cache runs as
+    `torch_xla_ext.hf.cache_plan` says (scans with an empty DynamicCache,
+    else the layers one by one). Calls that ask for each layer's output
     (`output_hidden_states`, ...) get them from the scans, as StackedLayers'
     (each segment's scan replays the hooks of its groups' layers, group by
     group). Gradient checkpointing is as StackedLayers'."""
