@@ -481,29 +481,31 @@ def reasons_and_logits(model, ids, mask, cache, grad=False) -> tuple[list, torch
 
 def test_every_reason_of_a_cache_call_is_reached_with_the_unconverted_logits(device):
     # Mistral with a window of SEQ + 2: a DynamicCache layer keeps SEQ + 1
-    # tokens, a StaticCache layer holds SEQ + 2 positions.
+    # tokens, a StaticCache layer holds SEQ + 2 positions. The unconverted
+    # model runs on the CPU: on XLA, its DynamicCache's window slices from
+    # before the start of the prefill's keys, which XLA refuses.
     reference, model = converted_pair("mistral", layers=2, use_cache=True,
                                       sliding_window=SEQ + 2)
     ids, mask = batch("cpu")
-    masks = [torch.cat([mask, torch.ones(BATCH, more, dtype=mask.dtype)], dim=1).to(device)
-             for more in (1, 2)]
+    step = ids[:, -1:]  # the same tokens for both models
+    inputs = (ids, mask, step, *(torch.cat([mask, torch.ones(BATCH, more, dtype=mask.dtype)],
+                                           dim=1) for more in (1, 2)))
     results = []
-    for which in (reference, model):
-        which.eval()
+    for which, where in ((reference.eval(), "cpu"), (model.eval(), device)):
         calls = [reasons_and_logits(which, ids, mask,
                                     transformers.DynamicCache(config=which.config))]
-        which.to(device)
-        step = ids[:, -1:].to(device)  # the same tokens for both models
+        which.to(where)
+        prompt, prompt_mask, token, one_more, two_more = (each.to(where) for each in inputs)
         dynamic = transformers.DynamicCache(config=which.config)
         static = transformers.StaticCache(config=which.config, max_cache_len=SEQ + 4)
         calls += [
-            reasons_and_logits(which, ids.to(device), mask.to(device), dynamic),
+            reasons_and_logits(which, prompt, prompt_mask, dynamic),
             # Decoding with gradients through what the cache holds.
-            reasons_and_logits(which, step, masks[0], dynamic, grad=True),
+            reasons_and_logits(which, token, one_more, dynamic, grad=True),
             # SEQ + 2 tokens: the window drops one.
-            reasons_and_logits(which, step, masks[1], dynamic),
-            reasons_and_logits(which, ids.to(device), mask.to(device), static),
-            reasons_and_logits(which, step, masks[0], static, grad=True)]
+            reasons_and_logits(which, token, two_more, dynamic),
+            reasons_and_logits(which, prompt, prompt_mask, static),
+            reasons_and_logits(which, token, one_more, static, grad=True)]
         results.append(calls)
     expected, actual = results
     assert [reasons for reasons, _ in expected] == [[]] * 6
