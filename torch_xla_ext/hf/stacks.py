@@ -192,6 +192,8 @@ class StackedLayers(LayerStack):
             return run(layers, hidden_states, args, kwargs)
         parameter, cache = next((name, value) for name, value in keywords.items()
                                 if is_cache(value))
+        # Gradients to the layers' parameters, or to the hidden state (trainable
+        # input embeddings of frozen layers).
         gradients = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             tensor.requires_grad for tensor in self.parameters()))
         plan = plan_cache_call(cache, parameter, len(self), hidden_states.shape[-2],
@@ -257,6 +259,7 @@ class StackedLayerKinds(GroupedLayers):
         # A scan stands only for one cache, passed by name.
         named = [(name, cache) for (name, _), cache in caches.items()]
         parameter, cache = named[0] if len(named) == 1 else (None, None)
+        # A segment's plan fills an empty cache, whatever the gradients.
         plan = plan_cache_call(cache, parameter, segment.stop - segment.start,
                                hidden.shape[-2], hidden.device, gradients=False,
                                first=segment.start, period=segment.period)
