@@ -122,9 +122,11 @@ class CachePlan:
             else:
                 fill_stacked(self.cache, *recorded)
         elif self.stacked:
-            hold_stacked(self.cache, *(torch.cat([held, new], dim=-2) if self.held else new
-                                       for held, new in zip(self.held or (None, None), recorded)),
-                         new_tokens)
+            keys, values = recorded
+            if self.held:  # the new ones follow them
+                keys, values = (torch.cat([held, new], dim=-2)
+                                for held, new in zip(self.held, recorded))
+            hold_stacked(self.cache, keys, values, new_tokens)
         else:
             for offset, (keys, values) in enumerate(self._per_layer(recorded)):
                 extend(self.cache, self.first + offset, keys, values)
