@@ -19,8 +19,9 @@ import torch_xla_ext as tx
 from support import supports
 from optimized_hlo import callees, computations, stacked_results_in_loops, while_loops
 from reference import host_copies
-from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
+from torch_xla_ext.hf import StackedLayers, cache_plan, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
+from torch_xla_ext.layer_stack.running import device_reason
 
 VOCAB, SEQ, BATCH = 128, 8, 2
 FAMILIES = {
@@ -430,9 +431,8 @@ def test_decoding_steps_over_a_dynamic_cache_are_scans_with_the_unconverted_logi
     # The step with gradients runs layer by layer: the scan reads the held keys
     # and values without theirs.
     assert one_by_one == [[], [], [
-        "The 4 layers ran one by one, as the for loop does, instead of as one scan: a "
-        "DynamicCache that holds tokens keeps the keys and values the scan adds without their "
-        "gradients; decode under torch.no_grad() (as generate() does) to run it as one scan."]]
+        "The 4 layers ran one by one, as the for loop does, instead of as one scan: "
+        f"{cache_plan.DYNAMIC_GRADIENTS_REASON}."]]
     assert len(actual) == len(expected) == 4 + 2 * 4
     for got, want in zip(actual, expected):
         close(got, want)
@@ -480,6 +480,59 @@ def test_a_dynamic_cache_of_other_forms_and_uses_keeps_the_unconverted_results(d
     for layer, loaded_layer in zip(cache.layers, loaded.layers):
         close(loaded_layer.keys, layer.keys)
         close(loaded_layer.values, layer.values)
+
+
+def reasons_and_logits(model, ids, mask, cache, grad=False) -> tuple[list, torch.Tensor]:
+    """The reasons of the LayerByLayerWarnings of a call of `model` with
+    `cache`, and its logits."""
+    with torch.set_grad_enabled(grad), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+    ran = (f"The {model.config.num_hidden_layers} layers ran one by one, as the for loop does, "
+           f"instead of as one scan: ")
+    return [str(w.message).removeprefix(ran).removesuffix(".") for w in caught
+            if w.category is LayerByLayerWarning], logits
+
+
+def test_every_reason_of_a_cache_call_is_reached_with_the_unconverted_logits(device):
+    # Mistral with a window of SEQ + 2: a DynamicCache layer keeps SEQ + 1
+    # tokens, a StaticCache layer holds SEQ + 2 positions. The unconverted
+    # model runs on the CPU: on XLA, its DynamicCache's window slices from
+    # before the start of the prefill's keys, which XLA refuses.
+    reference, model = converted_pair("mistral", layers=2, use_cache=True,
+                                      sliding_window=SEQ + 2)
+    ids, mask = batch("cpu")
+    step = ids[:, -1:]  # the same tokens for both models
+    inputs = (ids, mask, step, *(torch.cat([mask, torch.ones(BATCH, more, dtype=mask.dtype)],
+                                           dim=1) for more in (1, 2)))
+    results = []
+    for which, where in ((reference.eval(), "cpu"), (model.eval(), device)):
+        calls = [reasons_and_logits(which, ids, mask,
+                                    transformers.DynamicCache(config=which.config))]
+        which.to(where)
+        prompt, prompt_mask, token, one_more, two_more = (each.to(where) for each in inputs)
+        dynamic = transformers.DynamicCache(config=which.config)
+        static = transformers.StaticCache(config=which.config, max_cache_len=SEQ + 4)
+        calls += [
+            reasons_and_logits(which, prompt, prompt_mask, dynamic),
+            # Decoding with gradients through what the cache holds.
+            reasons_and_logits(which, token, one_more, dynamic, grad=True),
+            # SEQ + 2 tokens: the window drops one.
+            reasons_and_logits(which, token, two_more, dynamic),
+            reasons_and_logits(which, prompt, prompt_mask, static),
+            reasons_and_logits(which, token, one_more, static, grad=True)]
+        results.append(calls)
+    expected, actual = results
+    assert [reasons for reasons, _ in expected] == [[]] * 6
+    reached = [reasons for reasons, _ in actual]
+    on_cpu = device_reason(torch.device("cpu"))
+    assert reached == [[on_cpu], [],
+                       [cache_plan.DYNAMIC_GRADIENTS_REASON], [cache_plan.CACHE_REASON], [],
+                       [cache_plan.STATIC_GRADIENTS_REASON]]
+    # Every reason a call with a cache can give, reached.
+    assert {reason for reasons in reached for reason in reasons} == {on_cpu, *cache_plan.REASONS}
+    for (_, got), (_, want) in zip(actual, expected, strict=True):
+        close(got, want)
 
 
 STATIC = {
@@ -634,14 +687,25 @@ def test_a_decoding_step_writes_only_the_new_positions_of_the_stacked_cache(run_
 # What is refused
 
 
+def test_on_the_cpu_the_layers_run_one_by_one_with_the_unconverted_logits():
+    # A converted model moved to the CPU (to be saved, say) still runs, without
+    # a cache too: the scan is an XLA loop, so its layers run one by one.
+    reference, model = converted_pair(layers=2)
+    ids, mask = batch("cpu")
+    with pytest.warns(LayerByLayerWarning, match="the layers run on cpu, and the scan is an XLA "
+                                                 "loop"):
+        logits = model(ids, attention_mask=mask).logits
+    close(logits, reference(ids, attention_mask=mask).logits)
+
+
 def test_layers_that_differ_are_refused_and_the_model_is_unchanged():
-    # Qwen2 with a sliding window from layer 2 on (layers 2 and 3 are one scan),
-    # and a setting changed on layer 3.
+    # Qwen2 with a sliding window from layer 2 on, and a setting changed on layer 3.
     qwen = make_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
     qwen.model.layers[3].self_attn.scaling = 0.5
     before = {k: v.clone() for k, v in qwen.state_dict().items()}
-    with pytest.raises(ValueError, match=r"layers 2-3 \(2 groups of 1 layer\) run as one scan.*"
-                                         r"Layer 1 setting 'layers\.0\.self_attn\.scaling'"):
+    # Kinds that differ only in settings: the layer's own difference is named.
+    with pytest.raises(ValueError, match=r"Layer 3 setting 'self_attn\.scaling' is 0\.5 but "
+                                         r"layer 0's"):
         stack_layers(qwen)
     assert type(qwen.model.layers) is nn.ModuleList
     assert all(torch.equal(v, before[k]) for k, v in qwen.state_dict().items())

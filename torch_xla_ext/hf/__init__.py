@@ -17,8 +17,9 @@ per-layer names of its `state_dict()`.
 
 The modules, one job each: `inspection` (reading the model: its layer list,
 its forward's loop, its layer kinds, what a scan cannot run), `stacks` (the
-stacks put in place of the layer list), `caches` (transformers' key/value
-caches around the scan), `adapters` (peft's whole-model operations on a
+stacks put in place of the layer list), `cache_plan` (how a call with a
+key/value cache runs: the one description of it, and the decision),
+`caches` (transformers' key/value caches around the scan), `adapters` (peft's whole-model operations on a
 stacked PeftModel), `checkpointing` (transformers' gradient checkpointing as
 the scan's policy), `fsdp` (transformers' FSDP class lookup finding stacked
 layers).
@@ -48,32 +49,11 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     After it, the model's own `forward` runs all decoder layers as one `scan`
     (one trace, one XLA While loop forward and backward); its weights are
     held once, stacked (`model.model.layers.stacked.self_attn.q_proj.weight`
-    is `[num_layers, out, in]`), and receive the gradients. With an empty
-    `DynamicCache` (what `use_cache=True`, most configs' default, makes in
-    training and in a prompt's prefill) the scan records each layer's keys
-    and values and fills the cache after the loop, detached from the autograd
-    graph. A `StaticCache` of full-attention layers (what
-    `generate(..., cache_implementation="static")` makes, transformers'
-    advice on XLA), and of sliding-window layers while their window holds
-    the cache's tokens and the new ones (a window at least the cache's
-    length; see `torch_xla_ext.hf.caches.static_cache`), runs as one scan in
-    the prefill and in every decoding step: its keys and values live in two
-    stacked buffers `[layers, batch, kv_heads, max_cache_len, head_dim]`,
-    each layer of the cache reads and writes its slices as its `keys` and
-    `values` (so `get_seq_length`, `reset` and beam reordering work as
-    before; no view is kept, which torch_xla would materialize as a copy),
-    and each step's scan writes only the new positions, in place, under
-    `torch.no_grad()`. A `DynamicCache` that holds as many tokens in every
-    layer (each decoding step of `generate()` with the default cache) runs
-    as one scan under `torch.no_grad()` too: its layers read their slices of
-    two stacked buffers `[layers, batch, kv_heads, length, head_dim]` (the
-    prefill's scan leaves them so), and each step's new keys and values are
-    concatenated to them after the loop (one copy of the cache, as each
-    unconverted layer's own concatenation makes). With
-    a sliding window that drops tokens, a cache of another kind, or
-    gradients, the layers run one by one, each with its own cache slot, and
-    give the same results as before the conversion; a `LayerByLayerWarning`
-    says so (once per process, as Python shows a warning).
+    is `[num_layers, out, in]`), and receive the gradients. A call with a
+    key/value cache (an empty or a decoding `DynamicCache`, a `StaticCache`)
+    runs as one scan where the cache allows, else the layers one by one with
+    the same results and a `LayerByLayerWarning` saying why (once per
+    process, as Python shows a warning): see `torch_xla_ext.hf.cache_plan`.
 
     What stays as it was: the model's forward and config, every other module,
     `state_dict()` keys and values (`model.layers.3.self_attn.q_proj.weight`),
@@ -116,10 +96,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     `len()` and `layers[i]` are as above; `named_parameters()` names the
     stacked tensors per segment
     (`model.layers.segments.0.stacked.layers.1.mlp.up_proj.weight`:
-    position 1 of each group). An empty DynamicCache (use_cache=True, in
-    training or a prompt's prefill) is filled from the scans, as above; with
-    a cache that holds tokens (each decoding step) or a StaticCache, the
-    layers of a StackedLayerKinds run one by one, with a `LayerByLayerWarning`.
+    position 1 of each group). Its calls with a key/value cache are as
+    `torch_xla_ext.hf.cache_plan` says.
 
     peft: `stack_layers(get_peft_model(model, config))` and
     `get_peft_model(stack_layers(model), config)` give the same model, whose
@@ -151,8 +129,9 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     (transformers' `gradient_checkpointing_enable()`, before or after the
     conversion) makes the scan recompute each layer while training (policy
     `save_nothing`, see `torch_xla_ext.hf.checkpointing`);
-    `gradient_checkpointing_disable()` brings back `partition_fn`. Without a cache, a
-    converted model runs on XLA devices only (the scan is an XLA loop).
+    `gradient_checkpointing_disable()` brings back `partition_fn`. On a device other
+    than XLA (a model moved to the CPU), the layers run one by one, with a
+    `LayerByLayerWarning`: the scan is an XLA loop.
 
     Args:
       model: a transformers model (`LlamaForCausalLM`, `MistralForCausalLM`,

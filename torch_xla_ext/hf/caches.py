@@ -1,53 +1,50 @@
-"""transformers' key/value caches around a scan of the decoder layers.
-
-The stand-in cache each traced layer call gets to record the keys and values
-it puts in (`keys_and_values`: an empty DynamicCache or StaticCache, filled
-after the loop; `keys_and_values_after_held`: a DynamicCache that holds
-tokens, extended after it), the writer
-of a StaticCache's stacked buffers inside the loop (`written_in_place`:
-every decoding step), and a cache held as two stacked buffers, its layers
-reading their slices (a StaticCache: `fill_stacked`; a DynamicCache that
-keeps all it gets: `hold_stacked`; either: `stacked_buffers`)."""
+"""The mechanics of transformers' key/value caches around a scan of the
+decoder layers, as `torch_xla_ext.hf.cache_plan` plans them (which says what
+runs how): the stand-in cache each traced layer call gets, which records the
+keys and values it puts in (`appended`: a DynamicCache, or an empty
+StaticCache, extended or filled after the loop; `keys_and_values_per_position`:
+a group of layers' empty DynamicCache) or writes a StaticCache's stacked
+buffers inside the loop (`written_in_place`), and a cache held as two stacked
+buffers, its layers reading their slices (a StaticCache: `fill_stacked`; a
+DynamicCache that keeps all it gets: `hold_stacked`; either:
+`stacked_buffers`)."""
 from __future__ import annotations
 
 import functools
 
 import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer
 
-from torch_xla_ext.class_swaps import lookalike_subclass, reduce_as_original, swap_back, swap_in
+from torch_xla_ext.class_swaps import (lookalike_subclass, original_class, reduce_as_original,
+                                       swap_back, swap_in)
 from torch_xla_ext.layer_stack.running import Recording
 
 
-CACHE_REASON = (
-    "the key/value cache passed (past_key_values) is of a kind, or in a state, in which each "
-    "layer reads and updates its own slot of it; one scan stands for the layers with a "
-    "DynamicCache that starts empty (training, or a prompt's prefill) or holds as many tokens "
-    "in every layer (decoding), and with a StaticCache, as long as no sliding window is full "
-    "or fills up in the call (a window drops tokens)")
+class _AppendingCache:
+    """The cache each layer gets inside the scan in place of a DynamicCache
+    (the scan's state: the keys and values every layer holds, stacked, or
+    nothing for an empty cache) or of an empty StaticCache: as the cache
+    layer's update, it gives back what the layer holds followed by the new
+    keys and values, and for a StaticCache zeros up to its length
+    `padded_to`; it records the new ones, which the cache gets after the
+    loop."""
 
-
-# The cache layers that give back what an update puts in when they start empty,
-# so that a layer computes the same with one of them as with no cache.
-_GROWING_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
-# The StaticCache layers a scan writes in place (see `static_cache`).
-_STATIC_CACHE_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
-
-
-class _RecordingCache:
-    """The cache each layer gets inside the scan in place of an empty cache:
-    it keeps the keys and values the layer puts in and gives them back as the
-    empty cache would: unchanged (DynamicCache), or followed by zeros up to
-    the cache's length `padded_to` (StaticCache)."""
-
-    def __init__(self, padded_to: int | None = None):
+    def __init__(self, index: torch.Tensor | None = None, held: tuple = (),
+                 padded_to: int | None = None):
         self.keys = self.values = None
+        self.index = None if index is None else index.reshape(1)
+        self.held = held
         self.padded_to = padded_to
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
         self.keys, self.values = key_states, value_states
-        if self.padded_to is None:
-            return key_states, value_states
-        return tuple(_padded(new, self.padded_to) for new in (key_states, value_states))
+        given = (key_states, value_states)
+        if self.held:
+            given = tuple(torch.cat([_layer_slice(held, self.index), new], dim=-2)
+                          for held, new in zip(self.held, given))
+        if self.padded_to is not None:
+            given = tuple(_padded(new, self.padded_to) for new in given)
+        return given
 
 
 def _padded(keys_or_values: torch.Tensor, length: int) -> torch.Tensor:
@@ -55,7 +52,7 @@ def _padded(keys_or_values: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(keys_or_values, (0, 0, 0, length - keys_or_values.shape[-2]))
 
 
-def _recorded_keys_and_values(cache: _RecordingCache) -> tuple:
+def _recorded_keys_and_values(cache: _AppendingCache) -> tuple:
     if cache.keys is None:
         raise ValueError("stack_layers: the decoder layer called with a key/value cache did not "
                          "update it, so there are no keys and values to fill the cache with")
@@ -68,40 +65,15 @@ def _layer_slice(stacked: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return stacked.index_select(0, index)[0]
 
 
-class _GrowingCache(_RecordingCache):
-    """The cache each layer gets inside the scan over a DynamicCache that holds
-    tokens (the scan's state: every layer's keys and values, stacked): as
-    DynamicLayer.update, its update gives back the layer's keys and values
-    followed by the new ones; it records the new ones, which extend the
-    cache's layers after the loop."""
-
-    def __init__(self, index: torch.Tensor, state: tuple):
-        super().__init__()
-        self.index = index.reshape(1)
-        self.held_keys, self.held_values = state
-
-    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
-        super().update(key_states, value_states, layer_idx)
-        return tuple(torch.cat([_layer_slice(held, self.index), new], dim=-2)
-                     for held, new in ((self.held_keys, key_states),
-                                       (self.held_values, value_states)))
-
-
 @functools.cache
-def keys_and_values_after_held(parameter: str) -> Recording:
+def appended(parameter: str, padded_to: int | None = None) -> Recording:
     """The recording of each layer's new keys and values through its cache
-    argument `parameter`, each layer reading the ones its cache holds."""
-    return Recording(("keys and values after held ones", parameter),
-                     lambda index, state: {parameter: _GrowingCache(index, state)},
-                     lambda given: _recorded_keys_and_values(given[parameter]))
-
-
-@functools.cache
-def keys_and_values(parameter: str, padded_to: int | None = None) -> Recording:
-    """The recording of each layer's keys and values through its cache
-    argument `parameter` (`past_key_values`; GPT-NeoX's `layer_past`)."""
-    return Recording(("keys and values", parameter, padded_to),
-                     lambda index, state: {parameter: _RecordingCache(padded_to)},
+    argument `parameter` (`past_key_values`; GPT-NeoX's `layer_past`), each
+    layer reading those its cache holds (the scan's state), if any, and
+    given them back followed by zeros up to `padded_to` (an empty
+    StaticCache's length), if given."""
+    return Recording(("appended keys and values", parameter, padded_to),
+                     lambda index, state: {parameter: _AppendingCache(index, state, padded_to)},
                      lambda given: _recorded_keys_and_values(given[parameter]))
 
 
@@ -146,7 +118,7 @@ def keys_and_values_per_position(parameter: str, period: int) -> Recording:
     `period` layers, through their cache argument `parameter`."""
     return Recording(
         ("keys and values per position", parameter, period),
-        lambda index, state: {"per_position": tuple({parameter: _RecordingCache()}
+        lambda index, state: {"per_position": tuple({parameter: _AppendingCache()}
                                                     for _ in range(period))},
         lambda given: tuple(tensor for position in given["per_position"]
                             for tensor in _recorded_keys_and_values(position[parameter])))
@@ -160,7 +132,7 @@ def extend(cache, layer_index: int, keys: torch.Tensor, values: torch.Tensor) ->
     (`[..., -sliding_window + 1:, :]`), which CPU tensors clamp and XLA
     refuses ("Value out of range")."""
     layer = cache.layers[layer_index] if layer_index < len(cache.layers) else None
-    if (type(layer).__name__ != "DynamicSlidingWindowLayer"
+    if (layer is None or original_class(layer) is not DynamicSlidingWindowLayer
             or not keeps_all(layer, layer.get_seq_length() + keys.shape[-2])):
         cache.update(keys, values, layer_index)
         return
@@ -204,7 +176,7 @@ def _reading_stacked_buffers(layer_class: type) -> type:
     whose keys and values are its slices of the stacked buffers. A view held
     by the layer would not do: torch_xla materializes every live view at a
     sync, which would keep a second copy of the cache."""
-    writes_through = layer_class.__name__ in _STATIC_CACHE_LAYERS
+    writes_through = issubclass(layer_class, StaticLayer)
     return lookalike_subclass(layer_class, {
         "keys": _stacked_slice("keys", writes_through),
         "values": _stacked_slice("values", writes_through), "reads_stacked_buffers": True,
@@ -230,43 +202,9 @@ def _leave_stacked_buffers(layer) -> None:
     layer.keys, layer.values = keys, values
 
 
-def _layer_per_layer(cache, num_layers: int) -> list | None:
-    """The cache's layers, if it has one per decoder layer and keeps them on
-    the device (not offloaded); else None."""
-    layers = getattr(cache, "layers", None)
-    if (not isinstance(layers, list) or len(layers) != num_layers
-            or getattr(cache, "offloading", False)):
-        return None
-    return layers
-
-
-def static_cache(cache, num_layers: int, new_tokens: int) -> str | None:
-    """"empty" or "filled" for a StaticCache of one layer per decoder layer,
-    not offloaded, whose layers all hold as many positions and none of which
-    slides in a call of `new_tokens` tokens; else None.
-
-    That is what `cache_implementation="static"` makes for full-attention
-    layers and for sliding-window ones whose window is at least the cache's
-    length (Mistral's and Gemma's windows of 4096, say), and so holds what
-    they hold and the new tokens: such a layer updates as a full-attention one
-    (it writes the new keys and values at its next positions and gives back
-    its whole buffers), where one that is full drops its oldest position."""
-    layers = _layer_per_layer(cache, num_layers)
-    if (layers is None
-            or any(type(layer).__name__ not in _STATIC_CACHE_LAYERS for layer in layers)
-            or len({layer.max_cache_len for layer in layers}) != 1
-            or any(layer.is_sliding and layer.cumulative_length_int + new_tokens
-                   > layer.max_cache_len for layer in layers)):
-        return None
-    initialized = [layer.is_initialized for layer in layers]
-    if all(initialized):
-        return "filled"
-    return "empty" if not any(initialized) else None
-
-
 def advance(cache, new_tokens: int) -> None:
-    """Counts `new_tokens` more in each layer of a StaticCache `static_cache`
-    accepts, as their own updates would have."""
+    """Counts `new_tokens` more in each layer of a StaticCache written in
+    place, as their own updates would have."""
     for layer in cache.layers:
         layer.cumulative_length.add_(new_tokens)
         if layer.is_sliding:  # which also counts on the host
@@ -300,45 +238,10 @@ def stacked_buffers(cache) -> tuple[torch.Tensor, torch.Tensor]:
     """The filled cache's stacked key and value buffers. Stacks its layers'
     tensors first (one copy) when they are not slices of the same ones (the
     cache was filled layer by layer)."""
-    if not _read_one_stack(cache.layers):
+    if not reads_one_stack(cache.layers):
         _bind_stacked(cache, torch.stack([layer.keys for layer in cache.layers]),
                       torch.stack([layer.values for layer in cache.layers]))
     return cache.layers[0]._stacked_keys, cache.layers[0]._stacked_values
-
-
-def segment_starts_empty(cache, start: int, stop: int) -> bool:
-    """Whether layers start, ..., stop - 1 of a DynamicCache hold nothing yet
-    (the layers before them may: an earlier segment's scan filled them)."""
-    layers = getattr(cache, "layers", None)
-    if not isinstance(layers, list):
-        return False
-    added = getattr(cache, "layer_class_to_replicate", None)
-    if len(layers) == start and added is not None:
-        return added.__name__ in _GROWING_CACHE_LAYERS
-    return (len(layers) >= stop
-            and all(type(layer).__name__ in _GROWING_CACHE_LAYERS for layer in layers[start:stop])
-            and not any(getattr(layer, "is_initialized", True) for layer in layers[start:stop]))
-
-
-def holds_tokens(cache, num_layers: int, new_tokens: int) -> bool:
-    """Whether `cache` is a DynamicCache, not offloaded, whose layers (one per
-    decoder layer) all hold keys and values of one shape and, with
-    `new_tokens` more, drop none (full-attention layers, and sliding-window
-    ones whose window holds them all): each layer's update then gives back
-    what it holds followed by the new ones, and keeps that."""
-    layers = _layer_per_layer(cache, num_layers)
-    if layers is None or any(type(layer).__name__ not in _GROWING_CACHE_LAYERS
-                             or not layer.is_initialized for layer in layers):
-        return False
-    if not _read_one_stack(layers) and len(
-            {(layer.keys.shape, layer.values.shape, layer.keys.dtype, layer.keys.device)
-             for layer in layers}) != 1:
-        return False
-    # [batch, heads, length, head_dim] of at least one position (a layer made
-    # by `early_initialization` holds a 1-d empty tensor).
-    shape = layers[0].keys.shape
-    return (len(shape) == 4 and shape[-2] > 0
-            and all(keeps_all(layer, shape[-2] + new_tokens) for layer in layers))
 
 
 def keeps_all(layer, length: int) -> bool:
@@ -347,7 +250,7 @@ def keeps_all(layer, length: int) -> bool:
     return not layer.is_sliding or (not layer.record_past and length < layer.sliding_window)
 
 
-def _read_one_stack(layers) -> bool:
+def reads_one_stack(layers) -> bool:
     """Whether the layers read their slices of the same stacked buffers."""
     stacked = layers[0].__dict__.get("_stacked_keys")
     return stacked is not None and all(layer.__dict__.get("_stacked_keys") is stacked
@@ -366,10 +269,3 @@ def hold_stacked(cache, keys: torch.Tensor, values: torch.Tensor, new_tokens: in
         if layer.is_sliding:  # which counts what it was given
             layer.cumulative_length += new_tokens
     _bind_stacked(cache, keys, values)
-
-
-def starts_empty(cache, num_layers: int) -> bool:
-    """Whether `cache` is a DynamicCache (of full or sliding-window layers, made
-    up front from the config or added at each layer's first update) whose
-    layers hold nothing yet."""
-    return segment_starts_empty(cache, 0, num_layers)

@@ -2,8 +2,8 @@
 decoder-layer list: `StackedLayers` (one scan: layers of one kind, or of
 several kinds that differ only in the settings telling them apart) and
 `StackedLayerKinds` (kinds that differ in more, a few scans); each runs a call with a
-key/value cache as scans where the cache allows (`caches`), else layer by
-layer."""
+key/value cache as `torch_xla_ext.hf.cache_plan` plans it: scans where the
+cache allows, else layer by layer."""
 from __future__ import annotations
 
 import copy
@@ -17,10 +17,8 @@ import torch
 from torch import nn
 
 from torch_xla_ext.hf import checkpointing
-from torch_xla_ext.hf.caches import (
-    CACHE_REASON, advance, extend, fill_stacked, hold_stacked, holds_tokens, is_cache,
-    keeps_all, keys_and_values, keys_and_values_after_held, keys_and_values_per_position,
-    segment_starts_empty, stacked_buffers, starts_empty, static_cache, written_in_place)
+from torch_xla_ext.hf.cache_plan import CachePlan, plan_cache_call, starts_empty
+from torch_xla_ext.hf.caches import is_cache
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
 from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
@@ -43,11 +41,9 @@ class StackedLayers(LayerStack):
     A `LayerStack` with what a transformers model's forward needs:
 
     * `layers[a:b]` covering all the layers is `[layers]`: the model's loop calls
-      the stack once, which runs every layer as one scan; an empty DynamicCache
-      passed to it is filled from the scan; a StaticCache is held as stacked
-      buffers that the scan writes in place (prefill and every decoding step);
-      a DynamicCache is held as stacked buffers too, which each decoding
-      step's scan reads and extends. Any other slice is the list of those layers;
+      the stack once, which runs every layer as one scan, with the key/value
+      cache passed to it as `torch_xla_ext.hf.cache_plan` says. Any other
+      slice is the list of those layers;
       `layers[i]` and iteration give per-layer modules whose tensors are views of
       the stacked ones; iteration inside the forward of a model that iterates
       over its layers (GPT-2's `for block in self.h`) gives its loop's
@@ -195,88 +191,20 @@ class StackedLayers(LayerStack):
             return run(layers, hidden_states, args, kwargs)
         parameter, cache = next((name, value) for name, value in keywords.items()
                                 if is_cache(value))
-        reason = CACHE_REASON
-        if hidden_states.device.type != "xla":
-            reason = (f"the layers run on {hidden_states.device.type}, and the scan is an XLA "
-                      f"loop")
-        else:
+        # Gradients to the layers' parameters, or to the hidden state (trainable
+        # input embeddings of frozen layers).
+        gradients = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+            tensor.requires_grad for tensor in self.parameters()))
+        plan = plan_cache_call(cache, parameter, len(self), hidden_states.shape[-2],
+                               hidden_states.device, gradients)
+        if isinstance(plan, CachePlan):
+            without_cache = {name: value for name, value in keywords.items() if name != parameter}
             try:
-                new_tokens = hidden_states.shape[-2]
-                without_cache = {name: value for name, value in keywords.items()
-                                 if name != parameter}
-                static = static_cache(cache, len(self), new_tokens)
-                if static == "filled":
-                    return self._scan_writing(layers, cache, parameter, hidden_states,
-                                              without_cache)
-                if static == "empty" or starts_empty(cache, len(self)):
-                    return self._scan_filling(layers, cache, parameter, hidden_states,
-                                              without_cache, static_cache_empty=static == "empty")
-                if holds_tokens(cache, len(self), new_tokens):
-                    return self._scan_growing(layers, cache, parameter, hidden_states,
-                                              without_cache)
+                return _scan_with_cache(plan, layers, hidden_states, without_cache)
             except Unscannable as unscannable:
-                reason = str(unscannable)
+                plan = str(unscannable)
         return run_layer_by_layer(self.__getitem__, len(self), hidden_states, args, kwargs,
-                                  drop_in=False, reason=reason)
-
-    def _scan_filling(self, layers: Layers, cache, parameter: str, hidden_states,
-                      without_cache: dict, static_cache_empty: bool):
-        """One scan over the layers, each given a cache that records its keys and
-        values; they fill the empty `cache` after the loop, as the layers' own
-        updates would have: as its stacked buffers (a StaticCache, or a
-        DynamicCache whose layers keep all they get), else layer by layer (a
-        sliding window that drops some)."""
-        recording = keys_and_values(parameter, cache.layers[0].max_cache_len
-                                    if static_cache_empty else None)
-        hidden_states, (keys, values) = run_recording(layers, hidden_states, (), without_cache,
-                                                      recording)
-        if static_cache_empty:
-            fill_stacked(cache, keys, values)
-        elif len(cache.layers) == len(self) and all(keeps_all(layer, keys.shape[-2])
-                                                    for layer in cache.layers):
-            hold_stacked(cache, keys, values, keys.shape[-2])
-        else:
-            for index in range(len(self)):
-                extend(cache, index, keys[index], values[index])
-        return hidden_states
-
-    def _refuse_gradients(self, why: str, hidden_states: torch.Tensor) -> None:
-        """Raises Unscannable, saying `why`, for a decoding call whose keys
-        and values would carry gradients: to the layers' parameters, or to
-        the hidden state (trainable input embeddings of frozen layers)."""
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or any(
-                tensor.requires_grad for tensor in self.parameters())):
-            raise Unscannable(f"{why}; decode under torch.no_grad() (as generate() does) to "
-                              f"run it as one scan")
-
-    def _scan_growing(self, layers: Layers, cache, parameter: str, hidden_states,
-                      without_cache: dict):
-        """One scan over the layers of a DynamicCache that holds tokens (a
-        decoding step): each layer reads what its cache holds from the
-        layers' stacked keys and values (stacked now if the cache was filled
-        layer by layer), and the new ones follow them in the stacked buffers
-        the cache's layers read after the loop."""
-        self._refuse_gradients("a DynamicCache that holds tokens keeps the keys and values "
-                               "the scan adds without their gradients", hidden_states)
-        held = stacked_buffers(cache)
-        hidden_states, new = run_recording(layers, hidden_states, (), without_cache,
-                                           keys_and_values_after_held(parameter), state=held)
-        hold_stacked(cache, *(torch.cat([before, after], dim=-2)
-                              for before, after in zip(held, new)), new[0].shape[-2])
-        return hidden_states
-
-    def _scan_writing(self, layers: Layers, cache, parameter: str, hidden_states,
-                      without_cache: dict):
-        """One scan over the layers and the StaticCache's stacked buffers, each
-        layer writing its new keys and values into its slice in place."""
-        self._refuse_gradients("a StaticCache that holds tokens is written in place inside "
-                               "the scan, without gradients", hidden_states)
-        keys, values = stacked_buffers(cache)
-        hidden_states, _ = run_recording(layers, hidden_states, (), without_cache,
-                                         written_in_place(parameter),
-                                         state=(keys, values, cache.layers[0].cumulative_length))
-        advance(cache, hidden_states.shape[-2])
-        return hidden_states
+                                  drop_in=False, reason=plan)
 
 
 class StackedLayerKinds(GroupedLayers):
@@ -287,12 +215,9 @@ class StackedLayerKinds(GroupedLayers):
     their pattern of kinds (see `torch_xla_ext.layer_stack.groups`): the
     model's loop `for i, layer in enumerate(self.layers[: n])` calls each
     layer with its kind's mask and rotary table, and each segment's layers
-    run as one scan. With an empty DynamicCache (what use_cache=True, most
-    configs' default, makes in training and in a prompt's prefill) each
-    segment's scan records every layer's keys and values and fills the
-    cache after it; a call with a cache that holds tokens, or of another
-    kind, runs the layers one by one (each reads and updates its own slot),
-    with a LayerByLayerWarning. Calls that ask for each layer's output
+    run as one scan; a call with a key/value cache runs as
+    `torch_xla_ext.hf.cache_plan` says (scans with an empty DynamicCache,
+    else the layers one by one). Calls that ask for each layer's output
     (`output_hidden_states`, ...) get them from the scans, as StackedLayers'
     (each segment's scan replays the hooks of its groups' layers, group by
     group). Gradient checkpointing is as StackedLayers'."""
@@ -330,37 +255,34 @@ class StackedLayerKinds(GroupedLayers):
                   for name, value in kwargs.items() if is_cache(value)}
         if not caches and not any(is_cache(value) for args, _ in calls for value in args):
             return run(layers, hidden, (), {"calls": calls})
-        reason = CACHE_REASON
-        if hidden.device.type != "xla":
-            reason = (f"the layers run on {hidden.device.type}, and the scan is an XLA loop")
-        elif len(caches) == 1:
-            (parameter, _), cache = next(iter(caches.items()))
-            if segment_starts_empty(cache, segment.start, segment.stop):
-                try:
-                    return _scan_filling_groups(layers, segment, cache, parameter, hidden,
-                                                calls)
-                except Unscannable as unscannable:
-                    reason = str(unscannable)
+        # A scan stands only for one cache, passed by name.
+        named = [(name, cache) for (name, _), cache in caches.items()]
+        parameter, cache = named[0] if len(named) == 1 else (None, None)
+        # A segment's plan fills an empty cache, whatever the gradients.
+        plan = plan_cache_call(cache, parameter, segment.stop - segment.start,
+                               hidden.shape[-2], hidden.device, gradients=False,
+                               first=segment.start, period=segment.period)
+        if isinstance(plan, CachePlan):
+            without_cache = tuple((args, {name: value for name, value in kwargs.items()
+                                          if name != parameter}) for args, kwargs in calls)
+            try:
+                return _scan_with_cache(plan, layers, hidden, {"calls": without_cache})
+            except Unscannable as unscannable:
+                plan = str(unscannable)
         return run_layer_by_layer(lambda group: checkpointing.given_to([stack[group]], self)[0],
                                   segment.groups, hidden, (), {"calls": calls}, drop_in=False,
-                                  reason=reason)
+                                  reason=plan)
 
 
-def _scan_filling_groups(layers: Layers, segment, cache, parameter: str, hidden,
-                         calls: tuple):
-    """One scan over a segment's groups (`layers`), each layer given a cache
-    that records its keys and values; they fill `cache` after the loop, layer
-    by layer in order, as the layers' own updates would have."""
-    without_cache = tuple((args, {name: value for name, value in kwargs.items()
-                                  if name != parameter}) for args, kwargs in calls)
-    hidden, recorded = run_recording(layers, hidden, (), {"calls": without_cache},
-                                     keys_and_values_per_position(parameter, segment.period))
-    for group in range(segment.groups):
-        for position in range(segment.period):
-            keys, values = recorded[2 * position], recorded[2 * position + 1]
-            extend(cache, segment.start + group * segment.period + position, keys[group],
-                   values[group])
-    return hidden
+def _scan_with_cache(plan: CachePlan, layers: Layers, hidden, kwargs: dict):
+    """One scan over `layers` called with `kwargs` and each with the cache
+    `plan` gives it; the plan's cache then holds what the layers' own
+    updates would have left in it. Raises Unscannable (the cache unchanged
+    but for being stacked) for a call that one scan cannot stand for."""
+    hidden_states, recorded = run_recording(layers, hidden, (), kwargs, plan.recording,
+                                            state=plan.state)
+    plan.commit(recorded, hidden.shape[-2])
+    return hidden_states
 
 
 # The stacks that stack_layers makes.
@@ -481,7 +403,7 @@ def _explicit_attention_masks(calls: list, config, template: nn.Module) -> list:
               if is_cache(value)]
     if (given is None or not any(mask is None for mask in masks)
             or implementation not in ("sdpa", "eager")
-            or not all(starts_empty(cache, len(getattr(cache, "layers", ()))) for cache in caches)
+            or not all(starts_empty(cache) for cache in caches)
             or not all(getattr(module, "is_causal", True) for module in template.modules())):
         return calls
     *_, queries, keys = given.shape

@@ -87,11 +87,24 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
         _replay_hooks(layers, calls)
         return last_hidden
 
+    reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
+                                if isinstance(leaf, torch.Tensor))), None)
+    if reason is not None:
+        return run_layer_by_layer(layers.layer_at, layers.num_layers, hidden, args, kwargs,
+                                  layers.drop_in, reason)
     try:
         return _through_scan(layers, hidden, args, kwargs, scanned)
     except Unscannable as reason:
         return run_layer_by_layer(layers.layer_at, layers.num_layers, hidden, args, kwargs,
                                   layers.drop_in, str(reason))
+
+
+def device_reason(device: torch.device) -> str | None:
+    """Why layers on `device` run one by one, or None on an XLA device: the scan
+    is an XLA loop (a model moved to the CPU to be saved still runs)."""
+    if device.type != "xla":
+        return f"the layers run on {device.type}, and the scan is an XLA loop"
+    return None
 
 
 def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording,
