@@ -12,6 +12,7 @@ import torch_xla
 import torch_xla_ext as tx
 from torch_xla_ext.workloads import DecoderBlock
 from reference import scan_loop
+from tolerances import BF16, SAME_ORDER, close
 
 DEV = torch_xla.device()
 
@@ -180,17 +181,7 @@ def test_sync_inside_autocast_after_scan(run_isolated):
     assert "init has float32[2,16] but fn returned bfloat16[2,16]" in seen["carry_error"]
     assert max(seen["output_diff"]) < 1e-6
     for diff, scale in zip(seen["grad_diff"], seen["grad_scale"]):
-        assert diff <= 2 ** -6 * scale  # see assert_close_bf16
-
-
-def assert_close_bf16(actual, expected):
-    """Equal up to bfloat16 rounding of the largest entry. Under autocast's cast
-    cache, a for loop casts a weight to bf16 once and sums that cast's gradients
-    over the steps in bf16; scan casts per step and sums in f32."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    error = (actual.float() - expected.float()).abs().max().item()
-    scale = expected.float().abs().max().item()
-    assert scale > 0 and error <= 2 ** -6 * scale, (error, scale)
+        assert diff <= BF16.of_largest * scale
 
 
 def gradients(result, params):
@@ -244,9 +235,9 @@ def test_autocast_scan_matches_the_loop(fn, carry_dtype):
     torch_xla.sync()
     for g, e, u in zip(got, expected, uncached):
         g, e, u = g.cpu(), e.cpu(), u.cpu()
-        assert_close_bf16(g, e)
+        close(g, e, BF16)
         # The loop without the cast cache casts as scan does: the same numbers.
-        torch.testing.assert_close(g, u, rtol=1e-6, atol=1e-6)
+        close(g, u, SAME_ORDER)
 
 
 def test_autocast_state_is_part_of_the_cache_key():
@@ -274,7 +265,7 @@ def test_autocast_state_is_part_of_the_cache_key():
     assert mixed[1].dtype == again[1].dtype == torch.bfloat16 and plain[1].dtype == torch.float32
     for got, expected in [(mixed, mixed_loop), (plain, plain_loop), (again, mixed_loop)]:
         for g, e in zip(got, expected):
-            torch.testing.assert_close(g.cpu(), e.cpu(), rtol=1e-6, atol=1e-6)
+            close(g, e, SAME_ORDER)
 
 
 def test_layer_stack_under_autocast_matches_the_module_list():
@@ -291,7 +282,7 @@ def test_layer_stack_under_autocast_matches_the_module_list():
     out.float().pow(2).mean().backward()
     expected.float().pow(2).mean().backward()
     torch_xla.sync()
-    assert_close_bf16(out.cpu(), expected.cpu())
+    close(out, expected, BF16)
     for name, stacked in stack.stacked.named_parameters():
         per_layer = torch.stack([layer.get_parameter(name).grad for layer in reference])
-        assert_close_bf16(stacked.grad.cpu(), per_layer.cpu())
+        close(stacked.grad, per_layer, BF16)
