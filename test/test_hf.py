@@ -815,7 +815,8 @@ def trainer_run_scenario():
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, use_cache=False))
-    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora = get_peft_model(copy.deepcopy(model),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     pairs = {"full": (model, stack_layers(copy.deepcopy(model))),
              "lora": (lora, stack_layers(copy.deepcopy(lora)))}
     ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(1))

@@ -77,7 +77,8 @@ def wrapped_as_the_trainer_does_scenario():
             loss = which(inputs, labels=inputs).loss
             loss.backward()
             if which is wrapped and step == 0:
-                hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss, *(p.grad for p in stacked.values())])
+                hlo = torch_xla._XLAC._get_xla_tensors_hlo(
+                    [loss, *(p.grad for p in stacked.values())])
             optimizer.step()
             optimizer.zero_grad()
             torch_xla.sync()
@@ -145,7 +146,8 @@ def kinds_wrapped_as_the_trainer_does_scenario():
         num_key_value_heads=2, head_dim=8, sliding_window=4, use_cache=False,
         num_hidden_layers=4, layer_types=[SLIDING, FULL] * 2))
     model = copy.deepcopy(reference)
-    model.model.layers = StackedLayerKinds(model.model.layers, model.config.layer_types, model.config)
+    model.model.layers = StackedLayerKinds(model.model.layers, model.config.layer_types,
+                                           model.config)
     stack_layers(model)  # converted already: changes nothing, teaches transformers' lookup
     reference.to(device).train()
     model.to(device).train()

@@ -217,7 +217,8 @@ def trainer_run_scenario():
 
     seen = []
     scan = running.scan
-    running.scan = lambda *args, **kwargs: seen.append(kwargs["partition_fn"]) or scan(*args, **kwargs)
+    running.scan = (lambda *args, **kwargs:
+                    seen.append(kwargs["partition_fn"]) or scan(*args, **kwargs))
 
     def logged_losses(model, **options):
         with tempfile.TemporaryDirectory() as out:

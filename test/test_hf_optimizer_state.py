@@ -217,7 +217,8 @@ def trainer_resume_scenario(saved_by: str):
             optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear",
             report_to=[], seed=3, disable_tqdm=True)
         steps = StepsRun()
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[steps])
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset,
+                                       callbacks=[steps])
         trainer.train(resume_from_checkpoint=resume)
         assert next(model.parameters()).device.type == "xla"
         return steps.losses(trainer.state.log_history)
@@ -225,7 +226,8 @@ def trainer_resume_scenario(saved_by: str):
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("error", LayerByLayerWarning)
         expected = losses(model_for(saved_by == "converted", 0), out)
-        assert {"optimizer.pt", "scheduler.pt"} <= set(os.listdir(os.path.join(out, "checkpoint-2")))
+        saved = set(os.listdir(os.path.join(out, "checkpoint-2")))
+        assert {"optimizer.pt", "scheduler.pt"} <= saved
         # Another initialization: every weight and state must come from the checkpoint.
         resumed = losses(model_for(saved_by == "unconverted", 7), os.path.join(out, "resumed"),
                          resume=os.path.join(out, "checkpoint-2"))

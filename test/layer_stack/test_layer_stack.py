@@ -73,7 +73,8 @@ def test_training_matches_for_loop(device, make_optimizer):
     for key, value in loop_state.items():
         close(scan_state[key], value, THROUGH_LAYERS)
     # Per-layer views see the optimizer's in-place updates.
-    close(scan_model.layers[2].self_attn.q_proj.weight, loop_model.layers[2].self_attn.q_proj.weight, THROUGH_LAYERS)
+    close(scan_model.layers[2].self_attn.q_proj.weight,
+          loop_model.layers[2].self_attn.q_proj.weight, THROUGH_LAYERS)
 
 
 def stacked_param_shapes(stack: LayerStack) -> set[tuple[int, ...]]:

@@ -46,7 +46,8 @@ def counter_scenario():
                     scanned.sum().backward()
                     scan_grad, weight.grad = weight.grad, None
                     looped.sum().backward()
-                    assert torch.allclose(scan_grad.cpu(), weight.grad.cpu()), (scan_grad, weight.grad)
+                    assert torch.allclose(scan_grad.cpu(), weight.grad.cpu()), \
+                        (scan_grad, weight.grad)
                     weight.grad = None
     torch_xla.sync()
     assert counter.item() == 12.0, counter
