@@ -72,27 +72,18 @@ the rounds', with their spread.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 import statistics
 
 import harness  # first: it sets the default device before torch_xla is imported
+from torch_xla_ext import hf_workloads
+from torch_xla_ext.hf_workloads import FAMILIES
 
 MODES = ("loop", "stack_layers", "stack_layers+cache", "torch-xla-scan")
 # The modes of --gradient-checkpointing.
 CHECKPOINTING_MODES = ("stack_layers+save_nothing", "stack_layers+checkpointing")
 CHECKPOINTING_RSS_GOAL = 1.05
-FAMILIES = ("llama", "qwen3", "gemma2", "gemma3", "qwen2-window", "gpt2", "mixtral",
-            "qwen3_moe", "bert", "vit")
-# The transformers auto class of each family that is not a causal LM.
-AUTO_CLASSES = {"bert": "AutoModelForMaskedLM", "vit": "AutoModelForImageClassification"}
-DEFAULT_AUTO_CLASS = "AutoModelForCausalLM"
-# Mixture-of-experts families: their experts, and the experts implementation
-# whose shapes do not depend on the routing, so that the layers scan.
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
-EXPERTS, EXPERTS_PER_TOKEN = 4, 2
-EXPERTS_IMPLEMENTATION = "batched_mm"
-VIT_PATCH = 16
 # What LoRA adapts in each family: the attention's query and value projections.
 LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"]}
 DEFAULT_LORA_TARGETS = ["q_proj", "v_proj"]
@@ -105,97 +96,33 @@ WORKLOAD_OPTIONS = ("steps", *harness.LLAMA_SIZE_OPTIONS, "seq", "batch")
 
 def skipped_because(family: str, mode: str, lora: bool) -> str | None:
     """Why `mode` does not run for `family`, or None if it does."""
-    if mode == "torch-xla-scan" and (family != "llama" or lora):
-        return "the torch_xla scan_layers wrapper knows Llama's layer call only, without --lora"
-    if mode == "stack_layers+cache" and family in AUTO_CLASSES:
+    if mode == "torch-xla-scan":
+        unsupported = hf_workloads.torch_xla_scan_unsupported(family)
+        if unsupported or lora:
+            return unsupported or "the torch_xla scan_layers wrapper is not run with --lora"
+    if mode == "stack_layers+cache" and family in hf_workloads.AUTO_CLASSES:
         return f"{family} makes no cache"
     return None
 
 
-def model_config(args, use_cache: bool):
-    """The config of `args.family` with `args.layers` layers at the sizes of `args`."""
-    import transformers
-
-    if args.family == "gpt2":
-        return transformers.GPT2Config(
-            vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
-            n_inner=args.intermediate, n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, use_cache=use_cache)
-    if args.family == "llama":
-        return harness.llama_config(args, use_cache=use_cache)
-    if args.family == "bert":
-        return transformers.BertConfig(
-            vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-            num_attention_heads=args.heads, intermediate_size=args.intermediate,
-            max_position_embeddings=args.seq, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0)
-    if args.family == "vit":
-        return transformers.ViTConfig(
-            hidden_size=args.hidden, num_hidden_layers=args.layers,
-            num_attention_heads=args.heads, intermediate_size=args.intermediate,
-            image_size=vit_image_size(args.seq), patch_size=VIT_PATCH, num_labels=args.vocab,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    config_class, settings = {
-        "qwen3": (transformers.Qwen3Config, {}),
-        "gemma2": (transformers.Gemma2Config, {}),
-        "gemma3": (transformers.Gemma3TextConfig, {}),
-        # The first half of the layers full attention, the rest a sliding window
-        # shorter than the sequence.
-        "qwen2-window": (transformers.Qwen2Config, dict(
-            use_sliding_window=True, max_window_layers=args.layers // 2,
-            sliding_window=args.seq // 2)),
-        "mixtral": (transformers.MixtralConfig, dict(
-            num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN)),
-        "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
-            moe_intermediate_size=args.intermediate, num_experts=EXPERTS,
-            num_experts_per_tok=EXPERTS_PER_TOKEN)),
-    }[args.family]
-    return config_class(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-        use_cache=use_cache, **settings)
-
-
-def vit_image_size(seq: int) -> int:
-    """The side in pixels of square images of floor(sqrt(seq))^2 patches."""
-    return math.isqrt(seq) * VIT_PATCH
+def model_sizes(args) -> hf_workloads.ModelSizes:
+    return hf_workloads.ModelSizes(**{field.name: getattr(args, field.name)
+                                      for field in dataclasses.fields(hf_workloads.ModelSizes)})
 
 
 def make_inputs(args, device) -> dict:
     """The keyword arguments of a training step of `args.family`, labels included."""
-    import torch
-
-    generator = torch.Generator().manual_seed(1)
-    if args.family == "vit":
-        side = vit_image_size(args.seq)
-        return {"pixel_values": torch.randn(args.batch, 3, side, side,
-                                            generator=generator).to(device),
-                "labels": torch.randint(0, args.vocab, (args.batch,),
-                                        generator=generator).to(device)}
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
-    if args.family != "bert":
-        return {"input_ids": tokens.to(device), "labels": tokens.to(device)}
-    # A padded batch: lengths from the full sequence down to half of it.
-    lengths = torch.linspace(args.seq, args.seq // 2, args.batch).round().long()
-    attention_mask = (torch.arange(args.seq) < lengths[:, None]).long()
-    return {"input_ids": tokens.to(device), "attention_mask": attention_mask.to(device),
-            "labels": tokens.masked_fill(attention_mask == 0, -100).to(device)}
+    return hf_workloads.training_inputs(args.family, args.vocab, args.batch, args.seq, device)
 
 
 def make_model(args):
     """The model of `args.mode`, with weights that depend only on the sizes."""
-    import torch
-    import transformers
-
     from torch_xla_ext import stack_layers
 
-    torch.manual_seed(0)
-    auto_class = getattr(transformers, AUTO_CLASSES.get(args.family, DEFAULT_AUTO_CLASS))
-    model = auto_class.from_config(
-        model_config(args, use_cache=args.mode == "stack_layers+cache"),
-        **({"experts_implementation": EXPERTS_IMPLEMENTATION}
-           if args.family in MOE_FAMILIES else {}))
+    model = hf_workloads.model_from_config(
+        hf_workloads.family_config(args.family, model_sizes(args),
+                                   use_cache=args.mode == "stack_layers+cache"),
+        args.family)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -209,44 +136,8 @@ def make_model(args):
     elif args.mode.startswith("stack_layers"):
         stack_layers(model)
     elif args.mode == "torch-xla-scan":
-        model.model.layers = torch_xla_scan_layers_wrapper(model.model.layers)
+        model.model.layers = hf_workloads.torch_xla_scan_layers_wrapper(model.model.layers)
     return model
-
-
-def torch_xla_scan_layers_wrapper(layers):
-    """A module in place of the decoder-layer list that runs the layers with
-    torch_xla's scan_layers, which passes a layer nothing but its carry: each
-    layer is wrapped to take the extra arguments from the carry and return
-    them with the new hidden state."""
-    from torch import nn
-    from torch_xla.experimental.scan_layers import scan_layers
-
-    class BroadcastArguments(nn.Module):
-        def __init__(self, layer):
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, hidden_states, cos, sin, *attention_mask):
-            hidden_states = self.layer(hidden_states, position_embeddings=(cos, sin),
-                                       attention_mask=attention_mask[0] if attention_mask else None)
-            return (hidden_states, cos, sin, *attention_mask)
-
-    class ScannedLayers(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(BroadcastArguments(layer) for layer in layers)
-
-        def __getitem__(self, index):
-            # The model's `for decoder_layer in self.layers[: n]` gets this one callable.
-            return [self]
-
-        def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **_):
-            carry = (hidden_states, *position_embeddings,
-                     *(() if attention_mask is None else (attention_mask,)))
-            # Pure layers let torch_xla cache its trace across steps, its fastest setting.
-            return scan_layers(self.layers, carry, is_layer_pure=True)[0]
-
-    return ScannedLayers()
 
 
 def run_worker(args) -> dict:

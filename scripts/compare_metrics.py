@@ -2,10 +2,12 @@
 """Compare torch_xla metrics side by side.
 
   compare_metrics.py [run] [--layers N | --sweep-layers N,N,...] [--hidden H]
-                     [--steps S] [--modes MODE,...] [--workload MODULE:FUNCTION]
+                     [--steps S] [--modes MODE,...]
+                     [--workload MODULE:FUNCTION | --hf CONFIG]
                      [--json FILE] [--plot FILE.png] [--timeout SECONDS]
 
-runs a training workload (by default a stack of decoder blocks) once per mode,
+runs a training workload (by default a stack of decoder blocks; --hf a
+transformers model, unconverted and converted by stack_layers) once per mode,
 each mode in a fresh process (scripts/harness.py) because torch_xla's metrics
 are global to a process, and prints one table: a column per mode, a row per
 figure, marking the values that differ from the `loop` column by more than
@@ -20,6 +22,7 @@ per file, marking the values that differ from A by more than 10%.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -29,6 +32,7 @@ import time
 
 import harness  # first: it sets the default device before torch_xla is imported
 # Nothing of torch: `diff` runs without it (the worker imports it).
+from torch_xla_ext import hf_workloads
 from torch_xla_ext.metrics import (
     BYTES, COUNT, FIGURE_ROWS, SECONDS, MetricsReport, MetricsReportError, Row, figures,
     format_table, hlo_parameter_count, parse_report, peak_rss_bytes, raw_figures, raw_rows)
@@ -94,6 +98,13 @@ MODES = {
 WORKLOAD_MODES = {"loop": "loop", "scan": "scan", "scan-device-data": "scan",
                   "torch-xla-scan": "torch-xla-scan"}
 BASELINE_MODE = "loop"
+# What each mode runs with --hf.
+HF_MODES = {
+    "loop": "the model as transformers builds it (unconverted)",
+    "scan": "the model converted by torch_xla_ext.stack_layers(model)",
+    "scan-device-data": "that scan traced at every step, every stand-in copied from host",
+    "torch-xla-scan": "torch_xla's scan_layers through a wrapper module (Llama only)",
+}
 
 # Small enough for all four modes to finish in well under two minutes on 2 CPU cores.
 DEFAULT_LAYERS = 4
@@ -105,6 +116,11 @@ DECODER_HEADS = 4
 DECODER_BATCH = 2
 DECODER_SEQUENCE = 16
 DECODER_LEARNING_RATE = 0.01
+# The built-in configs of --hf FAMILY: DECODER_HEADS heads of width --hidden,
+# and these sizes; batches of DECODER_BATCH sequences of DECODER_SEQUENCE tokens.
+HF_KV_HEADS = 2
+HF_INTERMEDIATE_PER_HIDDEN = 2
+HF_VOCAB = 256
 
 RUN_ROWS: tuple[Row | None, ...] = (
     *FIGURE_ROWS,
@@ -143,11 +159,29 @@ figures:
   step() returns); peak RSS is the mode's process's.
   --json FILE writes every figure per mode, with a list of per-step figures.
 
+transformers models:
+  --hf CONFIG measures a training step (forward with labels, the model's
+  loss, backward, SGD) of a transformers model with random weights, built
+  from CONFIG: a config.json file (or a directory holding one) of a causal
+  language model, or one of the small built-in configs of the families
+  {families}
+  (width --hidden, {heads} heads, {kv_heads} key/value heads, intermediate
+  {intermediate} x --hidden, vocabulary {vocab}). --layers overrides the
+  config's depth (a config.json keeps its own without it). Batches of
+  {batch} sequences of {sequence} tokens. The modes are:
+{hf_modes}
+  torch-xla-scan runs Llama models only; it is left out of the default modes
+  for the others.
+
 time limit:
   A mode's process that runs longer than --timeout seconds is stopped; the
   table shows it as timed out, the other modes run, and the exit code is 1.
   Modes run on the device PJRT_DEVICE names, CPU if it is not set.
-"""
+""".format(
+    families=", ".join(hf_workloads.FAMILIES), heads=DECODER_HEADS, kv_heads=HF_KV_HEADS,
+    intermediate=HF_INTERMEDIATE_PER_HIDDEN, vocab=HF_VOCAB, batch=DECODER_BATCH,
+    sequence=DECODER_SEQUENCE,
+    hf_modes="\n".join(f"    {mode:<17} {description}" for mode, description in HF_MODES.items()))
 
 
 def decoder_training(mode: str, layers: int, hidden: int):
@@ -168,12 +202,86 @@ def decoder_training(mode: str, layers: int, hidden: int):
     return step
 
 
-def workload_name(spec: str | None) -> str:
-    return spec or "decoder blocks"
+def hf_config(spec: str, layers: int | None, hidden: int):
+    """The transformers config `--hf spec` names (see WORKLOAD_HELP), `layers`
+    deep if given, else as deep as the file says (DEFAULT_LAYERS for a family)."""
+    if spec in hf_workloads.FAMILIES:
+        return hf_workloads.family_config(spec, hf_workloads.ModelSizes(
+            layers=layers or DEFAULT_LAYERS, hidden=hidden, heads=DECODER_HEADS,
+            kv_heads=HF_KV_HEADS, intermediate=HF_INTERMEDIATE_PER_HIDDEN * hidden,
+            vocab=HF_VOCAB, seq=DECODER_SEQUENCE))
+    what = (f"--hf {spec!r}: expected the path of a config.json (or of a directory holding "
+            f"one) or a built-in family: {', '.join(hf_workloads.FAMILIES)}")
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        raise InputError(f"{what}; there is no file {path}")
+    try:
+        with open(path, encoding="utf-8") as file:
+            settings = json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"{what}; {path} is not JSON: {error}") from None
+    import transformers
+
+    model_type = settings.get("model_type") if isinstance(settings, dict) else None
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise InputError(f"{what}; {path} is not a transformers config: its model_type is "
+                         f"{model_type!r}, which transformers does not know")
+    config = transformers.AutoConfig.from_pretrained(path)
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise InputError(f"--hf {spec!r}: transformers has no causal language model of "
+                         f"model_type {model_type!r}, and --hf trains one from a config.json")
+    if layers is not None:
+        config.num_hidden_layers = layers
+    return config
 
 
-def load_workload(spec: str | None):
-    """The workload function `--workload MODULE:FUNCTION` names, or the default one."""
+def hf_family(spec: str) -> str | None:
+    """The built-in family `--hf spec` names, None for a config.json."""
+    return spec if spec in hf_workloads.FAMILIES else None
+
+
+def hf_training(spec: str, mode: str, layers: int, hidden: int):
+    """The --hf workload: SGD training steps of the transformers model of
+    `hf_config(spec, layers, hidden)`, as `mode` runs it (HF_MODES)."""
+    import torch
+    import torch_xla
+    from torch_xla_ext import stack_layers
+
+    device = torch_xla.device()
+    config = hf_config(spec, layers, hidden)
+    family = hf_family(spec)
+    model = hf_workloads.model_from_config(config, family)
+    if mode == "scan":
+        stack_layers(model)
+    elif mode == "torch-xla-scan":
+        model.model.layers = hf_workloads.torch_xla_scan_layers_wrapper(model.model.layers)
+    model = model.to(device).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=DECODER_LEARNING_RATE)
+    inputs = hf_workloads.training_inputs(family, HF_VOCAB if family else config.vocab_size,
+                                          DECODER_BATCH, DECODER_SEQUENCE, device)
+
+    def step():
+        optimizer.zero_grad()
+        loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        return [loss, *model.parameters()]
+
+    return step
+
+
+def workload_name(args: argparse.Namespace) -> str:
+    if args.hf is not None:
+        return f"--hf {args.hf}"
+    return args.workload or "decoder blocks"
+
+
+def load_workload(args: argparse.Namespace):
+    """The workload function `--workload MODULE:FUNCTION` or `--hf CONFIG`
+    names, or the default one."""
+    if args.hf is not None:
+        return functools.partial(hf_training, args.hf)
+    spec = args.workload
     if spec is None:
         return decoder_training
     module_name, colon, function_name = spec.partition(":")
@@ -267,13 +375,13 @@ class StandInFactory:
         return torch.empty(shape, dtype=dtype).to(self._device).requires_grad_(requires_grad)
 
 
-def step_outputs(outputs, spec: str | None) -> list:
+def step_outputs(outputs, name: str) -> list:
     import torch
 
     outputs = [outputs] if isinstance(outputs, torch.Tensor) else outputs
     if (not isinstance(outputs, (list, tuple)) or not outputs
             or not all(isinstance(output, torch.Tensor) for output in outputs)):
-        raise InputError(f"workload {workload_name(spec)!r}: step() returned "
+        raise InputError(f"workload {name!r}: step() returned "
                          f"{type(outputs).__name__}; it must return a tensor or a non-empty "
                          "list or tuple of tensors, the loss first")
     return list(outputs)
@@ -294,7 +402,7 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch_xla_ext
     from torch_xla_ext.metrics import collect
 
-    build_workload = load_workload(args.workload)
+    build_workload = load_workload(args)
     device_data = args.mode == "scan-device-data"
     stand_ins = StandInFactory(from_host=device_data)
     step = build_workload(WORKLOAD_MODES[args.mode], args.layers, args.hidden)
@@ -309,7 +417,7 @@ def run_worker(args: argparse.Namespace) -> None:
             torch_xla_ext.cache_clear()
         traces_before, stand_ins_before = torch_xla_ext.cache_info().misses, stand_ins.made
         started = time.perf_counter()
-        outputs = step_outputs(step(), args.workload)
+        outputs = step_outputs(step(), workload_name(args))
         build_seconds = time.perf_counter() - started
         scan_traces = torch_xla_ext.cache_info().misses - traces_before
         scan_stand_ins = stand_ins.made - stand_ins_before
@@ -321,7 +429,7 @@ def run_worker(args: argparse.Namespace) -> None:
                       "scan_stand_ins": scan_stand_ins, "hlo_parameters": hlo_parameters})
         previous = current
     if device_data and not any(step["scan_traces"] for step in steps):
-        raise InputError(f"workload {workload_name(args.workload)!r} never called "
+        raise InputError(f"workload {workload_name(args)!r} never called "
                          "torch_xla_ext.scan in mode 'scan', so scan-device-data has nothing "
                          "to trace with device data")
     # Read after the last figures were taken: it is a device-to-host transfer.
@@ -339,6 +447,8 @@ def run_in_worker(mode: str, layers: int, args: argparse.Namespace) -> harness.O
                  "--hidden", str(args.hidden), "--steps", str(args.steps)]
     if args.workload is not None:
         arguments += ["--workload", args.workload]
+    if args.hf is not None:
+        arguments += ["--hf", args.hf]
     return harness.run_worker(os.path.abspath(__file__), arguments, args.timeout)
 
 
@@ -389,6 +499,40 @@ def plot_sweep(path: str, depths: list[int], runs: list[dict], modes: list[str])
             for axis in axes}
 
 
+def settle_workload(args: argparse.Namespace) -> tuple[str, str]:
+    """Fills in the --layers, --hidden and --modes left out, checks those given
+    against --hf's model (a bad --hf fails here, before any process starts),
+    and returns the workload's title and the legend of its modes."""
+    if args.hf is None:
+        args.layers = args.layers or DEFAULT_LAYERS
+        args.hidden = args.hidden or DEFAULT_HIDDEN
+        args.modes = args.modes or list(MODES)
+        return workload_name(args), ""
+    family = hf_family(args.hf)
+    if family is None and args.hidden is not None:
+        raise InputError(f"--hidden {args.hidden}: --hf {args.hf!r} is a config.json, whose "
+                         "hidden_size is the width; change it there, or leave --hidden out")
+    hidden = args.hidden or DEFAULT_HIDDEN
+    if family is not None and hidden % DECODER_HEADS:
+        raise InputError(f"--hidden {hidden}: the built-in configs have {DECODER_HEADS} heads; "
+                         f"give a multiple of {DECODER_HEADS}")
+    config = hf_config(args.hf, args.layers, hidden)
+    args.layers = args.layers or config.num_hidden_layers
+    args.hidden = config.hidden_size
+    unsupported = hf_workloads.torch_xla_scan_unsupported(config.model_type)
+    if args.modes is None:
+        args.modes = list(MODES)
+        if unsupported:
+            args.modes.remove("torch-xla-scan")
+            print(f"not running torch-xla-scan: {unsupported}", file=sys.stderr, flush=True)
+    elif unsupported and "torch-xla-scan" in args.modes:
+        raise InputError(f"--modes torch-xla-scan: {unsupported}")
+    source = "built-in config" if family else os.path.abspath(
+        os.path.join(args.hf, "config.json") if os.path.isdir(args.hf) else args.hf)
+    legend = "".join(f"\n  {mode}: {HF_MODES[mode]}" for mode in args.modes)
+    return f"transformers {config.model_type} ({source})", legend
+
+
 def run_run(args: argparse.Namespace) -> None:
     if args.plot is not None and args.sweep_layers is None:
         raise InputError("--plot draws a sweep over depths: give --sweep-layers too, "
@@ -397,7 +541,8 @@ def run_run(args: argparse.Namespace) -> None:
     check_output_path(args.plot, "--plot")
     if args.plot is not None:
         check_plot_format(args.plot)
-    load_workload(args.workload)  # a bad --workload fails here, before any process starts
+    load_workload(args)  # a bad --workload fails here, before any process starts
+    title, legend = settle_workload(args)
     depths = args.sweep_layers or [args.layers]
     baseline = BASELINE_MODE if BASELINE_MODE in args.modes else args.modes[0]
     run_count = len(depths) * len(args.modes)
@@ -416,11 +561,10 @@ def run_run(args: argparse.Namespace) -> None:
         runs.append(harness.outcome_columns(outcomes))
         if depth_index:
             print()
-        print(f"{workload_name(args.workload)}: {layers} layers, hidden {args.hidden}, "
-              f"{args.steps} steps")
+        print(f"{title}: {layers} layers, hidden {args.hidden}, {args.steps} steps{legend}")
         print(harness.outcome_table(outcomes, RUN_ROWS, baseline), flush=True)
 
-    settings = {"workload": workload_name(args.workload), "hidden": args.hidden,
+    settings = {"workload": title, "hidden": args.hidden,
                 "steps": args.steps, "modes": args.modes}
     if args.sweep_layers is None:
         output = {"settings": {**settings, "layers": args.layers}, "modes": runs[0]}
@@ -450,15 +594,22 @@ def build_parser() -> argparse.ArgumentParser:
     # Options the run command passes on to its workers.
     workload_options = argparse.ArgumentParser(add_help=False)
     workload_options.add_argument(
-        "--hidden", type=harness.positive_int, default=DEFAULT_HIDDEN,
+        "--hidden", type=harness.positive_int,
         help=f"width of the layers (default {DEFAULT_HIDDEN}; a multiple of "
-             f"{DECODER_HEADS} for the decoder blocks' {DECODER_HEADS} heads)")
+             f"{DECODER_HEADS} for the decoder blocks' and --hf families' {DECODER_HEADS} "
+             "heads; not with --hf config.json, which sets its own)")
     workload_options.add_argument(
         "--steps", type=step_count, default=DEFAULT_STEPS,
         help=f"training steps per mode, 2 or more (default {DEFAULT_STEPS})")
-    workload_options.add_argument(
+    model = workload_options.add_mutually_exclusive_group()
+    model.add_argument(
         "--workload", metavar="MODULE:FUNCTION",
         help="your own model instead of the decoder blocks (see the contract below)")
+    model.add_argument(
+        "--hf", metavar="CONFIG",
+        help="a transformers model instead of the decoder blocks: a config.json, or a "
+             f"family with a small built-in config ({', '.join(hf_workloads.FAMILIES)}); "
+             "see below")
 
     mode_lines = "\n".join(f"  {mode:<17} {description}" for mode, description in MODES.items())
     run = commands.add_parser(
@@ -469,12 +620,14 @@ def build_parser() -> argparse.ArgumentParser:
                     f"differ from {BASELINE_MODE} by more than 10%.\n\nmodes:\n{mode_lines}",
         epilog=WORKLOAD_HELP)
     depth = run.add_mutually_exclusive_group()
-    depth.add_argument("--layers", type=harness.positive_int, default=DEFAULT_LAYERS,
-                       help=f"number of layers (default {DEFAULT_LAYERS})")
+    depth.add_argument("--layers", type=harness.positive_int,
+                       help=f"number of layers (default {DEFAULT_LAYERS}; with --hf "
+                            "config.json, the file's)")
     depth.add_argument("--sweep-layers", type=layer_list, metavar="N,N,...",
                        help="run every mode at each of these depths, a table per depth")
-    run.add_argument("--modes", type=mode_list, default=list(MODES), metavar="MODE,...",
-                     help=f"modes to run, comma-separated (default {','.join(MODES)})")
+    run.add_argument("--modes", type=mode_list, metavar="MODE,...",
+                     help=f"modes to run, comma-separated (default {','.join(MODES)}; "
+                          "with --hf, torch-xla-scan only for Llama models)")
     run.add_argument("--json", metavar="FILE",
                      help="also write the figures, per mode and per step, to FILE")
     run.add_argument("--plot", metavar="FILE.png",

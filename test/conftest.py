@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from isolated import ForkServer
+from isolated import ForkServer, call_source
 
 # Tests run on PJRT's CPU backend unless the caller chose a device; the package
 # itself never chooses one.
@@ -34,15 +34,26 @@ def run_isolated(scenario_server):
     """Runs Python source in its own process (so a crash cannot take the test
     session down) and returns the completed process (see isolated.py)."""
 
-    def run(source: str, timeout: float = 240, env: dict | None = None,
-            clean_env: dict | None = None):
-        """`env` adds to the test environment (on PJRT CPU); `clean_env`, if
-        given, is the whole environment instead."""
+    def run(scenario, timeout: float = 240, env: dict | None = None,
+            clean_env: dict | None = None, args: tuple = ()):
+        """`scenario` is Python source, or a function defined at the top level
+        of a test module, called with `args` (literals). `env` adds to the test
+        environment (on PJRT CPU); `clean_env`, if given, is the whole
+        environment instead."""
         environment = clean_env if clean_env is not None else {
             **os.environ, "PJRT_DEVICE": "CPU", **(env or {})}
-        # The shared reference (reference.py) is importable in the scenario too.
+        # The shared helpers (reference.py, tolerances.py) are importable in
+        # the scenario too, and so is a scenario function's module.
+        folders = [os.path.dirname(__file__)]
+        if isinstance(scenario, str):
+            if args:
+                raise TypeError("args are passed to a scenario function, not to source")
+            source = scenario
+        else:
+            source, module_folder = call_source(scenario, args)
+            folders.append(module_folder)
         environment["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [os.path.dirname(__file__), environment.get("PYTHONPATH")]))
+            filter(None, [*dict.fromkeys(folders), environment.get("PYTHONPATH")]))
         return scenario_server.run(source, timeout=timeout, env=environment)
 
     return run

@@ -9,11 +9,16 @@ the scenario, and leaves with `os._exit` after what a normal exit does for user
 code (joining threads, atexit), skipping the module teardown. A crash takes down
 only the child.
 
+A scenario is either source or a function defined at the top level of a test
+module (`call_source`): the child imports that module and calls it.
+
 Run as a script, this file is the server: it reads one JSON request a line on
 stdin and answers each with one JSON line on stdout.
 """
+import ast
 import atexit
 import importlib
+import inspect
 import json
 import os
 import select
@@ -115,6 +120,26 @@ def serve() -> None:
 
 
 # --- the client (in pytest's process) ----------------------------------------
+
+def call_source(function, args: tuple = ()) -> tuple[str, str]:
+    """Source that imports `function`'s module and calls `function(*args)`,
+    and the folder to import that module from. `function` must be defined at
+    the top level of its module, and `args` be literals (they are passed as
+    their repr)."""
+    if not inspect.isfunction(function) or function.__qualname__ != function.__name__:
+        raise TypeError(f"a scenario function must be defined at the top level of its module; "
+                        f"{function!r} is not")
+    for arg in args:
+        try:
+            if ast.literal_eval(repr(arg)) != arg:
+                raise ValueError
+        except (ValueError, SyntaxError):
+            raise TypeError(f"a scenario's arguments are passed as their repr; {arg!r} is not "
+                            "a literal") from None
+    module = function.__module__
+    folder = os.path.dirname(os.path.abspath(inspect.getfile(function)))
+    return f"import {module}\n{module}.{function.__name__}(*{args!r})\n", folder
+
 
 class ForkServer:
     """The pytest side: `run(source, ...)` behaves as `subprocess.run([python,

@@ -166,34 +166,32 @@ def test_plans_stay_right_when_torch_xla_reuses_placeholder_addresses():
     assert all(plans) and len(ids) == 60
 
 
-UNLIFTED_PLACEHOLDER = """
-import warnings
-import torch, torch_xla
-import torch_xla.core.xla_builder as xb
-import torch_xla_ext as tx
-warnings.simplefilter("ignore")
-dev = torch_xla.device()
+def unlifted_placeholder_scenario():
+    """A step reading a placeholder of a class scan does not lift is refused; scan goes on."""
+    import warnings
+    import torch_xla.core.xla_builder as xb
+    warnings.simplefilter("ignore")
+    dev = torch_xla.device()
 
-class Tagged(torch.Tensor):  # a class scan does not lift as a capture
-    pass
+    class Tagged(torch.Tensor):  # a class scan does not lift as a capture
+        pass
 
-weight = xb.create_placeholder_tensor((4,), torch.float32)
-weight.__class__ = Tagged
-try:
-    tx.scan(lambda c, x: (c + x * weight, None), torch.zeros(4, device=dev),
-            torch.ones(3, 4, device=dev))
-except ValueError as error:
-    assert "reads a float32[4] placeholder" in str(error), str(error)
-else:
-    raise AssertionError("scan ran a step that reads a placeholder it cannot bind")
-carry, _ = tx.scan(lambda c, x: (c + x, None), torch.zeros(4, device=dev),
-                   torch.ones(3, 4, device=dev))
-assert carry.cpu().tolist() == [3.0] * 4
-print("refused")
-"""
+    weight = xb.create_placeholder_tensor((4,), torch.float32)
+    weight.__class__ = Tagged
+    try:
+        tx.scan(lambda c, x: (c + x * weight, None), torch.zeros(4, device=dev),
+                torch.ones(3, 4, device=dev))
+    except ValueError as error:
+        assert "reads a float32[4] placeholder" in str(error), str(error)
+    else:
+        raise AssertionError("scan ran a step that reads a placeholder it cannot bind")
+    carry, _ = tx.scan(lambda c, x: (c + x, None), torch.zeros(4, device=dev),
+                       torch.ones(3, 4, device=dev))
+    assert carry.cpu().tolist() == [3.0] * 4
+    print("refused")
 
 
 def test_step_reading_a_placeholder_it_cannot_bind_raises(run_isolated):
-    result = run_isolated(UNLIFTED_PLACEHOLDER)
+    result = run_isolated(unlifted_placeholder_scenario)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused" in result.stdout

@@ -19,6 +19,7 @@ import torch_xla_ext as tx
 from support import supports
 from optimized_hlo import callees, computations, stacked_results_in_loops, while_loops
 from reference import host_copies
+from tolerances import LOGGED_LOSSES, TRAINING, close
 from torch_xla_ext.hf import StackedLayers, cache_plan, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 from torch_xla_ext.layer_stack.running import device_reason
@@ -60,11 +61,6 @@ def per_layer_grads(model) -> dict:
         else:
             grads[name] = param.grad
     return grads
-
-
-def close(actual, expected, atol=1e-4):
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-4,
-                               atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +117,12 @@ def test_training_matches_the_unconverted_model(device, family):
             reference_losses, reference_grads = losses, grads
     assert compiled == {False: 0, True: 0}
     for step in range(4):
-        close(losses[step], reference_losses[step])
+        close(losses[step], reference_losses[step], TRAINING)
         assert grads[step].keys() == reference_grads[step].keys()
         for name, grad in reference_grads[step].items():
-            close(grads[step][name], grad)
+            close(grads[step][name], grad, TRAINING)
     for key, value in reference.state_dict().items():
-        close(model.state_dict()[key], value)
+        close(model.state_dict()[key], value, TRAINING)
 
 
 # Models whose forward iterates over the layers (`for i, block in enumerate(self.h)`).
@@ -175,10 +171,10 @@ def test_an_option_given_to_stack_layers_gives_the_unconverted_gradients(device,
         loss.backward()
         torch_xla.sync()  # one execution; reading each gradient alone would compile each
         grads.append((loss.detach(), per_layer_grads(which)))
-    close(grads[1][0], grads[0][0])
+    close(grads[1][0], grads[0][0], TRAINING)
     assert grads[1][1].keys() == grads[0][1].keys()
     for name, grad in grads[0][1].items():
-        close(grads[1][1][name], grad)
+        close(grads[1][1][name], grad, TRAINING)
 
 
 def training_step_hlo(model, device) -> tuple[str, torch.Tensor]:
@@ -212,9 +208,9 @@ def test_16_layers_train_as_one_while_loop_like_the_unconverted_model(device):
     assert sizes[16, True] == sizes[4, True]
     assert sizes[16, False] > 3 * sizes[4, False]
     (reference_loss, reference_grads), (loss, grads) = results
-    close(loss, reference_loss)
+    close(loss, reference_loss, TRAINING)
     for name, grad in reference_grads.items():
-        close(grads[name], grad)
+        close(grads[name], grad, TRAINING)
 
 
 # ---------------------------------------------------------------------------
@@ -370,7 +366,7 @@ def assert_one_scan_with_the_unconverted_step(reference, model, device):
     assert "while" in hlo and "while" not in reference_hlo
     assert actual.keys() == expected.keys()
     for name, value in expected.items():
-        close(actual[name], value)
+        close(actual[name], value, TRAINING)
 
 
 @pytest.mark.parametrize("family, config", [
@@ -396,7 +392,7 @@ def test_a_prefill_with_a_cache_is_one_scan_that_fills_the_cache(device, family,
     assert cache.get_seq_length() == reference_cache.get_seq_length() == SEQ
     assert len(actual) == len(expected) == 1 + 2 * 4  # logits, then every layer's keys and values
     for tensor, expected_tensor in zip(actual, expected):
-        close(tensor, expected_tensor)
+        close(tensor, expected_tensor, TRAINING)
 
 
 def test_decoding_steps_over_a_dynamic_cache_are_scans_with_the_unconverted_logits_and_cache(
@@ -435,7 +431,7 @@ def test_decoding_steps_over_a_dynamic_cache_are_scans_with_the_unconverted_logi
         f"{cache_plan.DYNAMIC_GRADIENTS_REASON}."]]
     assert len(actual) == len(expected) == 4 + 2 * 4
     for got, want in zip(actual, expected):
-        close(got, want)
+        close(got, want, TRAINING)
 
 
 # Mistral samples with its config's sliding window (4096: the cache holds
@@ -467,7 +463,7 @@ def test_a_dynamic_cache_of_other_forms_and_uses_keeps_the_unconverted_results(d
             which(inputs_embeds=second, past_key_values=cache).logits.sum().backward()
         results.append(host_copies([prefill, first.grad, second.grad]))
     for got, want in zip(*results):
-        close(got, want)
+        close(got, want, TRAINING)
     assert sum(w.category is LayerByLayerWarning for w in caught) == 2
     # The filled cache saves with torch.save, its layers as transformers' own.
     with torch.no_grad():
@@ -478,8 +474,8 @@ def test_a_dynamic_cache_of_other_forms_and_uses_keeps_the_unconverted_results(d
     loaded = torch.load(saved, weights_only=False)
     assert [type(layer) for layer in loaded.layers] == [transformers.DynamicLayer] * 2
     for layer, loaded_layer in zip(cache.layers, loaded.layers):
-        close(loaded_layer.keys, layer.keys)
-        close(loaded_layer.values, layer.values)
+        close(loaded_layer.keys, layer.keys, TRAINING)
+        close(loaded_layer.values, layer.values, TRAINING)
 
 
 def reasons_and_logits(model, ids, mask, cache, grad=False) -> tuple[list, torch.Tensor]:
@@ -532,7 +528,7 @@ def test_every_reason_of_a_cache_call_is_reached_with_the_unconverted_logits(dev
     # Every reason a call with a cache can give, reached.
     assert {reason for reasons in reached for reason in reasons} == {on_cpu, *cache_plan.REASONS}
     for (_, got), (_, want) in zip(actual, expected, strict=True):
-        close(got, want)
+        close(got, want, TRAINING)
 
 
 STATIC = {
@@ -589,7 +585,7 @@ def test_a_static_cache_keeps_its_api_over_stacked_buffers(device):
     expected, actual = results
     assert len(actual) == len(expected)
     for got, want in zip(actual, expected):
-        close(got, want)
+        close(got, want, TRAINING)
     assert expected[0].item() == SEQ + 2 and expected[-1].item() == 0
     # The cache's layers hold the two stacked buffers and their lengths, no
     # view of a slice: torch_xla materializes a live view at each sync, which
@@ -635,33 +631,30 @@ def test_a_sliding_window_static_cache_is_scanned_until_its_window_is_full(devic
     assert len(one_by_one[3]) == 1 and "a window drops tokens" in one_by_one[3][0]
     assert len(actual) == len(expected) == 4 + 2 * 2
     for got, want in zip(actual, expected):
-        close(got, want)
+        close(got, want, TRAINING)
 
 
-STATIC_DECODING = """
-import torch, torch_xla, transformers
-import torch_xla_ext as tx
-
-device = torch_xla.device()
-torch.manual_seed(0)
-config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=3, num_attention_heads=4,
-                                  num_key_value_heads=2)
-model = tx.stack_layers(transformers.LlamaForCausalLM(config)).to(device).eval()
-cache = transformers.StaticCache(config=config, max_cache_len=16)
-with torch.no_grad():
-    token = model(torch.randint(1, 128, (2, 8)).to(device), past_key_values=cache).logits
-    torch_xla.sync()
-    for _ in range(2):
-        token = model(token[:, -1:].argmax(-1), past_key_values=cache).logits
+def static_decoding_scenario():
+    """Prefill then two decoding steps of a converted Llama into a StaticCache."""
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    model = tx.stack_layers(transformers.LlamaForCausalLM(config)).to(device).eval()
+    cache = transformers.StaticCache(config=config, max_cache_len=16)
+    with torch.no_grad():
+        token = model(torch.randint(1, 128, (2, 8)).to(device), past_key_values=cache).logits
         torch_xla.sync()
-"""
+        for _ in range(2):
+            token = model(token[:, -1:].argmax(-1), past_key_values=cache).logits
+            torch_xla.sync()
 
 
 def test_a_decoding_step_writes_only_the_new_positions_of_the_stacked_cache(run_isolated,
                                                                            tmp_path):
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
-    result = run_isolated(STATIC_DECODING, env={"XLA_FLAGS": flags.strip()})
+    result = run_isolated(static_decoding_scenario, env={"XLA_FLAGS": flags.strip()})
     assert result.returncode == 0, result.stderr[-3000:]
     cache_shape = "f32[3,2,2,16,8]"  # [layers, batch, kv heads, max_cache_len, head_dim]
     dumps = [open(path).read() for path in glob.glob(f"{tmp_path}/*after_optimizations.txt")]
@@ -695,7 +688,7 @@ def test_on_the_cpu_the_layers_run_one_by_one_with_the_unconverted_logits():
     with pytest.warns(LayerByLayerWarning, match="the layers run on cpu, and the scan is an XLA "
                                                  "loop"):
         logits = model(ids, attention_mask=mask).logits
-    close(logits, reference(ids, attention_mask=mask).logits)
+    close(logits, reference(ids, attention_mask=mask).logits, TRAINING)
 
 
 def test_layers_that_differ_are_refused_and_the_model_is_unchanged():
@@ -822,7 +815,7 @@ def test_lookups_between_layers_are_allowed_and_a_changed_hidden_state_is_refuse
     x = torch.randn(2, 4, device=device)
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([model(x)])
     assert "while" in hlo
-    close(model(x), reference(x))
+    close(model(x), reference(x), TRAINING)
     # Each of the loop's callables checks what it gets: work on the hidden
     # state between two layers would not run inside the scan.
     first, second = iter(model.blocks._layer_calls())
@@ -862,48 +855,46 @@ def test_config_changes_reach_the_layers():
 # ---------------------------------------------------------------------------
 # SPMD
 
-FSDP_TRAINING_STEP = """
-import re
-import numpy as np, torch, torch_xla
-import torch_xla.runtime as xr
-import torch_xla.distributed.spmd as xs
-from test_hf import converted_pair
+def fsdp_training_step_scenario():
+    """An AdamW step of the unconverted Llama and of the converted one, its
+    stacked weights sharded FSDP style."""
+    import numpy as np
+    import torch_xla.runtime as xr
+    import torch_xla.distributed.spmd as xs
 
-xr.use_spmd()
-mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4,), ("fsdp",))
-device = torch_xla.device()
-reference, model = converted_pair(layers=4)  # test_hf's small Llama, unconverted and converted
-reference.to(device).train()
-model.to(device).train()
-for param in model.model.layers.parameters():
-    # FSDP style: each stacked weight split along its first dimension after the layers'.
-    xs.mark_sharding(param, mesh, (None, "fsdp") + (None,) * (param.dim() - 2))
-ids = torch.randint(0, 128, (2, 8)).to(device)
-results = []
-for which in (reference, model):
-    optimizer = torch.optim.AdamW(which.parameters(), lr=1e-2)
-    loss = which(ids, labels=ids).loss
-    loss.backward()
-    hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss, *(p.grad for p in which.parameters())])
-    optimizer.step()
-    torch_xla.sync()
-    results.append((loss.cpu(), {k: v.cpu() for k, v in which.state_dict().items()}, hlo))
-(reference_loss, reference_state, _), (loss, state, hlo) = results
-assert "while" in hlo, "no while loop in the sharded step"
-assert "sharding={devices=[1,4,1]" in hlo, "the stacked weights are not sharded in the step"
-assert "devices=[1,4,1]" in torch_xla._XLAC._get_xla_sharding_spec(
-    model.model.layers.stacked.self_attn.q_proj.weight)
-torch.testing.assert_close(loss, reference_loss, rtol=1e-4, atol=1e-4)
-assert list(state) == list(reference_state)
-for key, value in reference_state.items():
-    torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-4)
-print("matched")
-"""
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4,), ("fsdp",))
+    device = torch_xla.device()
+    reference, model = converted_pair(layers=4)  # test_hf's small Llama, unconverted and converted
+    reference.to(device).train()
+    model.to(device).train()
+    for param in model.model.layers.parameters():
+        # FSDP style: each stacked weight split along its first dimension after the layers'.
+        xs.mark_sharding(param, mesh, (None, "fsdp") + (None,) * (param.dim() - 2))
+    ids = torch.randint(0, 128, (2, 8)).to(device)
+    results = []
+    for which in (reference, model):
+        optimizer = torch.optim.AdamW(which.parameters(), lr=1e-2)
+        loss = which(ids, labels=ids).loss
+        loss.backward()
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss, *(p.grad for p in which.parameters())])
+        optimizer.step()
+        torch_xla.sync()
+        results.append((loss.cpu(), {k: v.cpu() for k, v in which.state_dict().items()}, hlo))
+    (reference_loss, reference_state, _), (loss, state, hlo) = results
+    assert "while" in hlo, "no while loop in the sharded step"
+    assert "sharding={devices=[1,4,1]" in hlo, "the stacked weights are not sharded in the step"
+    assert "devices=[1,4,1]" in torch_xla._XLAC._get_xla_sharding_spec(
+        model.model.layers.stacked.self_attn.q_proj.weight)
+    close(loss, reference_loss, TRAINING)
+    assert list(state) == list(reference_state)
+    close(state, reference_state, TRAINING)
+    print("matched")
 
 
 @supports("sharded", "llama")
 def test_fsdp_sharded_stacked_weights_train_like_the_unsharded_model(run_isolated):
-    result = run_isolated(FSDP_TRAINING_STEP, env={"CPU_NUM_DEVICES": "4"})
+    result = run_isolated(fsdp_training_step_scenario, env={"CPU_NUM_DEVICES": "4"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "matched" in result.stdout
 
@@ -911,49 +902,45 @@ def test_fsdp_sharded_stacked_weights_train_like_the_unsharded_model(run_isolate
 # transformers' Trainer, as a fine-tuning script runs it: on the XLA device
 # (through accelerate), AdamW (`adamw_torch`: the fused default takes no XLA
 # tensors), a loss logged every step; a full fine-tune, then LoRA adapters.
-TRAINER_RUN = """
-import copy, tempfile, warnings
-import torch, torch_xla, transformers
-from peft import LoraConfig, get_peft_model
-from torch_xla_ext.hf import stack_layers
-from torch_xla_ext.layer_stack import LayerByLayerWarning
+def trainer_run_scenario():
+    """transformers' Trainer trains each model of a pair; the losses it logs agree."""
+    import tempfile
+    from peft import LoraConfig, get_peft_model
 
-torch.manual_seed(0)
-model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, use_cache=False))
-lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-pairs = {"full": (model, stack_layers(copy.deepcopy(model))),
-         "lora": (lora, stack_layers(copy.deepcopy(lora)))}
-ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(1))
-dataset = [{"input_ids": row, "labels": row} for row in ids]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+    lora = get_peft_model(copy.deepcopy(model),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    pairs = {"full": (model, stack_layers(copy.deepcopy(model))),
+             "lora": (lora, stack_layers(copy.deepcopy(lora)))}
+    ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(1))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
 
+    def logged_losses(model):
+        with tempfile.TemporaryDirectory() as out:
+            args = transformers.TrainingArguments(
+                out, per_device_train_batch_size=2, max_steps=4, logging_steps=1,
+                optim="adamw_torch", learning_rate=1e-2, report_to=[], save_strategy="no", seed=3,
+                disable_tqdm=True)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+            trainer.train()
+        assert next(model.parameters()).device.type == "xla"
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
-def logged_losses(model):
-    with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(
-            out, per_device_train_batch_size=2, max_steps=4, logging_steps=1,
-            optim="adamw_torch", learning_rate=1e-2, report_to=[], save_strategy="no", seed=3,
-            disable_tqdm=True)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
-        trainer.train()
-    assert next(model.parameters()).device.type == "xla"
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-
-for name, (reference, converted) in pairs.items():
-    expected = logged_losses(reference)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", LayerByLayerWarning)
-        losses = logged_losses(converted)
-    assert len(expected) == 4, expected
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-4)
-    print(name, "losses", losses)
-"""
+    for name, (reference, converted) in pairs.items():
+        expected = logged_losses(reference)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            losses = logged_losses(converted)
+        assert len(expected) == 4, expected
+        close(torch.tensor(losses), torch.tensor(expected), LOGGED_LOSSES)
+        print(name, "losses", losses)
 
 
 @supports("LoRA", "llama")
 def test_trainer_logs_the_unconverted_models_losses_full_and_lora(run_isolated):
-    result = run_isolated(TRAINER_RUN)
+    result = run_isolated(trainer_run_scenario)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "full losses" in result.stdout and "lora losses" in result.stdout

@@ -4,6 +4,7 @@ unconverted model checkpointing its layers with torch_xla's checkpoint
 (torch.utils.checkpoint's non-reentrant one does not run on XLA)."""
 import copy
 import functools
+import tempfile
 import warnings
 
 import pytest
@@ -15,8 +16,9 @@ from torch import nn
 import torch_xla_ext as tx
 from support import supports
 from reference import host_copies
-from test_hf import batch, close, device, make_model, per_layer_grads  # noqa: F401 (fixture)
+from test_hf import batch, device, make_model, per_layer_grads  # noqa: F401 (fixture)
 from test_hf_layer_kinds import converted_pair as kinds_pair, unconverted_grads
+from tolerances import LOGGED_LOSSES, TRAINING, close
 from torch_xla_ext import policies
 from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.hf.checkpointing import CheckpointingWarning
@@ -63,7 +65,7 @@ def training_step(model, device, grads_of=per_layer_grads) -> dict:
 def assert_same_step(actual: dict, expected: dict) -> None:
     assert actual.keys() == expected.keys()
     for name, value in expected.items():
-        close(actual[name], value)
+        close(actual[name], value, TRAINING)
 
 
 @supports("gradient checkpointing", "llama")
@@ -201,59 +203,53 @@ def test_the_layers_carry_the_stacks_checkpointing_as_transformers_sets_it():
 
 
 # transformers' Trainer with gradient_checkpointing=True, as in test_hf.py's
-# TRAINER_RUN; the unconverted model checkpoints with torch_xla's function.
-TRAINER_RUN = """
-import copy, functools, tempfile, warnings
-import torch, torch_xla, transformers
-import torch_xla.utils.checkpoint as xla_checkpoint
-import transformers.modeling_utils
-from torch_xla_ext import policies
-from torch_xla_ext.hf import stack_layers
-from torch_xla_ext.hf.checkpointing import CheckpointingWarning
-from torch_xla_ext.layer_stack import LayerByLayerWarning, running
+# trainer_run_scenario; the unconverted model checkpoints with torch_xla's function.
+def trainer_run_scenario():
+    """transformers' Trainer with gradient_checkpointing=True trains the converted model
+    (each scan recomputing) and the unconverted one to the same logged losses."""
+    import transformers.modeling_utils
+    from torch_xla_ext.layer_stack import LayerByLayerWarning, running
 
-torch.manual_seed(0)
-model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, use_cache=False))
-converted = stack_layers(copy.deepcopy(model))
-ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(1))
-dataset = [{"input_ids": row, "labels": row} for row in ids]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+    converted = stack_layers(copy.deepcopy(model))
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(1))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
 
-seen = []
-scan = running.scan
-running.scan = lambda *args, **kwargs: seen.append(kwargs["partition_fn"]) or scan(*args, **kwargs)
+    seen = []
+    scan = running.scan
+    running.scan = (lambda *args, **kwargs:
+                    seen.append(kwargs["partition_fn"]) or scan(*args, **kwargs))
 
+    def logged_losses(model, **options):
+        with tempfile.TemporaryDirectory() as out:
+            args = transformers.TrainingArguments(
+                out, per_device_train_batch_size=2, max_steps=2, logging_steps=1,
+                optim="adamw_torch", learning_rate=1e-2, report_to=[], save_strategy="no", seed=3,
+                disable_tqdm=True, gradient_checkpointing=True, **options)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+            trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
-def logged_losses(model, **options):
-    with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(
-            out, per_device_train_batch_size=2, max_steps=2, logging_steps=1,
-            optim="adamw_torch", learning_rate=1e-2, report_to=[], save_strategy="no", seed=3,
-            disable_tqdm=True, gradient_checkpointing=True, **options)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
-        trainer.train()
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-
-with warnings.catch_warnings():
-    warnings.simplefilter("error", LayerByLayerWarning)
-    warnings.simplefilter("error", CheckpointingWarning)
-    losses = logged_losses(converted)
-assert converted.model.layers.gradient_checkpointing and converted.is_gradient_checkpointing
-assert seen == [policies.save_nothing] * 2, seen
-# torch's non-reentrant checkpoint, transformers' default, does not run on XLA.
-transformers.modeling_utils.checkpoint = xla_checkpoint.checkpoint
-expected = logged_losses(model, gradient_checkpointing_kwargs={"use_reentrant": True})
-assert model.model.layers[0].gradient_checkpointing
-assert len(expected) == 2, expected
-torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-4)
-print("losses", losses, expected)
-"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        warnings.simplefilter("error", CheckpointingWarning)
+        losses = logged_losses(converted)
+    assert converted.model.layers.gradient_checkpointing and converted.is_gradient_checkpointing
+    assert seen == [policies.save_nothing] * 2, seen
+    # torch's non-reentrant checkpoint, transformers' default, does not run on XLA.
+    transformers.modeling_utils.checkpoint = xla_checkpoint.checkpoint
+    expected = logged_losses(model, gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert model.model.layers[0].gradient_checkpointing
+    assert len(expected) == 2, expected
+    close(torch.tensor(losses), torch.tensor(expected), LOGGED_LOSSES)
+    print("losses", losses, expected)
 
 
 def test_a_trainer_with_gradient_checkpointing_recomputes_with_the_unconverted_losses(
         run_isolated):
-    result = run_isolated(TRAINER_RUN)
+    result = run_isolated(trainer_run_scenario)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "losses" in result.stdout

@@ -14,8 +14,9 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from support import supports
-from test_hf import (batch, close, compilations, device,  # noqa: F401 (a fixture)
+from test_hf import (batch, compilations, device,  # noqa: F401 (a fixture)
                      left_padded_prompts, per_layer_grads, seeded_generate)
+from tolerances import TRAINING, close
 import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayerKinds, StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
@@ -112,10 +113,10 @@ def test_training_matches_the_unconverted_model_as_scans(device, family, groups)
         assert compilations() == compiles_before, "the steady step recompiled"
         results[which is model] = steps
     for (loss, grads), (reference_loss, reference_grads) in zip(results[True], results[False]):
-        close(loss, reference_loss)
+        close(loss, reference_loss, TRAINING)
         assert grads.keys() == reference_grads.keys()
         for name, grad in reference_grads.items():
-            close(grads[name], grad)
+            close(grads[name], grad, TRAINING)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -193,7 +194,7 @@ def test_a_prefill_fills_the_cache_and_decoding_runs_layer_by_layer(device, fami
     # Every layer's keys and values, a sliding layer's cut to its window, as unconverted.
     assert [t.shape for t in results[1]] == [t.shape for t in results[0]]
     for actual, expected in zip(*results):
-        close(actual, expected)
+        close(actual, expected, TRAINING)
 
 def training_step_of_both(reference, model, device, backward=False) -> tuple:
     """(loss, gradients by unconverted name) of each model's training step,
@@ -231,7 +232,7 @@ def test_kinds_whose_settings_change_the_computation_run_layer_by_layer(device):
         "The 4 layers ran one by one, as the for loop does, instead of as one scan: the layers' "
         "kinds cannot share one trace: the layer computes another graph with the settings of its "
         "kind 1 than with those of its kind 0."]
-    close(loss, reference_loss)
+    close(loss, reference_loss, TRAINING)
 
 
 @supports("tx.generate", "qwen2")
@@ -267,10 +268,10 @@ def test_the_configs_window_and_default_cache_train_and_generate_on_xla_as_scans
         results.append((loss, unconverted_grads(which) if which is model
                         else per_layer_grads(which)))
     (reference_loss, reference_grads), (loss, grads) = results
-    close(loss, reference_loss)
+    close(loss, reference_loss, TRAINING)
     assert grads.keys() == reference_grads.keys()
     for name, grad in reference_grads.items():
-        close(grads[name], grad)
+        close(grads[name], grad, TRAINING)
     prompts, prompt_mask = left_padded_prompts((0, 2), device)
     expected = seeded_generate(reference, prompts, prompt_mask, cache_implementation="static")
     with warnings.catch_warnings():
@@ -317,10 +318,10 @@ def test_kinds_that_differ_in_structure_become_a_scan_per_segment(device):
     (reference_loss, reference_grads), (loss, grads), one_by_one = training_step_of_both(
         reference, model, device, backward=True)
     assert not one_by_one
-    close(loss, reference_loss)
+    close(loss, reference_loss, TRAINING)
     assert grads.keys() == reference_grads.keys()
     for name, grad in reference_grads.items():
-        close(grads[name], grad)
+        close(grads[name], grad, TRAINING)
 
 
 def test_layers_of_one_kind_not_alike_are_refused_as_such_not_as_groups():
@@ -388,7 +389,7 @@ def test_other_families_with_layer_kinds_train_as_unconverted(device, family):
         assert len(one_by_one) == 1 and "kinds cannot share one trace" in one_by_one[0]
     else:
         assert not one_by_one
-    close(loss, reference_loss)
+    close(loss, reference_loss, TRAINING)
     assert grads.keys() == reference_grads.keys()
     for name, grad in reference_grads.items():
-        close(grads[name], grad)
+        close(grads[name], grad, TRAINING)

@@ -12,7 +12,8 @@ import transformers
 from torch import nn
 
 from support import supports
-from test_hf import close, device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
+from test_hf import device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
+from tolerances import TRAINING, close
 from torch_xla_ext.hf import (StackedLayers, UnstackedLayersWarning, stack_layers,
                               unstack_layers)
 from torch_xla_ext.layer_stack import LayerByLayerWarning
@@ -97,7 +98,7 @@ def test_image_and_text_training_matches_the_unconverted_model(device, family):
                         [str(each.message) for each in caught
                          if each.category is LayerByLayerWarning]))
     (expected, loops_before, _), (actual, loops_after, one_by_one) = results
-    close(actual, expected)
+    close(actual, expected, TRAINING)
     assert loops_after == loops_before + 2
     assert not one_by_one
     expected_grads, grads = per_layer_grads(reference), per_layer_grads(model)
@@ -105,7 +106,7 @@ def test_image_and_text_training_matches_the_unconverted_model(device, family):
     for name, grad in grads.items():
         # A layer whose output nothing reads (LLaVA's last vision layer) has no
         # gradient unconverted, and zeros in the stacked one.
-        close(grad, expected_grads.get(name, torch.zeros_like(grad)))
+        close(grad, expected_grads.get(name, torch.zeros_like(grad)), TRAINING)
     assert expected_grads.keys() <= grads.keys()
 
 
@@ -196,7 +197,7 @@ def test_a_loop_with_work_between_layers_leaves_its_list_as_it_was(device):
     model.to(device)
     x = torch.randn(2, 4, device=device)
     assert " while(" in torch_xla._XLAC._get_xla_tensors_hlo([model(x)])
-    close(model(x), reference(x))
+    close(model(x), reference(x), TRAINING)
 
 
 def test_a_model_whose_every_list_cannot_be_stacked_is_refused():

@@ -2,15 +2,20 @@
 optimizer and loaded by the converted model's, and the reverse, against an
 uninterrupted run of the unconverted model (torch_xla_ext.layer_stack.optimizer_state)."""
 import io
+import os
+import tempfile
+import warnings
 
 import pytest
 import torch
 import torch_xla  # noqa: F401 (the XLA device)
+import transformers
 from torch.utils import _pytree as pytree
 
-from test_hf import batch, close, device, make_model  # noqa: F401 (a fixture)
+from test_hf import batch, device, make_model  # noqa: F401 (a fixture)
 from test_hf_layer_kinds import converted_pair as kinds_pair
 from test_hf_peft import peft_pair
+from tolerances import LOGGED_LOSSES, TRAINING, close
 from torch_xla_ext.hf import StackedLayerKinds, stack_layers
 
 LAYERS, STEPS_BEFORE, STEPS_AFTER = 2, 2, 2
@@ -95,14 +100,14 @@ def test_a_checkpoint_resumes_on_the_other_side_as_an_uninterrupted_run(device, 
     expected_model, expected_optimizer, expected_scheduler = uninterrupted
     assert model_state.keys() == expected_model.keys()
     for name, tensor in model_state.items():
-        close(tensor, expected_model[name])
+        close(tensor, expected_model[name], TRAINING)
     # The optimizer's state too, in the unconverted layout on either side.
     assert optimizer_state["param_groups"] == expected_optimizer["param_groups"]
     assert optimizer_state["state"].keys() == expected_optimizer["state"].keys()
     for index, state in optimizer_state["state"].items():
         assert state.keys() == expected_optimizer["state"][index].keys()
         for key, value in state.items():
-            close(value, expected_optimizer["state"][index][key])
+            close(value, expected_optimizer["state"][index][key], TRAINING)
     assert scheduler_state == expected_scheduler
 
 
@@ -136,7 +141,7 @@ def test_named_groups_save_the_unconverted_names_order_and_state(model_kind):
 
     stacked_name, stacked = next((name, param) for name, param in trainable(converted)
                                  if param.dim() == 3)
-    close(converted_optimizer.state[stacked]["exp_avg"], stacked * 2)
+    close(converted_optimizer.state[stacked]["exp_avg"], stacked * 2, TRAINING)
     assert converted_optimizer.param_groups[0]["param_names"] == [
         name for name, _ in trainable(converted)], stacked_name
     expected = unconverted_optimizer.state_dict()
@@ -145,7 +150,7 @@ def test_named_groups_save_the_unconverted_names_order_and_state(model_kind):
     assert actual["param_groups"][0]["param_names"] == [name for name, _ in trainable(reference)]
     for index, state in expected["state"].items():
         for key, value in state.items():
-            close(actual["state"][index][key], value)
+            close(actual["state"][index][key], value, TRAINING)
 
 
 def test_a_state_dict_in_the_stacked_layout_loads_as_it_is():
@@ -160,7 +165,7 @@ def test_a_state_dict_in_the_stacked_layout_loads_as_it_is():
     again = torch.optim.SGD(converted.parameters(), lr=0.1, momentum=0.9)
     again.load_state_dict(stacked_layout)
     for param in converted.parameters():
-        close(again.state[param]["momentum_buffer"], param + 1)
+        close(again.state[param]["momentum_buffer"], param + 1, TRAINING)
 
 
 def test_layers_without_one_state_are_refused_with_what_to_do():
@@ -179,69 +184,62 @@ def test_layers_without_one_state_are_refused_with_what_to_do():
 # model on the other side of the conversion that resumes from it with the
 # user's unchanged `train(resume_from_checkpoint=...)`; the losses of steps
 # 3-5 depend on the optimizer's state (without optimizer.pt they differ by 1e-2).
-TRAINER_RESUME = """
-import os, tempfile, warnings
-import torch, torch_xla, transformers
-from torch_xla_ext.hf import stack_layers
-from torch_xla_ext.layer_stack import LayerByLayerWarning
+def trainer_resume_scenario(saved_by: str):
+    """A run saved by one side of the conversion resumed by the other (`saved_by`)."""
+    from torch_xla_ext.hf import stack_layers
+    from torch_xla_ext.layer_stack import LayerByLayerWarning
 
-SAVED_BY = os.environ["SAVED_BY"]
+    def model_for(converted, seed):
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+        return stack_layers(model) if converted else model
 
+    class StepsRun(transformers.TrainerCallback):
+        # The steps this run trained, not those of the checkpoint it resumed.
+        def __init__(self):
+            self.steps = []
 
-def model_for(converted, seed):
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False))
-    return stack_layers(model) if converted else model
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
 
+        def losses(self, log_history):
+            return {entry["step"]: entry["loss"] for entry in log_history
+                    if "loss" in entry and entry["step"] in self.steps}
 
-class StepsRun(transformers.TrainerCallback):
-    # The steps this run trained, not those of the checkpoint it resumed.
-    def __init__(self):
-        self.steps = []
+    ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(1))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.steps.append(state.global_step)
+    def losses(model, out, resume=None):
+        args = transformers.TrainingArguments(
+            out, per_device_train_batch_size=2, max_steps=5, logging_steps=1, save_steps=2,
+            optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear",
+            report_to=[], seed=3, disable_tqdm=True)
+        steps = StepsRun()
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset,
+                                       callbacks=[steps])
+        trainer.train(resume_from_checkpoint=resume)
+        assert next(model.parameters()).device.type == "xla"
+        return steps.losses(trainer.state.log_history)
 
-    def losses(self, log_history):
-        return {entry["step"]: entry["loss"] for entry in log_history
-                if "loss" in entry and entry["step"] in self.steps}
-
-
-ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(1))
-dataset = [{"input_ids": row, "labels": row} for row in ids]
-
-
-def losses(model, out, resume=None):
-    args = transformers.TrainingArguments(
-        out, per_device_train_batch_size=2, max_steps=5, logging_steps=1, save_steps=2,
-        optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear",
-        report_to=[], seed=3, disable_tqdm=True)
-    steps = StepsRun()
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[steps])
-    trainer.train(resume_from_checkpoint=resume)
-    assert next(model.parameters()).device.type == "xla"
-    return steps.losses(trainer.state.log_history)
-
-
-with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
-    warnings.simplefilter("error", LayerByLayerWarning)
-    expected = losses(model_for(SAVED_BY == "converted", 0), out)
-    assert {"optimizer.pt", "scheduler.pt"} <= set(os.listdir(os.path.join(out, "checkpoint-2")))
-    # Another initialization: every weight and state must come from the checkpoint.
-    resumed = losses(model_for(SAVED_BY == "unconverted", 7), os.path.join(out, "resumed"),
-                     resume=os.path.join(out, "checkpoint-2"))
-assert sorted(resumed) == [3, 4, 5], resumed
-torch.testing.assert_close(torch.tensor([resumed[step] for step in (3, 4, 5)]),
-                           torch.tensor([expected[step] for step in (3, 4, 5)]), rtol=0, atol=1e-4)
-print("resumed losses", resumed)
-"""
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        expected = losses(model_for(saved_by == "converted", 0), out)
+        saved = set(os.listdir(os.path.join(out, "checkpoint-2")))
+        assert {"optimizer.pt", "scheduler.pt"} <= saved
+        # Another initialization: every weight and state must come from the checkpoint.
+        resumed = losses(model_for(saved_by == "unconverted", 7), os.path.join(out, "resumed"),
+                         resume=os.path.join(out, "checkpoint-2"))
+    assert sorted(resumed) == [3, 4, 5], resumed
+    close(torch.tensor([resumed[step] for step in (3, 4, 5)]),
+          torch.tensor([expected[step] for step in (3, 4, 5)]), LOGGED_LOSSES)
+    print("resumed losses", resumed)
 
 
 @pytest.mark.parametrize("saved_by", ["unconverted", "converted"])
 def test_the_trainer_resumes_a_checkpoint_of_the_other_side_as_an_uninterrupted_run(
         run_isolated, saved_by):
-    result = run_isolated(TRAINER_RESUME, env={"SAVED_BY": saved_by})
+    result = run_isolated(trainer_resume_scenario, args=(saved_by,))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed losses" in result.stdout

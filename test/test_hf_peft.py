@@ -10,7 +10,8 @@ from support import supports
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-from test_hf import batch, close, device, make_model, per_layer_grads  # noqa: F401 (fixture)
+from test_hf import batch, device, make_model, per_layer_grads  # noqa: F401 (fixture)
+from tolerances import THROUGH_LAYERS, TRAINING, close
 from torch_xla_ext.hf import StackedLayers, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
@@ -71,11 +72,11 @@ def test_training_is_one_scan_with_the_unconverted_losses_and_adapter_gradients(
             torch_xla.sync()
         results.append(steps)
     for (reference_loss, reference_grads), (loss, grads) in zip(*results):
-        close(loss, reference_loss)
+        close(loss, reference_loss, TRAINING)
         assert grads.keys() == reference_grads.keys()
         assert all("lora_" in name or "modules_to_save" in name for name in grads)
         for name, grad in reference_grads.items():
-            close(grads[name], grad, atol=1e-5)
+            close(grads[name], grad, THROUGH_LAYERS)
 
 
 def test_lora_dropout_draws_a_mask_per_layer_inside_the_scan(device):
@@ -119,7 +120,7 @@ def test_save_pretrained_and_merge_and_unload_give_the_unconverted_results(devic
     assert type(merged_layers) is StackedLayers
     assert type(merged_layers[0].self_attn.q_proj) is torch.nn.Linear
     assert not any("lora" in name for name in merged.state_dict())
-    close(logits[1], logits[0], atol=1e-5)
+    close(logits[1], logits[0], THROUGH_LAYERS)
 
 
 def test_layers_whose_lora_settings_differ_are_refused():
@@ -166,10 +167,10 @@ def test_stack_layers_first_gives_the_same_model(device, tmp_path):
         losses.append((loss, per_layer_grads(which)))
         torch_xla.sync()  # one graph for the loss and every gradient
     (reference_loss, reference_grads), (loss, grads) = losses
-    close(loss, reference_loss)
+    close(loss, reference_loss, TRAINING)
     assert grads.keys() == reference_grads.keys()
     for name, grad in reference_grads.items():
-        close(grads[name], grad, atol=1e-5)
+        close(grads[name], grad, THROUGH_LAYERS)
 
 
 def test_disable_adapter_and_set_adapter_reach_the_stacked_layers(device, tmp_path):
@@ -205,13 +206,13 @@ def test_disable_adapter_and_set_adapter_reach_the_stacked_layers(device, tmp_pa
             "default": True, "other": False}
     (reference_logits, reference_loss, reference_grads), (logits, loss, grads) = results
     for key, value in reference_logits.items():
-        close(logits[key], value, atol=1e-5)
+        close(logits[key], value, THROUGH_LAYERS)
     assert not torch.allclose(logits["off"].cpu(), logits["default"].cpu(), atol=1e-3)
     assert not torch.allclose(logits["other"].cpu(), logits["default"].cpu(), atol=1e-3)
-    close(loss, reference_loss)
+    close(loss, reference_loss, TRAINING)
     assert grads.keys() == reference_grads.keys() and all("default" in name for name in grads)
     for name, grad in reference_grads.items():
-        close(grads[name], grad, atol=1e-5)
+        close(grads[name], grad, THROUGH_LAYERS)
     layers = stacked(model).stacked.self_attn.q_proj
     assert layers.lora_A.default.weight.requires_grad
     assert not layers.lora_A.other.weight.requires_grad

@@ -13,8 +13,9 @@ import transformers
 from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 import test_hf_layer_kinds as layer_kinds
-from test_hf import (VOCAB, batch, close, device,  # noqa: F401 (a fixture)
+from test_hf import (VOCAB, batch, device,  # noqa: F401 (a fixture)
                      left_padded_prompts, per_layer_grads)
+from tolerances import TRAINING, close
 import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayerKinds, StackedLayers, stack_layers
 from torch_xla_ext.hf.inspection import recorded_outputs
@@ -45,7 +46,7 @@ def assert_same_tuples(actual: tuple, expected: tuple, length: int):
     assert len(actual) == len(expected) == length
     for got, want in zip(actual, expected):
         assert got.shape == want.shape
-        close(got, want)
+        close(got, want, TRAINING)
 
 
 def one_scan(run):
@@ -83,7 +84,7 @@ def test_hidden_states_and_attentions_are_the_unconverted_models(device, family,
             outputs.append(one_scan(call) if which is model else call())
         torch_xla.sync()  # one graph for all the outputs
     expected, actual = outputs
-    close(actual.logits, expected.logits)
+    close(actual.logits, expected.logits, TRAINING)
     assert_same_tuples(actual.hidden_states, expected.hidden_states, LAYERS + 1)
     assert_same_tuples(actual.attentions, expected.attentions,
                        LAYERS if attention == "eager" else 0)
@@ -101,8 +102,8 @@ def test_hidden_states_selected_by_index_are_the_unconverted_models(device):
     expected, actual = (output.hidden_states for output in outputs)
     assert [state is None for state in actual] == [state is None for state in expected] == [
         True, False, True, False]
-    close(actual[1], expected[1])
-    close(actual[-1], expected[-1])
+    close(actual[1], expected[1], TRAINING)
+    close(actual[-1], expected[-1], TRAINING)
 
 
 @pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "empty-dynamic-cache"])
@@ -128,10 +129,10 @@ def test_a_loss_on_a_middle_hidden_state_trains_as_one_scan_with_the_unconverted
         torch_xla.sync()  # one graph for the loss and every gradient
         results.append((loss.detach(), per_layer_grads(which)))
     (expected_loss, expected_grads), (loss, grads) = results
-    close(loss, expected_loss)
+    close(loss, expected_loss, TRAINING)
     assert grads.keys() == expected_grads.keys()
     for name, grad in expected_grads.items():
-        close(grads[name], grad)
+        close(grads[name], grad, TRAINING)
 
 
 @pytest.mark.parametrize("options", [{}, {"cache_implementation": "static"}],

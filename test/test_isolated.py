@@ -85,3 +85,30 @@ def test_torch_xla_ext_is_imported_afresh_by_each_scenario(run_isolated):
     for _ in range(2):
         completed = run_isolated(source)
         assert (completed.returncode, completed.stdout) == (0, "torch_xla_ext\n"), completed.stderr
+
+
+def reports_where_it_runs(mark, exit_code):
+    """A scenario function: run in the child, its module imported afresh there."""
+    import sys
+    print(mark, __name__, "torch_xla_ext" in sys.modules, flush=True)
+    raise SystemExit(exit_code)
+
+
+def test_a_scenario_function_of_a_test_module_runs_with_its_arguments(run_isolated):
+    completed = run_isolated(reports_where_it_runs, args=("marked", 3))
+    assert (completed.returncode, completed.stdout) == (3, "marked test_isolated False\n"), \
+        completed.stderr
+
+
+def test_scenario_functions_must_be_importable_and_their_arguments_literals(run_isolated):
+    def nested():
+        pass
+
+    with pytest.raises(TypeError, match="top level of its module"):
+        run_isolated(nested)
+    with pytest.raises(TypeError, match="top level of its module"):
+        run_isolated(lambda: None)
+    with pytest.raises(TypeError, match="is not a literal"):
+        run_isolated(reports_where_it_runs, args=(object(), 0))
+    with pytest.raises(TypeError, match="args are passed to a scenario function"):
+        run_isolated("print(1)", args=(1,))

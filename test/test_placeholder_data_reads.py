@@ -11,13 +11,14 @@ import torch
 import torch_xla
 
 import torch_xla_ext as tx
+import data_reading_ops
 from data_reading_ops import ISSUE_CASES, op_named, swept_ops
 from torch_xla_ext.placeholders import (
     HOST_READING_XLA_KERNELS, data_read_reason, indices_position)
 
 
 def test_every_data_reading_op_raises_on_a_placeholder_and_in_a_scan(run_isolated):
-    result = run_isolated("import data_reading_ops\ndata_reading_ops.sweep()\n")
+    result = run_isolated(data_reading_ops.sweep)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     swept = re.findall(r"^ok (\S+)$", result.stdout, re.MULTILINE)
     assert swept == [op.name().replace("::", ".") for op in swept_ops()]
@@ -28,7 +29,7 @@ def test_every_data_reading_op_raises_on_a_placeholder_and_in_a_scan(run_isolate
 
 @pytest.mark.parametrize("case", ISSUE_CASES)
 def test_the_issue_cases_raise_naming_the_op_and_the_line(run_isolated, case):
-    result = run_isolated(f"import data_reading_ops\ndata_reading_ops.check_issue_case({case!r})\n")
+    result = run_isolated(data_reading_ops.check_issue_case, args=(case,))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == f"checked {case}"
 
@@ -47,7 +48,7 @@ def test_static_shape_ops_and_real_tensors_still_run():
 
 
 def test_scan_error_names_fn_and_its_line(run_isolated):
-    result = run_isolated("import data_reading_ops\ndata_reading_ops.check_scan_error()\n")
+    result = run_isolated(data_reading_ops.check_scan_error)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "checked scan"
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
 import torch_xla_ext as tx
@@ -134,45 +135,46 @@ def test_bad_dtype_and_device():
         tx.placeholder((2,), torch.int32, requires_grad=True)
 
 
-SYNC_SCENARIO = """
-import warnings
-import torch, torch_xla
-import torch_xla.core.xla_model as xm
-import torch_xla_ext as tx
-warnings.simplefilter("ignore")
+# The two ways to sync, by the name a test gives.
+SYNCS = {"torch_xla.sync()": torch_xla.sync, "xm.mark_step()": xm.mark_step}
 
-p = tx.placeholder((4, 4))
-real = torch.ones(4, 4, device="xla")
-weight = torch.ones(4, 4, device="xla", requires_grad=True)
-torch_xla.sync()
-pending = {{
-    "computed": p * 2 + real,
-    "in_place": torch.zeros(4, 4, device="xla").add_(p),
-}}
-loss = (p @ weight).relu().sum()
-loss.backward()
-pending["gradient"] = weight.grad
-pending["loss"] = loss
-good = real * 3
-{sync}
-for name, tensor in pending.items():
-    try:
-        tensor.cpu()
-    except tx.PlaceholderError as error:
-        assert "placeholder #" in str(error), str(error)
-    else:
-        raise AssertionError(name + " was readable")
-assert good.cpu().sum().item() == 48.0
-later = good + 1
-{sync}
-assert later.cpu().sum().item() == 64.0
-print("survived")
-"""
+
+def sync_scenario(sync: str):
+    """Work pending on placeholders, and real work, then a sync (SYNCS[sync])."""
+    import warnings
+    warnings.simplefilter("ignore")
+
+    p = tx.placeholder((4, 4))
+    real = torch.ones(4, 4, device="xla")
+    weight = torch.ones(4, 4, device="xla", requires_grad=True)
+    torch_xla.sync()
+    pending = {
+        "computed": p * 2 + real,
+        "in_place": torch.zeros(4, 4, device="xla").add_(p),
+    }
+    loss = (p @ weight).relu().sum()
+    loss.backward()
+    pending["gradient"] = weight.grad
+    pending["loss"] = loss
+    good = real * 3
+    SYNCS[sync]()
+    for name, tensor in pending.items():
+        try:
+            tensor.cpu()
+        except tx.PlaceholderError as error:
+            assert "placeholder #" in str(error), str(error)
+        else:
+            raise AssertionError(name + " was readable")
+    assert good.cpu().sum().item() == 48.0
+    later = good + 1
+    SYNCS[sync]()
+    assert later.cpu().sum().item() == 64.0
+    print("survived")
 
 
 @pytest.mark.parametrize("sync", ["torch_xla.sync()", "xm.mark_step()"])
 def test_sync_with_pending_placeholder_work_never_crashes(run_isolated, sync):
-    result = run_isolated(SYNC_SCENARIO.format(sync=sync))
+    result = run_isolated(sync_scenario, args=(sync,))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "survived" in result.stdout
 

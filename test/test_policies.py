@@ -13,6 +13,7 @@ from torch import nn
 import torch_xla_ext as tx
 from torch_xla_ext import policies
 from reference import host_copies, scan_loop
+from tolerances import ACCUMULATED, SAME_ORDER, close
 
 DEV = torch_xla.device()
 POLICIES = [policies.save_everything, policies.save_nothing, policies.save_dots,
@@ -69,7 +70,7 @@ def assert_gives_the_loops_gradients(step, policy, init, xs):
     (carry.sum() + ys.sum()).backward()
     looped = host_copies([carry, ys] + [p.grad for p in [init, *step.parameters()]])
     for s, l in zip(scanned, looped):
-        torch.testing.assert_close(s, l, rtol=1e-5, atol=1e-5)
+        close(s, l, ACCUMULATED)
 
 
 def test_random_ops_are_kept_not_drawn_again_in_the_backward():
@@ -97,7 +98,7 @@ def test_random_ops_are_kept_not_drawn_again_in_the_backward():
             p.grad = None
         scan_loop(lambda c, xm: fn(c, *xm), init, (xs, masks))[0].sum().backward()
         for s, l in zip(scanned, host_copies([p.grad for p in params])):
-            torch.testing.assert_close(s, l, rtol=1e-5, atol=1e-5)
+            close(s, l, ACCUMULATED)
 
 
 def stacked_buffers(hlo: str, length: int) -> list[str]:
@@ -192,7 +193,7 @@ def test_offload_without_host_memory_warns_once_and_keeps_the_tensors():
         warnings.simplefilter("error", policies.OffloadWarning)
         gradients(step, policies.offload("a", "h"), init, xs)  # warned once per process
     for a, b in zip(offloaded, expected):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        close(a, b, SAME_ORDER)
     lowered = tx.lower(step, init, xs, partition_fn=policies.offload("h"))
     assert "_xla_buffer_placement" not in lowered.forward_hlo + lowered.backward_hlo
 
@@ -243,11 +244,11 @@ def test_policies_reach_layer_stacks_and_stack_lower():
         lowered = stack.lower(hidden, device_kind="TPU")
         results[repr(policy) + " stacked"] = stacked_buffers(lowered.forward_hlo, 3)
     for a, b in zip(results["'save_everything'"], results["save_nothing"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        close(a, b, ACCUMULATED)
     # save_nothing stacks the hidden state alone besides the weights.
     assert len(results["save_nothing stacked"]) < len(results["'save_everything' stacked"])
     layers_out = tx.scan_layers([l.to(DEV) for l in layers], hidden, partition_fn="save_dots")
-    torch.testing.assert_close(layers_out.cpu(), stack(hidden).cpu(), rtol=1e-5, atol=1e-5)
+    close(layers_out.cpu(), stack(hidden).cpu(), ACCUMULATED)
 
 
 def test_bad_policies_and_names_are_refused_naming_them():

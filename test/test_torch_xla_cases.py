@@ -55,12 +55,13 @@ import torch_xla
 import torch_xla.debug.metrics as met
 from functorch.compile import default_partition, min_cut_rematerialization_partition
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_xla_ext import is_placeholder, placeholder, placeholder_id, scan_layers
 from torch_xla_ext.scan import scan
 from torch_xla_ext.scan.avals import flatten
 from reference import scan_loop
+from tolerances import DTYPE_DEFAULT, LARGE_VALUES, TORCH_XLA_LAYERS, TRAINING, close
 
 DEV = torch_xla.device()
 
@@ -77,18 +78,6 @@ def case(group: str):
 
 # ---------------------------------------------------------------------------
 # Helpers, as torch_xla's test base classes provide them
-
-def compare_pytree(expected, actual, rtol=None, atol=None):
-    """Same structure, `None` at the same places, leaves close (dtype defaults
-    of torch.testing unless given)."""
-    expected_leaves, expected_spec = tree_flatten(expected)
-    actual_leaves, actual_spec = tree_flatten(actual)
-    assert expected_spec == actual_spec, f"structure {actual_spec} != expected {expected_spec}"
-    for e, a in zip(expected_leaves, actual_leaves):
-        assert (e is None) == (a is None), f"None mismatch: expected {e}, got {a}"
-        if e is not None:
-            torch.testing.assert_close(a.cpu(), e.cpu(), rtol=rtol, atol=atol)
-
 
 def total(tree):
     """The sum of every leaf's sum, the one loss that reaches every output."""
@@ -116,10 +105,10 @@ def run_test(fn, init, xs, partition_fn=default_partition):
     total((expected_carry, expected_ys)).backward()
     torch_xla.sync()
 
-    compare_pytree(expected_carry, final_carry)
-    compare_pytree(expected_ys, ys)
-    compare_pytree(grads(init_loop), grads(init_scan))
-    compare_pytree(grads(xs_loop), grads(xs_scan))
+    close(final_carry, expected_carry, DTYPE_DEFAULT)
+    close(ys, expected_ys, DTYPE_DEFAULT)
+    close(grads(init_scan), grads(init_loop), DTYPE_DEFAULT)
+    close(grads(xs_scan), grads(xs_loop), DTYPE_DEFAULT)
     return final_carry, ys
 
 
@@ -146,8 +135,8 @@ def simple():
     xs = tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], requires_grad=True)
     final_carry, ys = run_test(step, init, xs)
     # scan as cumsum, checked against the closed form too
-    compare_pytree(xs.sum(0) + init, final_carry)
-    compare_pytree(xs.cumsum(0), ys)
+    close(final_carry, xs.sum(0) + init, DTYPE_DEFAULT)
+    close(ys, xs.cumsum(0), DTYPE_DEFAULT)
 
 
 @case("scan")
@@ -263,7 +252,7 @@ def input_in_place_mutation_without_grad():
     except (RuntimeError, TypeError, ValueError) as error:
         assert re.search("(?i)in-place", str(error)), f"unclear error: {error!r}"
         return
-    compare_pytree(scan_loop(mutate_carry, init.clone(), xs), got)
+    close(got, scan_loop(mutate_carry, init.clone(), xs), DTYPE_DEFAULT)
 
 
 @case("scan")
@@ -280,8 +269,8 @@ def external_in_place_mutation():
     scanned_global, looped_global = tensor([0.0, 0.0]), tensor([0.0, 0.0])
     got = scan(make_step(scanned_global), init, xs)
     expected = scan_loop(make_step(looped_global), init, xs)
-    compare_pytree(expected, got)
-    compare_pytree(looped_global, scanned_global)
+    close(got, expected, DTYPE_DEFAULT)
+    close(scanned_global, looped_global, DTYPE_DEFAULT)
 
 
 def gradness(init_requires_grad: bool, xs_requires_grad: bool):
@@ -355,8 +344,8 @@ def with_rematerialization():
     xs = torch.randn(20, 4, 4, device=DEV, requires_grad=True)
     carry_remat, ys_remat = run_test(fn, carry, xs, partition_fn=min_cut_rematerialization_partition)
     carry_saved, ys_saved = run_test(fn, carry, xs)
-    compare_pytree(carry_saved, carry_remat)
-    compare_pytree(ys_saved, ys_remat)
+    close(carry_remat, carry_saved, DTYPE_DEFAULT)
+    close(ys_remat, ys_saved, DTYPE_DEFAULT)
     torch_xla.sync()
 
     def sines_in_backward(partition_fn) -> int:
@@ -408,13 +397,13 @@ def transform_linear_layer():
     one_step = xs[:1].clone().requires_grad_()
     new_carry, ys = scan(fn, init, one_step)
     x = xs[0]
-    compare_pytree((init @ x, init @ x), (new_carry, ys[0]))
+    close((new_carry, ys[0]), (init @ x, init @ x), DTYPE_DEFAULT)
 
     grad_new_carry, grad_ys = torch.ones_like(new_carry), torch.ones_like(ys)
     grad_carry, grad_x = torch.autograd.grad((new_carry, ys), (init, one_step),
                                              (grad_new_carry, grad_ys))
     upstream = grad_new_carry + grad_ys[0]
-    compare_pytree((upstream @ x.T, init.T @ upstream), (grad_carry, grad_x[0]))
+    close((grad_carry, grad_x[0]), (upstream @ x.T, init.T @ upstream), DTYPE_DEFAULT)
 
 
 @case("scan")
@@ -439,22 +428,19 @@ def transform_non_trivial_pytree():
     expected_outputs = tree_leaves((expected_carry, expected_y))
     expected_grads = torch.autograd.grad(expected_outputs, tree_leaves((ref_init, ref_x)),
                                          [torch.ones_like(o) for o in expected_outputs])
-    compare_pytree((expected_carry, expected_y), (carry_out, ys[0]))
+    close((carry_out, ys[0]), (expected_carry, expected_y), DTYPE_DEFAULT)
     n_init = len(tree_leaves(init))
-    compare_pytree(list(expected_grads[:n_init]), list(got_grads[:n_init]))
-    compare_pytree(list(expected_grads[n_init:]), [g[0] for g in got_grads[n_init:]])
+    close(list(got_grads[:n_init]), list(expected_grads[:n_init]), DTYPE_DEFAULT)
+    close([g[0] for g in got_grads[n_init:]], list(expected_grads[n_init:]), DTYPE_DEFAULT)
 
 
 # ---------------------------------------------------------------------------
 # test/scan/test_scan_layers.py
 
-LAYER_TOLERANCE = dict(atol=1e-4, rtol=1e-3)
-
-
 @case("scan_layers")
 def empty_layers():
     input_data = torch.randn(64, device=DEV)
-    compare_pytree(input_data, scan_layers([], input_data.clone()), **LAYER_TOLERANCE)
+    close(scan_layers([], input_data.clone()), input_data, TORCH_XLA_LAYERS)
 
 
 @case("scan_layers")
@@ -475,7 +461,7 @@ def linear_layers():
     for layer in layers_for_loop:
         loop_output = layer(loop_output)
     torch_xla.sync()
-    compare_pytree(loop_output, output, **LAYER_TOLERANCE)
+    close(output, loop_output, TORCH_XLA_LAYERS)
     assert loop_output is not output
 
     loop_output.sum().backward()
@@ -485,7 +471,7 @@ def linear_layers():
             scan_grad = getattr(layer_scan, name).grad
             loop_grad = getattr(layer_loop, name).grad
             assert scan_grad is not None and loop_grad is not None, name
-            compare_pytree(loop_grad, scan_grad, **LAYER_TOLERANCE)
+            close(scan_grad, loop_grad, TORCH_XLA_LAYERS)
             assert scan_grad is not loop_grad
 
 
@@ -527,8 +513,7 @@ def tuple_layers():
     # errors in any float32 run (torch_xla's own scan_layers too): its tolerance
     # is relative to the tensor's largest value.
     for expected, actual in zip(loop_output, output):
-        scale = expected.abs().max().item()
-        compare_pytree(expected, actual, rtol=1e-3, atol=1e-4 + 1e-5 * scale)
+        close(actual, expected, LARGE_VALUES)
     assert loop_output[0] is not output[0]
 
     loop_output[0].sum().backward()
@@ -538,7 +523,7 @@ def tuple_layers():
             scan_grad = getattr(layer_scan.linear, name).grad
             loop_grad = getattr(layer_loop.linear, name).grad
             assert scan_grad is not None and loop_grad is not None, name
-            compare_pytree(loop_grad, scan_grad, **LAYER_TOLERANCE)
+            close(scan_grad, loop_grad, TORCH_XLA_LAYERS)
             assert scan_grad is not loop_grad
 
 
@@ -662,7 +647,7 @@ def decoder_model():
                 assert_while_found_in_hlo(param.grad)
     torch_xla.sync()
 
-    compare_pytree(loop_output, scan_output, atol=1e-4, rtol=1e-4)
+    close(scan_output, loop_output, TRAINING)
     checked = 0
     for layer_scan, layer_loop in zip(scan_model.layers, loop_model.layers):
         for (name, param_scan), (name_loop, param_loop) in zip(layer_scan.named_parameters(),
@@ -671,7 +656,7 @@ def decoder_model():
             assert (param_scan.grad is None) == (param_loop.grad is None), name
             if param_scan.grad is not None:
                 assert param_scan.grad is not param_loop.grad
-                compare_pytree(param_loop.grad, param_scan.grad, atol=1e-4, rtol=1e-4)
+                close(param_scan.grad, param_loop.grad, TRAINING)
                 checked += 1
     assert checked > 0
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack
 from torch_xla_ext.layer_stack.kinds import (
     KindCalls, KindsCompared, PerLayerChoice, compare_kinds, kind_attributes, program_difference)
+from tolerances import DTYPE_DEFAULT, THROUGH_LAYERS, close
 
 HIDDEN = 8
 
@@ -116,7 +117,7 @@ def test_a_per_layer_choice_gives_each_layer_its_variant_inside_one_scan(device)
         expected = layer.to(device)(expected, variants[(0, 1, 0)[index]])
     expected.sum().backward()
     for actual, wanted in zip(scanned, (expected, *(variant.grad for variant in variants))):
-        torch.testing.assert_close(actual.cpu(), wanted.cpu(), rtol=1e-4, atol=1e-5)
+        close(actual, wanted, THROUGH_LAYERS)
     # The layers' choices go to the device once: a later call uploads nothing.
     uploads = []
     for _ in range(2):
@@ -138,7 +139,7 @@ def test_variants_a_scan_cannot_pick_among_run_layer_by_layer(device):
                                                  r"torch.float32\)"):
         output = stack(hidden, PerLayerChoice(scales, (0, 1)))
     expected = layers[1].to(device)(layers[0].to(device)(hidden, scales[0]), scales[1])
-    torch.testing.assert_close(output.cpu(), expected.cpu())
+    close(output, expected, DTYPE_DEFAULT)
 
 
 def test_kind_calls_record_each_kind_once_and_refuse_another_kinds_arguments():

@@ -17,13 +17,9 @@ import torch_xla_ext as tx
 from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack, scan_layers
 from torch_xla_ext.workloads import (DecoderBlock, RMSNorm, make_batch, make_decoder_stack,
                                      training_step)
+from tolerances import THROUGH_LAYERS, close
 
 HIDDEN, HEADS, SEQ, BATCH, LAYERS = 16, 2, 4, 2, 4
-
-
-def close(actual, expected):
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-4,
-                               atol=1e-5)
 
 
 def decoder_models(device):
@@ -61,23 +57,24 @@ def test_training_matches_for_loop(device, make_optimizer):
             loss.backward()
             losses.append(loss)
         torch_xla.sync()
-        close(losses[1], losses[0])
+        close(losses[1], losses[0], THROUGH_LAYERS)
         for name, stacked in scan_model.layers.stacked.named_parameters():
             for index, layer in enumerate(loop_model.layers):
-                close(stacked.grad[index], layer.get_parameter(name).grad)
+                close(stacked.grad[index], layer.get_parameter(name).grad, THROUGH_LAYERS)
         # An infinite max_norm leaves the gradients as they are and returns the norm.
         norms = [nn.utils.clip_grad_norm_(m.parameters(), float("inf")) for m in
                  (loop_model, scan_model)]
-        close(norms[1], norms[0])
+        close(norms[1], norms[0], THROUGH_LAYERS)
         for optimizer in optimizers:
             optimizer.step()
         torch_xla.sync()
     loop_state, scan_state = loop_model.state_dict(), scan_model.state_dict()
     assert list(scan_state) == list(loop_state)
     for key, value in loop_state.items():
-        close(scan_state[key], value)
+        close(scan_state[key], value, THROUGH_LAYERS)
     # Per-layer views see the optimizer's in-place updates.
-    close(scan_model.layers[2].self_attn.q_proj.weight, loop_model.layers[2].self_attn.q_proj.weight)
+    close(scan_model.layers[2].self_attn.q_proj.weight,
+          loop_model.layers[2].self_attn.q_proj.weight, THROUGH_LAYERS)
 
 
 def test_an_unrolled_stack_trains_as_the_for_loop(device):
@@ -92,10 +89,10 @@ def test_an_unrolled_stack_trains_as_the_for_loop(device):
         loss.backward()
         losses.append(loss)
     torch_xla.sync()
-    close(losses[1], losses[0])
+    close(losses[1], losses[0], THROUGH_LAYERS)
     for name, stacked in scan_model.layers.stacked.named_parameters():
         for index, layer in enumerate(loop_model.layers):
-            close(stacked.grad[index], layer.get_parameter(name).grad)
+            close(stacked.grad[index], layer.get_parameter(name).grad, THROUGH_LAYERS)
 
 
 @pytest.mark.parametrize("unroll, error, message", [
@@ -156,11 +153,11 @@ def test_checkpoints_move_between_module_list_and_layer_stack(device):
     saved.seek(0)
     result = scan_model.load_state_dict(torch.load(saved))
     assert not result.missing_keys and not result.unexpected_keys
-    close(scan_model(inputs), loop_model(inputs))
+    close(scan_model(inputs), loop_model(inputs), THROUGH_LAYERS)
 
     fresh_loop_model = make_decoder_stack(LAYERS, HIDDEN, HEADS, "loop", device=device, seed=2)
     fresh_loop_model.load_state_dict(scan_model.state_dict())
-    close(fresh_loop_model(inputs), loop_model(inputs))
+    close(fresh_loop_model(inputs), loop_model(inputs), THROUGH_LAYERS)
 
 
 class WithBuffers(nn.Module):
@@ -299,8 +296,8 @@ def test_extra_arguments_reach_every_layer_and_tuple_outputs_carry_their_first(
     expected.sum().backward()
     actual.sum().backward()
     torch_xla.sync()
-    close(actual, expected)
-    close(scales[1].grad, scales[0].grad)
+    close(actual, expected, THROUGH_LAYERS)
+    close(scales[1].grad, scales[0].grad, THROUGH_LAYERS)
 
 
 class DropoutLayer(nn.Module):
@@ -327,7 +324,7 @@ def test_train_and_eval_modes_trace_separately(device):
         eval_output = stack.eval()(hidden)
     assert not stack[0].dropout.training
     torch_xla.sync()
-    close(eval_output, expected)
+    close(eval_output, expected, THROUGH_LAYERS)
     assert (training_output.cpu() - expected.cpu()).abs().max() > 1e-3
 
 
@@ -531,8 +528,8 @@ def test_layers_built_alike_run_as_the_loop(device):
         expected = loop(layers, hidden)
         actual, drop_in = stack(hidden), scan_layers(layers, hidden)
         torch_xla.sync()
-        close(actual, expected)
-        close(drop_in, expected)
+        close(actual, expected, THROUGH_LAYERS)
+        close(drop_in, expected, THROUGH_LAYERS)
         with torch.no_grad():
             shared_offset.add_(1.0)
 
@@ -554,10 +551,10 @@ def test_torch_transformer_encoder_layers_match_the_loop(device):
     with torch.no_grad():
         expected_eval, actual_eval = loop(layers, hidden), stack.eval()(hidden)
     torch_xla.sync()
-    close(actual, expected)
-    close(actual_eval, expected_eval)
+    close(actual, expected, THROUGH_LAYERS)
+    close(actual_eval, expected_eval, THROUGH_LAYERS)
     for index, layer in enumerate(layers):
-        close(stack.stacked.linear1.weight.grad[index], layer.linear1.weight.grad)
+        close(stack.stacked.linear1.weight.grad[index], layer.linear1.weight.grad, THROUGH_LAYERS)
 
 
 # ---------------------------------------------------------------------------
@@ -622,8 +619,8 @@ def test_cache_index_differs_per_layer_and_runs_as_one_scan(device):
         drop_in = scan_layers(layers, hidden)
     assert "while" in torch_xla._XLAC._get_xla_tensors_hlo([actual, drop_in])
     torch_xla.sync()
-    close(actual, expected)
-    close(drop_in, expected)
+    close(actual, expected, THROUGH_LAYERS)
+    close(drop_in, expected, THROUGH_LAYERS)
 
 
 def test_cache_object_runs_layer_by_layer_with_each_layers_index(device):
@@ -638,14 +635,14 @@ def test_cache_object_runs_layer_by_layer_with_each_layers_index(device):
     expected.sum().backward()
     actual.sum().backward()
     torch_xla.sync()
-    close(actual, expected)
-    close(drop_in, expected)
+    close(actual, expected, THROUGH_LAYERS)
+    close(drop_in, expected, THROUGH_LAYERS)
     for cache in caches[1:]:
         assert sorted(cache.entries) == [0, 1, 2]
         for index, value in cache.entries.items():
-            close(value, caches[0].entries[index])
+            close(value, caches[0].entries[index], THROUGH_LAYERS)
     for index, layer in enumerate(layers):
-        close(stack.stacked.linear.weight.grad[index], layer.linear.weight.grad)
+        close(stack.stacked.linear.weight.grad[index], layer.linear.weight.grad, THROUGH_LAYERS)
 
 
 def test_layer_that_reads_its_index_runs_layer_by_layer(device):
@@ -659,8 +656,8 @@ def test_layer_that_reads_its_index_runs_layer_by_layer(device):
         with pytest.warns(LayerByLayerWarning, match=r"the layer reads \['layer_idx'\]"):
             drop_in = scan_layers(layers, hidden)
         torch_xla.sync()
-        close(actual, expected)
-        close(drop_in, expected)
+        close(actual, expected, THROUGH_LAYERS)
+        close(drop_in, expected, THROUGH_LAYERS)
     assert tx.cache_info().misses == misses
     assert type(stack._template) is IndexedLayer
 
@@ -681,10 +678,10 @@ def test_scan_layers_matches_for_loop(device):
     expected.sum().backward()
     actual.sum().backward()
     torch_xla.sync()
-    close(actual, expected)
+    close(actual, expected, THROUGH_LAYERS)
     for layer, twin in zip(layers, twins):
         for (name, param), twin_param in zip(layer.named_parameters(), twin.parameters()):
-            close(twin_param.grad, param.grad)
+            close(twin_param.grad, param.grad, THROUGH_LAYERS)
 
     misses = tx.cache_info().misses
     scan_layers(twins, hidden)
@@ -719,9 +716,9 @@ def test_scan_layers_passes_a_tuple_as_the_layers_arguments(device):
     for result, result_grads in zip(results[1:], grads[1:]):
         assert isinstance(result, tuple) and len(result) == 3
         for out, expected_out in zip(result, expected):
-            close(out, expected_out)
+            close(out, expected_out, THROUGH_LAYERS)
         for grad, expected_grad in zip(result_grads, grads[0]):
-            close(grad, expected_grad)
+            close(grad, expected_grad, THROUGH_LAYERS)
 
 
 def test_rms_norm_normalizes():

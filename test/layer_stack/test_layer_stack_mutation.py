@@ -9,13 +9,9 @@ import torch_xla
 from torch import nn
 
 import torch_xla_ext as tx
+from tolerances import ACCUMULATED, close
 
 DEV = torch_xla.device()
-
-
-def close(actual, expected, what):
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-5,
-                               atol=1e-5, msg=lambda message: f"{what}: {message}")
 
 
 def make_layers(count=3, width=4):
@@ -44,11 +40,11 @@ def test_layer_stack_of_batchnorm_layers_keeps_each_layers_statistics():
         stack_hidden_grad, hidden.grad = hidden.grad, None
         loop_out = run_loop(reference, hidden)
         loop_out.pow(2).sum().backward()
-        close(out, loop_out, f"step {step} output")
-        close(stack_hidden_grad, hidden.grad, f"step {step} input gradient")
+        close(out, loop_out, ACCUMULATED, f"step {step} output")
+        close(stack_hidden_grad, hidden.grad, ACCUMULATED, f"step {step} input gradient")
         for name, stacked in stack.stacked.named_parameters():
             per_layer = torch.stack([layer.get_parameter(name).grad for layer in reference])
-            close(stacked.grad, per_layer, f"step {step} gradient of {name}")
+            close(stacked.grad, per_layer, ACCUMULATED, f"step {step} gradient of {name}")
         stack_optimizer.step()
         loop_optimizer.step()
         stack_optimizer.zero_grad()
@@ -56,7 +52,7 @@ def test_layer_stack_of_batchnorm_layers_keeps_each_layers_statistics():
         torch_xla.sync()
     stacked_state = stack.state_dict()
     for name, expected in reference.state_dict().items():
-        close(stacked_state[name], expected, name)  # '1.1.running_mean': layer 1's own
+        close(stacked_state[name], expected, ACCUMULATED, name)  # '1.1.running_mean': layer 1's own
     assert [int(stacked_state[f"{i}.1.num_batches_tracked"]) for i in range(3)] == [2, 2, 2]
     # The layers' statistics differ: each layer updated its own slice.
     assert not torch.allclose(stacked_state["0.1.running_mean"].cpu(),
@@ -74,9 +70,9 @@ def test_layer_stack_of_batchnorm_layers_in_eval_mode_reads_the_statistics():
     hidden = torch.randn(5, 4, device=DEV)
     before = {name: t.clone() for name, t in stack.state_dict().items()}
     with torch.no_grad():
-        close(stack(hidden), run_loop(layers, hidden), "eval output")
+        close(stack(hidden), run_loop(layers, hidden), ACCUMULATED, "eval output")
     for name, value in stack.state_dict().items():
-        close(value, before[name], f"{name} unchanged in eval mode")
+        close(value, before[name], ACCUMULATED, f"{name} unchanged in eval mode")
 
 
 def test_scan_layers_of_batchnorm_layers_updates_the_layers_own_buffers():
@@ -87,12 +83,12 @@ def test_scan_layers_of_batchnorm_layers_updates_the_layers_own_buffers():
     out.sum().backward()
     loop_out = run_loop(reference, hidden)
     loop_out.sum().backward()
-    close(out, loop_out, "output")
+    close(out, loop_out, ACCUMULATED, "output")
     for (name, value), expected in zip(layers.state_dict().items(),
                                        reference.state_dict().values()):
-        close(value, expected, name)
+        close(value, expected, ACCUMULATED, name)
     for (name, param), expected in zip(layers.named_parameters(), reference.parameters()):
-        close(param.grad, expected.grad, f"gradient of {name}")
+        close(param.grad, expected.grad, ACCUMULATED, f"gradient of {name}")
 
 
 class CachedLayer(nn.Module):
@@ -120,9 +116,9 @@ def test_layer_stack_of_layers_with_a_cache_updates_each_layers_cache_in_place()
         for step in range(4):
             position = torch.tensor([step], device=DEV)
             x = torch.randn(2, 1, 8, device=DEV)
-            close(stack(x, position), run_loop(reference, x, position), f"step {step}")
+            close(stack(x, position), run_loop(reference, x, position), ACCUMULATED, f"step {step}")
     assert stack.stacked.keys is keys  # the stacked [3, 2, 6, 8] buffer itself, written
     for index, layer in enumerate(reference):
-        close(stack.stacked.keys[index], layer.keys, f"layer {index}'s cache")
-        close(stack[index].keys, layer.keys, f"layer {index}'s cache through stack[i]")
+        close(stack.stacked.keys[index], layer.keys, ACCUMULATED, f"layer {index}'s cache")
+        close(stack[index].keys, layer.keys, ACCUMULATED, f"layer {index}'s cache through stack[i]")
     assert tx.cache_info().misses - traces_before == 1  # one trace for every step

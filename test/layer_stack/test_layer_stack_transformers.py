@@ -14,6 +14,7 @@ from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCo
 from transformers.masking_utils import create_causal_mask
 
 from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack, scan_layers
+from tolerances import TRAINING, close
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -72,11 +73,6 @@ class Carried(nn.Module):
         return hidden, attention_mask, position_ids, cos, sin
 
 
-def close(actual, expected):
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-4,
-                               atol=1e-4)
-
-
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decoder_layers_match_the_module_list_loop(device, family, training):
@@ -103,15 +99,15 @@ def test_decoder_layers_match_the_module_list_loop(device, family, training):
         for output in (expected, actual, drop_in):
             (output * probe).sum().backward()
     torch_xla.sync()
-    close(actual, expected)
-    close(drop_in, expected)
+    close(actual, expected, TRAINING)
+    close(drop_in, expected, TRAINING)
     if training:
         for index, layer in enumerate(layers):
             expected_grad = layer.self_attn.q_proj.weight.grad
-            close(stack.stacked.self_attn.q_proj.weight.grad[index], expected_grad)
-            close(carried[index].layer.self_attn.q_proj.weight.grad, expected_grad)
-        close(inputs[1].grad, inputs[0].grad)
-        close(inputs[2].grad, inputs[0].grad)
+            close(stack.stacked.self_attn.q_proj.weight.grad[index], expected_grad, TRAINING)
+            close(carried[index].layer.self_attn.q_proj.weight.grad, expected_grad, TRAINING)
+        close(inputs[1].grad, inputs[0].grad, TRAINING)
+        close(inputs[2].grad, inputs[0].grad, TRAINING)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -131,9 +127,9 @@ def test_key_value_cache_gives_the_loops_result(device, family):
                               match=r"kwargs\['past_key_values'\] is of type DynamicCache"):
                 actual = stack(hidden, past_key_values=caches[1], use_cache=True, **kwargs)
             torch_xla.sync()
-            close(actual, expected)
+            close(actual, expected, TRAINING)
             past += step_ids.shape[1]
     assert caches[1].get_seq_length() == SEQ + 2
     for expected_layer, actual_layer in zip(caches[0].layers, caches[1].layers, strict=True):
-        close(actual_layer.keys, expected_layer.keys)
-        close(actual_layer.values, expected_layer.values)
+        close(actual_layer.keys, expected_layer.keys, TRAINING)
+        close(actual_layer.values, expected_layer.values, TRAINING)

@@ -13,6 +13,7 @@ import torch_xla
 
 import torch_xla_ext as tx
 from reference import scan_loop
+from tolerances import ACCUMULATED, TRAINING, close
 from torch_xla_ext.scan.cache import WeakIdentity
 from torch_xla_ext.scan.traced import Traced
 
@@ -21,10 +22,6 @@ DEV = torch_xla.device()
 
 def randn(*shape, grad=False):
     return torch.randn(*shape, device=DEV).requires_grad_(grad)
-
-
-def assert_close(actual, expected):
-    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(autouse=True)
@@ -65,8 +62,8 @@ def test_fresh_lambda_per_call_over_the_same_module_traces_once():
         with torch.no_grad():
             carry, ys = model(h, xs)
             expected_carry, expected_ys = reference(h, xs)
-        assert_close(carry, expected_carry)
-        assert_close(ys, expected_ys)
+        close(carry, expected_carry, ACCUMULATED)
+        close(ys, expected_ys, ACCUMULATED)
     assert traces_and_hits() == (1, 3)
 
 
@@ -89,7 +86,7 @@ def test_the_issues_forward_pattern_over_training_steps():
             h.grad = None
             torch_xla.sync()
         for got, expected in zip(*gradients):
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            close(got, expected, TRAINING)
     assert traces_and_hits() == (1, 4)
 
 
@@ -137,7 +134,7 @@ def test_fresh_closure_over_a_new_tensor_hits_and_reads_it(make_fn):
     for w in (first, second):
         fn = make_fn(w)
         results.append(tx.scan(fn, h, xs)[0])
-        assert_close(results[-1], scan_loop(fn, h, xs)[0])
+        close(results[-1], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (1, 1)
     assert not torch.allclose(results[0].cpu(), results[1].cpu())
 
@@ -146,7 +143,7 @@ def test_new_tensor_of_another_aval_traces_again():
     h, xs = randn(3), randn(2, 3)
     tx.scan(with_tensor_in_cell(randn(3, 3)), h, xs)
     fn = with_tensor_in_cell(randn(3, 3, grad=True))
-    assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+    close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (2, 0)
 
 
@@ -164,7 +161,7 @@ def test_bound_methods_and_partials_made_afresh_hit():
     module = Scaled().to(DEV)
     h, xs = randn(3), randn(2, 3)
     for _ in range(3):
-        assert_close(tx.scan(module.step, h, xs)[0], scan_loop(module.step, h, xs)[0])
+        close(tx.scan(module.step, h, xs)[0], scan_loop(module.step, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (1, 2)
 
     def step(scale, c, x, *, shift):
@@ -172,10 +169,10 @@ def test_bound_methods_and_partials_made_afresh_hit():
 
     for _ in range(3):
         fn = functools.partial(step, 0.5, shift=1.0)
-        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+        close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (2, 4)
     other = Scaled().to(DEV)  # another object bound: another trace, its own weights
-    assert_close(tx.scan(other.step, h, xs)[0], scan_loop(other.step, h, xs)[0])
+    close(tx.scan(other.step, h, xs)[0], scan_loop(other.step, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (3, 4)
 
 
@@ -187,7 +184,7 @@ def test_what_changes_the_program_changes_the_key():
     h, xs = randn(3), randn(2, 3)
     for scale in (2.0, 3.0, 2.0):
         fn = scaled_by(scale)
-        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+        close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (2, 1)
     for scale in (True, 1, 1.0):  # equal in Python, but each traces its own program
         tx.scan(scaled_by(scale), h, xs)
@@ -199,8 +196,8 @@ def test_what_changes_the_program_changes_the_key():
     first = tx.scan(shifted, h, xs)[0]
     shifted.__defaults__ = (5.0,)
     second = tx.scan(shifted, h, xs)[0]
-    assert_close(second, scan_loop(shifted, h, xs)[0])
-    assert_close(second - first, torch.full((3,), 8.0))  # 2 steps, each 4.0 more
+    close(second, scan_loop(shifted, h, xs)[0], ACCUMULATED)
+    close(second - first, torch.full((3,), 8.0), ACCUMULATED)  # 2 steps, each 4.0 more
     assert traces_and_hits() == (7, 1)
 
     def keyword_shifted(c, x, *, shift=1.0):
@@ -208,7 +205,7 @@ def test_what_changes_the_program_changes_the_key():
 
     tx.scan(keyword_shifted, h, xs)
     keyword_shifted.__kwdefaults__ = {"shift": -1.0}
-    assert_close(tx.scan(keyword_shifted, h, xs)[0], scan_loop(keyword_shifted, h, xs)[0])
+    close(tx.scan(keyword_shifted, h, xs)[0], scan_loop(keyword_shifted, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (9, 1)
 
     def factors(values):
@@ -216,7 +213,7 @@ def test_what_changes_the_program_changes_the_key():
 
     for values in ([1.0, 2.0], [1.0, 3.0], [1.0, 2.0]):
         fn = factors(values)
-        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+        close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (11, 2)
 
 
@@ -240,7 +237,7 @@ def test_settings_that_cannot_be_referenced_weakly_count_by_their_attributes(set
 
     for scale in (2.0, 2.0, 3.0):
         fn = scaled(settings_of(scale=scale))
-        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+        close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (2, 1)
 
 
@@ -249,9 +246,9 @@ def test_other_objects_count_by_identity():
     settings = Settings(2.0)
     for _ in range(2):
         fn = (lambda s: lambda c, x: (c * s.scale + x, None))(settings)
-        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+        close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     fn = (lambda s: lambda c, x: (c * s.scale + x, None))(Settings(3.0))
-    assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+    close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (2, 1)
 
 
@@ -264,7 +261,7 @@ def test_nonlocal_rebinding_of_a_constant_traces_again():
 
     tx.scan(fn, h, xs)
     scale = 4.0
-    assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+    close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (2, 0)
 
 
@@ -279,7 +276,7 @@ def test_train_and_eval_modes_trace_apart():
     run()
     model.eval()
     with torch.no_grad():
-        assert_close(run(), scan_loop(lambda c, x: (model(c) + x, None), h, xs)[0])
+        close(run(), scan_loop(lambda c, x: (model(c) + x, None), h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (2, 0)
 
 
@@ -288,7 +285,7 @@ def test_replaced_parameter_is_read_through_the_module():
     h, xs = randn(3), randn(2, 3)
     for _ in range(2):
         fn = lambda c, x: (lin(c), None)  # noqa: E731
-        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+        close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
         lin.weight = torch.nn.Parameter(randn(3, 3))
     assert traces_and_hits() == (1, 1)
 
@@ -303,12 +300,12 @@ def test_capture_no_path_reaches_is_bound_to_the_tensor_itself():
     try:
         for _ in range(2):
             fn = lambda c, x: (c @ GLOBAL_WEIGHT + x, None)  # noqa: E731
-            assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+            close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
             with torch.no_grad():
                 GLOBAL_WEIGHT.mul_(2)
         assert traces_and_hits() == (1, 1)
         GLOBAL_WEIGHT = randn(3, 3)  # a new global: the old binding is gone, so a new trace
-        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+        close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
         assert traces_and_hits() == (2, 1)
     finally:
         GLOBAL_WEIGHT = None
@@ -363,7 +360,7 @@ def test_is_fn_pure_false_traces_every_call_and_stores_nothing():
     assert len(calls) == 3
     assert tx.cache_info() == (0, 0, 0, tx.cache_info().maxsize)
     for result in results:
-        assert_close(result, scan_loop(fn, h, xs)[0])
+        close(result, scan_loop(fn, h, xs)[0], ACCUMULATED)
 
 
 class Slotted:
@@ -386,7 +383,7 @@ def test_an_unkeyable_closure_traces_every_call_with_a_warning():
         tx.scan(fn, h, xs)
     settings.scale = 3.0
     with pytest.warns(UserWarning):
-        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+        close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert len(traces) == 2 + 2 and tx.cache_info().size == 0
 
 
@@ -408,5 +405,5 @@ def test_host_tensors_are_baked_in_so_count_by_identity():
     h, xs = randn(3), randn(2, 3)
     for scale in (torch.tensor(2.0), torch.tensor(3.0)):  # 0-d host tensors, as constants
         fn = scaled_by(scale)
-        assert_close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0])
+        close(tx.scan(fn, h, xs)[0], scan_loop(fn, h, xs)[0], ACCUMULATED)
     assert traces_and_hits() == (2, 0)

@@ -12,88 +12,77 @@ import torch_xla
 import torch_xla_ext as tx
 from torch_xla_ext.workloads import DecoderBlock
 from reference import scan_loop
+from tolerances import BF16, SAME_ORDER, close
 
 DEV = torch_xla.device()
 
-# Shared by the isolated scenarios: a step closing over an nn.Linear, the same
-# step as a for loop, and the gradients of a result.
-PRELUDE = """
-import json, torch, torch_xla
-import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as met
-import torch_xla_ext as tx
-dev = torch_xla.device()
-torch.manual_seed(0)
-lin = torch.nn.Linear(4, 4).to(dev)
-c0 = torch.randn(2, 4, device=dev, requires_grad=True)
-xs = torch.randn(3, 2, 4, device=dev, requires_grad=True)
-params = [c0, xs, lin.weight, lin.bias]
+# Shared by the isolated scenarios: a step closing over an nn.Linear, its
+# inputs, and the tensors whose gradients they compare.
+def scenario_step():
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).to(dev)
+    c0 = torch.randn(2, 4, device=dev, requires_grad=True)
+    xs = torch.randn(3, 2, 4, device=dev, requires_grad=True)
 
-def step(c, x):
-    h = torch.tanh(lin(c) + x)
-    return h, h.sum()
+    def step(c, x):
+        h = torch.tanh(lin(c) + x)
+        return h, h.sum()
 
-from reference import scan_loop
+    return step, c0, xs, [c0, xs, lin.weight, lin.bias]
 
-def grads(result):
-    c, ys = result
-    (c.float().sum() + ys.float().sum()).backward()
-    found = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return found
 
-def max_diffs(actual, expected):  # after a sync: on the host, no graph to compile
+def max_diffs(actual, expected):
+    """After a sync: on the host, no graph to compile."""
     return [(a.detach().cpu().float() - e.detach().cpu().float()).abs().max().item()
             for a, e in zip(actual, expected)]
-"""
 
 
-def run_scenario(run_isolated, body: str) -> dict:
-    result = run_isolated(PRELUDE + body)
+def run_scenario(run_isolated, scenario) -> dict:
+    result = run_isolated(scenario)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-SAVED_TENSORS_HOOKS = """
-packed, inner_packed = [], []
+def saved_tensors_hooks_scenario():
+    step, c0, xs, params = scenario_step()
+    packed, inner_packed = [], []
 
-def pack(t):
-    packed.append(t)  # kept, as a hook that stores tensors elsewhere keeps them
-    return t
+    def pack(t):
+        packed.append(t)  # kept, as a hook that stores tensors elsewhere keeps them
+        return t
 
-def inner_pack(t):
-    inner_packed.append(t)
-    return t
+    def inner_pack(t):
+        inner_packed.append(t)
+        return t
 
-def step_with_own_hooks(c, x):
-    with torch.autograd.graph.saved_tensors_hooks(inner_pack, lambda t: t):
-        return step(c, x)
+    def step_with_own_hooks(c, x):
+        with torch.autograd.graph.saved_tensors_hooks(inner_pack, lambda t: t):
+            return step(c, x)
 
-with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-    final, ys = tx.scan(step, c0, xs)
-    inner_final, inner_ys = tx.scan(step_with_own_hooks, c0, xs)
-scan_grads = grads((final, ys))
-inner_grads = grads((inner_final, inner_ys))
-torch_xla.sync()
-expected = scan_loop(step, c0, xs)
-loop_grads = grads(expected)
-torch_xla.sync()
-print(json.dumps({
-    "packed": len(packed),
-    "placeholders_packed": sum(tx.is_placeholder(t) or tx.depends_on_placeholder(t)
-                               for t in packed + inner_packed),
-    "inputs_packed_as_themselves": [any(t is p for t in packed) for p in params],
-    "output_diff": max_diffs([final, ys], expected),
-    "grad_diff": max_diffs(scan_grads, loop_grads),
-    "own_hooks_grad_diff": max_diffs(inner_grads, loop_grads),
-}))
-"""
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        final, ys = tx.scan(step, c0, xs)
+        inner_final, inner_ys = tx.scan(step_with_own_hooks, c0, xs)
+    scan_grads = gradients((final, ys), params)
+    inner_grads = gradients((inner_final, inner_ys), params)
+    torch_xla.sync()
+    expected = scan_loop(step, c0, xs)
+    loop_grads = gradients(expected, params)
+    torch_xla.sync()
+    print(json.dumps({
+        "packed": len(packed),
+        "placeholders_packed": sum(tx.is_placeholder(t) or tx.depends_on_placeholder(t)
+                                   for t in packed + inner_packed),
+        "inputs_packed_as_themselves": [any(t is p for t in packed) for p in params],
+        "output_diff": max_diffs([final, ys], expected),
+        "grad_diff": max_diffs(scan_grads, loop_grads),
+        "own_hooks_grad_diff": max_diffs(inner_grads, loop_grads),
+    }))
 
 
 def test_saved_tensors_hooks_see_scans_inputs_and_activations_never_placeholders(run_isolated):
     # Was: the hooks received the placeholders of the trace; rc 139 at the sync.
-    seen = run_scenario(run_isolated, SAVED_TENSORS_HOOKS)
+    seen = run_scenario(run_isolated, saved_tensors_hooks_scenario)
     assert seen["placeholders_packed"] == 0
     assert seen["inputs_packed_as_themselves"] == [True, True, True, True]
     assert seen["packed"] > 4  # the inputs and the stacked activations
@@ -102,41 +91,44 @@ def test_saved_tensors_hooks_see_scans_inputs_and_activations_never_placeholders
     assert max(seen["own_hooks_grad_diff"]) < 1e-5
 
 
-SAVE_ON_CPU = """
-hooks = torch.autograd.graph.save_on_cpu()
-pack_to_cpu = hooks.pack_hook
-copied_to = []
+def save_on_cpu_scenario():
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
 
-def observed_pack(t):
-    packed = pack_to_cpu(t)
-    copied_to.append(packed[1].device.type)
-    return packed
+    step, c0, xs, params = scenario_step()
+    hooks = torch.autograd.graph.save_on_cpu()
+    pack_to_cpu = hooks.pack_hook
+    copied_to = []
 
-hooks.pack_hook = observed_pack
-torch_xla.sync()
-xm.wait_device_ops()
-met.clear_all()
-with hooks:
-    final, ys = tx.scan(step, c0, xs)
-executions = met.metric_data("ExecuteTime")[0]
-scan_grads = grads((final, ys))
-torch_xla.sync()
-expected = scan_loop(step, c0, xs)
-loop_grads = grads(expected)
-torch_xla.sync()
-print(json.dumps({
-    "copied_to": copied_to,
-    "executions": executions,
-    "output_diff": max_diffs([final, ys], expected),
-    "grad_diff": max_diffs(scan_grads, loop_grads),
-}))
-"""
+    def observed_pack(t):
+        packed = pack_to_cpu(t)
+        copied_to.append(packed[1].device.type)
+        return packed
+
+    hooks.pack_hook = observed_pack
+    torch_xla.sync()
+    xm.wait_device_ops()
+    met.clear_all()
+    with hooks:
+        final, ys = tx.scan(step, c0, xs)
+    executions = met.metric_data("ExecuteTime")[0]
+    scan_grads = gradients((final, ys), params)
+    torch_xla.sync()
+    expected = scan_loop(step, c0, xs)
+    loop_grads = gradients(expected, params)
+    torch_xla.sync()
+    print(json.dumps({
+        "copied_to": copied_to,
+        "executions": executions,
+        "output_diff": max_diffs([final, ys], expected),
+        "grad_diff": max_diffs(scan_grads, loop_grads),
+    }))
 
 
 def test_save_on_cpu_moves_scans_saved_tensors_to_the_host(run_isolated):
     # Was: RuntimeError "... while an async operation is in flight" from the
     # .cpu() of a tensor the trace computed from placeholders.
-    seen = run_scenario(run_isolated, SAVE_ON_CPU)
+    seen = run_scenario(run_isolated, save_on_cpu_scenario)
     assert len(seen["copied_to"]) > 4 and set(seen["copied_to"]) == {"cpu"}
     # The loop ran once for all the copies, not once per saved tensor.
     assert seen["executions"] == 1
@@ -144,53 +136,44 @@ def test_save_on_cpu_moves_scans_saved_tensors_to_the_host(run_isolated):
     assert max(seen["grad_diff"]) < 1e-5
 
 
-AUTOCAST_SYNC = """
-lin = torch.nn.Linear(16, 16).to(dev)
-xs = torch.randn(3, 2, 16, device=dev)
-params = [lin.weight, lin.bias]
-issue_step = lambda c, x: (lin(c) + x, c.sum())
-with torch.autocast("xla", dtype=torch.bfloat16):
-    c, ys = tx.scan(issue_step, torch.zeros(2, 16, device=dev), xs)
-    try:
-        tx.scan(lambda c, x: (lin(c), c.sum()), torch.zeros(2, 16, device=dev), xs)
-        carry_error = None
-    except TypeError as error:
-        carry_error = str(error)
-    torch_xla.sync()  # inside the region, while autocast's cast cache is live
-    expected = scan_loop(issue_step, torch.zeros(2, 16, device=dev), xs)
-scan_grads = grads((c, ys))
-loop_grads = grads(expected)
-torch_xla.sync()
-print(json.dumps({
-    "dtypes": [str(c.dtype), str(ys.dtype), str(expected[0].dtype), str(expected[1].dtype)],
-    "carry_error": carry_error,
-    "output_diff": max_diffs([c, ys], expected),
-    "grad_diff": max_diffs(scan_grads, loop_grads),
-    "grad_scale": [g.cpu().abs().max().item() for g in loop_grads],
-}))
-"""
+def autocast_sync_scenario():
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16).to(dev)
+    xs = torch.randn(3, 2, 16, device=dev)
+    params = [lin.weight, lin.bias]
+    issue_step = lambda c, x: (lin(c) + x, c.sum())
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        c, ys = tx.scan(issue_step, torch.zeros(2, 16, device=dev), xs)
+        try:
+            tx.scan(lambda c, x: (lin(c), c.sum()), torch.zeros(2, 16, device=dev), xs)
+            carry_error = None
+        except TypeError as error:
+            carry_error = str(error)
+        torch_xla.sync()  # inside the region, while autocast's cast cache is live
+        expected = scan_loop(issue_step, torch.zeros(2, 16, device=dev), xs)
+    scan_grads = gradients((c, ys), params)
+    loop_grads = gradients(expected, params)
+    torch_xla.sync()
+    print(json.dumps({
+        "dtypes": [str(c.dtype), str(ys.dtype), str(expected[0].dtype), str(expected[1].dtype)],
+        "carry_error": carry_error,
+        "output_diff": max_diffs([c, ys], expected),
+        "grad_diff": max_diffs(scan_grads, loop_grads),
+        "grad_scale": [g.cpu().abs().max().item() for g in loop_grads],
+    }))
 
 
 def test_sync_inside_autocast_after_scan(run_isolated):
     # Was: SIGSEGV at the sync; autocast had cached the bf16 cast of the stand-in
     # for lin.weight, which reads a placeholder, and the sync ran it.
-    seen = run_scenario(run_isolated, AUTOCAST_SYNC)
+    seen = run_scenario(run_isolated, autocast_sync_scenario)
     # The issue's step keeps its f32 carry: lin(c) is bf16, bf16 + f32 x is f32.
     assert seen["dtypes"] == ["torch.float32"] * 4
     assert "init has float32[2,16] but fn returned bfloat16[2,16]" in seen["carry_error"]
     assert max(seen["output_diff"]) < 1e-6
     for diff, scale in zip(seen["grad_diff"], seen["grad_scale"]):
-        assert diff <= 2 ** -6 * scale  # see assert_close_bf16
-
-
-def assert_close_bf16(actual, expected):
-    """Equal up to bfloat16 rounding of the largest entry. Under autocast's cast
-    cache, a for loop casts a weight to bf16 once and sums that cast's gradients
-    over the steps in bf16; scan casts per step and sums in f32."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    error = (actual.float() - expected.float()).abs().max().item()
-    scale = expected.float().abs().max().item()
-    assert scale > 0 and error <= 2 ** -6 * scale, (error, scale)
+        assert diff <= BF16.of_largest * scale
 
 
 def gradients(result, params):
@@ -244,9 +227,9 @@ def test_autocast_scan_matches_the_loop(fn, carry_dtype):
     torch_xla.sync()
     for g, e, u in zip(got, expected, uncached):
         g, e, u = g.cpu(), e.cpu(), u.cpu()
-        assert_close_bf16(g, e)
+        close(g, e, BF16)
         # The loop without the cast cache casts as scan does: the same numbers.
-        torch.testing.assert_close(g, u, rtol=1e-6, atol=1e-6)
+        close(g, u, SAME_ORDER)
 
 
 def test_autocast_state_is_part_of_the_cache_key():
@@ -274,7 +257,7 @@ def test_autocast_state_is_part_of_the_cache_key():
     assert mixed[1].dtype == again[1].dtype == torch.bfloat16 and plain[1].dtype == torch.float32
     for got, expected in [(mixed, mixed_loop), (plain, plain_loop), (again, mixed_loop)]:
         for g, e in zip(got, expected):
-            torch.testing.assert_close(g.cpu(), e.cpu(), rtol=1e-6, atol=1e-6)
+            close(g, e, SAME_ORDER)
 
 
 def test_layer_stack_under_autocast_matches_the_module_list():
@@ -291,7 +274,7 @@ def test_layer_stack_under_autocast_matches_the_module_list():
     out.float().pow(2).mean().backward()
     expected.float().pow(2).mean().backward()
     torch_xla.sync()
-    assert_close_bf16(out.cpu(), expected.cpu())
+    close(out, expected, BF16)
     for name, stacked in stack.stacked.named_parameters():
         per_layer = torch.stack([layer.get_parameter(name).grad for layer in reference])
-        assert_close_bf16(stacked.grad.cpu(), per_layer.cpu())
+        close(stacked.grad, per_layer, BF16)

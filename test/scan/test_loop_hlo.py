@@ -13,19 +13,19 @@ LAYERS = 3  # a size no other dimension of the step below has
 
 # Forward, loss, backward and an SGD update (which writes the weights in place,
 # as the benchmark's step does), compiled as one graph.
-TRAINING_STEP = """
-import torch, torch_xla
-from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
+def training_step_scenario(block: str):
+    import torch
+    import torch_xla
+    from torch_xla_ext.workloads import make_batch, make_decoder_stack, training_step
 
-device = torch_xla.device()
-model = make_decoder_stack({layers}, hidden=32, heads=2, mode="scan", device=device,
-                           block={block!r})
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-batch = make_batch(2, 8, 32, device=device)
-torch_xla.sync()
-training_step(model, batch, optimizer)
-torch_xla.sync()
-"""
+    device = torch_xla.device()
+    model = make_decoder_stack(LAYERS, hidden=32, heads=2, mode="scan", device=device,
+                               block=block)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = make_batch(2, 8, 32, device=device)
+    torch_xla.sync()
+    training_step(model, batch, optimizer)
+    torch_xla.sync()
 
 # A loop over 3 steps whose step writes slice i of a [3,4] stacked output
 # through a fusion that copies the whole buffer first.
@@ -89,7 +89,7 @@ def test_the_parser_finds_the_copies_of_a_merged_initial_buffer():
 @pytest.mark.parametrize("block", ["ours", "fused_qkv_sdpa", "llama"])
 def test_layer_stack_training_step_copies_no_stacked_buffer(run_isolated, tmp_path, block):
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
-    result = run_isolated(TRAINING_STEP.format(layers=LAYERS, block=block),
+    result = run_isolated(training_step_scenario, args=(block,),
                           env={"XLA_FLAGS": flags.strip()})
     assert result.returncode == 0, result.stderr[-3000:]
     dumps = [open(path).read() for path in glob.glob(f"{tmp_path}/*after_optimizations.txt")]

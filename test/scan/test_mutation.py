@@ -10,59 +10,54 @@ from torch import nn
 
 import torch_xla_ext as tx
 from reference import scan_loop
+from tolerances import ACCUMULATED, close
 
 DEV = torch_xla.device()
 
 
-def close(actual, expected, what=""):
-    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=1e-5, atol=1e-5,
-                               msg=lambda message: f"{what}: {message}")
+def counter_scenario():
+    """A tensor the step captures and adds to in place counts as in a for loop."""
+    dev = torch_xla.device()
+    counter = torch.zeros((), device=dev)
+    weight = torch.tensor([1.0, 0.5], device=dev, requires_grad=True)
 
+    def fn(c, x):
+        counter.add_(1.0)
+        return c * weight + counter + x, None
 
-COUNTER = """
-import torch, torch_xla
-import torch_xla_ext as tx
-dev = torch_xla.device()
-counter = torch.zeros((), device=dev)
-weight = torch.tensor([1.0, 0.5], device=dev, requires_grad=True)
+    def loop(init, xs):
+        c = init
+        for i in range(xs.shape[0]):
+            c, _ = fn(c, xs[i])
+        return c
 
-def fn(c, x):
-    counter.add_(1.0)
-    return c * weight + counter + x, None
-
-def loop(init, xs):
-    c = init
-    for i in range(xs.shape[0]):
-        c, _ = fn(c, xs[i])
-    return c
-
-init, xs = torch.zeros(2, device=dev), torch.arange(6.0, device=dev).reshape(3, 2)
-for grad in (False, True):
-    with torch.set_grad_enabled(grad):
-        for call in range(2):  # the second call is a cache hit and goes on counting
-            start = counter.clone()
-            scanned = tx.scan(fn, init, xs)[0]
-            scanned_counter = counter.clone()
-            counter.copy_(start)
-            looped = loop(init, xs)
-            assert torch.allclose(scanned.cpu(), looped.cpu()), (scanned.cpu(), looped.cpu())
-            assert torch.equal(scanned_counter.cpu(), counter.cpu()), (scanned_counter, counter)
-            if grad:
-                scanned.sum().backward()
-                scan_grad, weight.grad = weight.grad, None
-                looped.sum().backward()
-                assert torch.allclose(scan_grad.cpu(), weight.grad.cpu()), (scan_grad, weight.grad)
-                weight.grad = None
-torch_xla.sync()
-assert counter.item() == 12.0, counter
-assert tx.cache_info().misses == 1, tx.cache_info()
-print("ok")
-"""
+    init, xs = torch.zeros(2, device=dev), torch.arange(6.0, device=dev).reshape(3, 2)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            for call in range(2):  # the second call is a cache hit and goes on counting
+                start = counter.clone()
+                scanned = tx.scan(fn, init, xs)[0]
+                scanned_counter = counter.clone()
+                counter.copy_(start)
+                looped = loop(init, xs)
+                assert torch.allclose(scanned.cpu(), looped.cpu()), (scanned.cpu(), looped.cpu())
+                assert torch.equal(scanned_counter.cpu(), counter.cpu()), (scanned_counter, counter)
+                if grad:
+                    scanned.sum().backward()
+                    scan_grad, weight.grad = weight.grad, None
+                    looped.sum().backward()
+                    assert torch.allclose(scan_grad.cpu(), weight.grad.cpu()), \
+                        (scan_grad, weight.grad)
+                    weight.grad = None
+    torch_xla.sync()
+    assert counter.item() == 12.0, counter
+    assert tx.cache_info().misses == 1, tx.cache_info()
+    print("ok")
 
 
 def test_captured_counter_counts_as_in_the_loop(run_isolated):
     # The issue's case: it crashed the process (SIGSEGV) when the result was read.
-    result = run_isolated(COUNTER)
+    result = run_isolated(counter_scenario)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
 
@@ -87,11 +82,11 @@ def test_capture_written_and_read_in_the_same_step():
     average.zero_()
     loop_carry, loop_ys = scan_loop(fn, init, xs)
     (loop_carry.sum() + loop_ys.sum()).backward()
-    close(carry, loop_carry)
-    close(ys, loop_ys)
-    close(scan_average, average)
+    close(carry, loop_carry, ACCUMULATED)
+    close(ys, loop_ys, ACCUMULATED)
+    close(scan_average, average, ACCUMULATED)
     for scanned, looped in zip(scan_grads, [init.grad, lin.weight.grad]):
-        close(scanned, looped)
+        close(scanned, looped, ACCUMULATED)
 
 
 @pytest.mark.parametrize("write", [
@@ -113,8 +108,8 @@ def test_each_kind_of_write_to_a_capture(write):
     carry, _ = tx.scan(fn, init, xs)
     scanned = buf.clone()
     buf.copy_(start)
-    close(carry, scan_loop(fn, init, xs)[0])
-    close(scanned, buf)
+    close(carry, scan_loop(fn, init, xs)[0], ACCUMULATED)
+    close(scanned, buf, ACCUMULATED)
 
 
 @pytest.mark.parametrize("read_before", [False, True])
@@ -133,9 +128,9 @@ def test_capture_overwritten_whole(read_before):
     scanned = buf.clone()
     buf.copy_(torch.tensor([1.0, 2.0]))
     loop_carry, loop_ys = scan_loop(fn, init, xs)
-    close(carry, loop_carry)
-    close(ys, loop_ys)
-    close(scanned, buf)
+    close(carry, loop_carry, ACCUMULATED)
+    close(ys, loop_ys, ACCUMULATED)
+    close(scanned, buf, ACCUMULATED)
 
 
 def test_batchnorm_in_fn_updates_its_running_statistics_as_the_loop():
@@ -153,14 +148,14 @@ def test_batchnorm_in_fn_updates_its_running_statistics_as_the_loop():
     scan_init_grad, init.grad = init.grad, None
     loop_carry, loop_ys = scan_loop(step(reference), init, xs)
     (loop_carry.sum() + loop_ys.sum()).backward()
-    close(carry, loop_carry)
-    close(ys, loop_ys)
-    close(scan_init_grad, init.grad)
+    close(carry, loop_carry, ACCUMULATED)
+    close(ys, loop_ys, ACCUMULATED)
+    close(scan_init_grad, init.grad, ACCUMULATED)
     for (name, scanned), looped in zip(block.state_dict().items(), reference.state_dict().values()):
-        close(scanned, looped, name)
+        close(scanned, looped, ACCUMULATED, name)
     assert block[1].num_batches_tracked.item() == 5
     for scanned, looped in zip(block.parameters(), reference.parameters()):
-        close(scanned.grad, looped.grad)
+        close(scanned.grad, looped.grad, ACCUMULATED)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -175,9 +170,9 @@ def test_x_slices_written_in_place_are_written_into_xs(reverse):
     looped_xs = xs.clone()
     carry, ys = tx.scan(fn, init, xs, reverse=reverse)
     loop_carry, loop_ys = scan_loop(fn, init, looped_xs, reverse=reverse)
-    close(carry, loop_carry)
-    close(ys, loop_ys)
-    close(xs, looped_xs)
+    close(carry, loop_carry, ACCUMULATED)
+    close(ys, loop_ys, ACCUMULATED)
+    close(xs, looped_xs, ACCUMULATED)
 
 
 def test_carry_written_in_place_counts_within_its_step_and_init_is_kept():
@@ -197,10 +192,10 @@ def test_carry_written_in_place_counts_within_its_step_and_init_is_kept():
     scan_grad, weight.grad = weight.grad, None
     loop_carry, loop_ys = scan_loop(fn, init.clone(), xs)
     (loop_carry.sum() + loop_ys.sum()).backward()
-    close(carry, loop_carry)
-    close(ys, loop_ys)
-    close(scan_grad, weight.grad)
-    close(init, torch.ones(2))
+    close(carry, loop_carry, ACCUMULATED)
+    close(ys, loop_ys, ACCUMULATED)
+    close(scan_grad, weight.grad, ACCUMULATED)
+    close(init, torch.ones(2), ACCUMULATED)
 
 
 def test_writing_a_carry_that_requires_grad_raises_as_the_loop():

@@ -6,20 +6,18 @@ import pytest
 import torch
 import torch_xla
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 
 import torch_xla_ext as tx
 from torch_xla_ext.layer_stack import LayerStack
 from reference import scan_loop
-from test_scan import DEV, assert_trees_close, randn
-
+from test_scan import DEV, randn
+from tolerances import THROUGH_LAYERS, close
 
 
 def assert_close(actual, expected):
     torch_xla.sync()  # one execution for all, not one per tensor read
-    assert_trees_close(tree_map_only(torch.Tensor, torch.Tensor.detach, actual),
-                       tree_map_only(torch.Tensor, torch.Tensor.detach, expected),
-                       rtol=1e-4, atol=1e-5)
+    close(actual, expected, THROUGH_LAYERS)
 
 
 def grads(output, tensors):

@@ -8,20 +8,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import torch_xla_ext as tx
 from reference import scan_loop
+from tolerances import ACCUMULATED, BF16_SAME_OPS, DTYPE_DEFAULT, SAME_OPS, close
 
 DEV = torch_xla.device()
-
-
-def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
-    actual_leaves, actual_spec = tree_flatten(actual)
-    expected_leaves, expected_spec = tree_flatten(expected)
-    assert actual_spec == expected_spec
-    for a, e in zip(actual_leaves, expected_leaves):
-        if a is None or e is None:
-            assert a is None and e is None
-            continue
-        assert a.dtype == e.dtype and a.shape == e.shape
-        torch.testing.assert_close(a.cpu(), e.cpu(), rtol=rtol, atol=atol)
 
 
 def grads_of(tensors):
@@ -31,11 +20,11 @@ def grads_of(tensors):
     return out
 
 
-def check_parity(fn, init, xs, params=(), reverse=False, rtol=1e-5):
+def check_parity(fn, init, xs, params=(), reverse=False, tolerance=SAME_OPS):
     leaves = [t for t in tree_flatten((init, xs))[0] + list(params) if t.requires_grad]
     got = tx.scan(fn, init, xs, reverse=reverse)
     expected = scan_loop(fn, init, xs, reverse=reverse)
-    assert_trees_close(got, expected, rtol=rtol)
+    close(got, expected, tolerance)
     if leaves:
         def total(result):
             return sum(t.float().sum() for t in tree_flatten(result)[0]
@@ -44,8 +33,7 @@ def check_parity(fn, init, xs, params=(), reverse=False, rtol=1e-5):
         scan_grads = grads_of(leaves)
         total(expected).backward()
         loop_grads = grads_of(leaves)
-        for a, e in zip(scan_grads, loop_grads):
-            torch.testing.assert_close(a, e, rtol=rtol, atol=1e-5)
+        close(scan_grads, loop_grads, ACCUMULATED, "gradients")
 
 
 def randn(*shape, grad=False, dtype=torch.float32):
@@ -90,8 +78,7 @@ def test_min_cut_partition_gives_the_same_gradients():
     min_cut = grads_of(params)
     carry, ys = scan_loop(fn, init, xs)
     (carry.sum() + ys.sum()).backward()
-    for a, e in zip(min_cut, grads_of(params)):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    close(min_cut, grads_of(params), ACCUMULATED)
 
 
 def test_ys_with_none_and_passthrough():
@@ -99,8 +86,8 @@ def test_ys_with_none_and_passthrough():
     carry, ys = tx.scan(lambda c, x: (c * x, (None, x, c)), randn(2), xs)
     assert ys[0] is None and ys[1] is xs  # an x returned as y is not copied
     init = randn(2)
-    assert_trees_close(tx.scan(lambda c, x: (c * x, (None, x, c)), init, xs),
-                       scan_loop(lambda c, x: (c * x, (None, x, c)), init, xs))
+    close(tx.scan(lambda c, x: (c * x, (None, x, c)), init, xs),
+          scan_loop(lambda c, x: (c * x, (None, x, c)), init, xs), SAME_OPS)
 
 
 def test_read_only_carry_keeps_init():
@@ -112,7 +99,7 @@ def test_read_only_carry_keeps_init():
 
 def test_bfloat16_and_int32():
     check_parity(lambda c, x: (c + x, c * 2), randn(3, dtype=torch.bfloat16),
-                 randn(4, 3, dtype=torch.bfloat16), rtol=1e-2)
+                 randn(4, 3, dtype=torch.bfloat16), tolerance=BF16_SAME_OPS)
     ints = torch.arange(12, dtype=torch.int32, device=DEV).reshape(4, 3)
     check_parity(lambda c, x: (c * 2 + x, c), torch.ones(3, dtype=torch.int32, device=DEV), ints)
 
@@ -153,7 +140,7 @@ def test_a_scan_leaves_the_callers_xla_random_numbers_as_they_were(body):
         xm.set_rng_state(11, DEV)
         carry, _ = tx.scan(fn, init, xs)
         carry.sum().backward()
-        torch.testing.assert_close(torch.rand(8, device=DEV).cpu(), expected)
+        close(torch.rand(8, device=DEV).cpu(), expected, DTYPE_DEFAULT)
 
 
 @pytest.mark.parametrize("p", [0.5, 0.1])
@@ -165,8 +152,8 @@ def test_dropout_gradients_follow_each_steps_mask(p):
     ys.sum().backward()
     kept = (ys.detach().cpu() != 0).float()  # y = weight * x / (1 - p) where kept, else 0
     assert 0 < kept.sum() < kept.numel()
-    torch.testing.assert_close(ys.detach().cpu(), kept * 3.0 / (1 - p))
-    torch.testing.assert_close(weight.grad.cpu(), kept.sum(0) / (1 - p))
+    close(ys.detach().cpu(), kept * 3.0 / (1 - p), DTYPE_DEFAULT)
+    close(weight.grad.cpu(), kept.sum(0) / (1 - p), DTYPE_DEFAULT)
 
 
 def test_a_mask_drawn_from_the_seed_alone_is_kept_for_the_backward():
@@ -179,7 +166,7 @@ def test_a_mask_drawn_from_the_seed_alone_is_kept_for_the_backward():
     ys.sum().backward()
     kept = (ys.detach().cpu() != 0).float()
     assert 0 < kept.sum() < kept.numel()
-    torch.testing.assert_close(weight.grad.cpu(), 2 * kept.sum(0))
+    close(weight.grad.cpu(), 2 * kept.sum(0), DTYPE_DEFAULT)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -197,7 +184,7 @@ def test_matches_for_loop_on_random_pytrees(length, widths, as_dict, dtype):
         new = tree_map(lambda c, v: c * 2 - v, carry, x)
         return new, tree_map(lambda c: c + 1, carry)
 
-    assert_trees_close(tx.scan(fn, init, xs), scan_loop(fn, init, xs))
+    close(tx.scan(fn, init, xs), scan_loop(fn, init, xs), SAME_OPS)
 
 
 def test_traces_once_per_avals():
@@ -228,7 +215,7 @@ def test_fresh_captures_after_in_place_update():
         lin.weight.mul_(2)
         lin.bias.add_(1)
     after = tx.scan(fn, init, xs)[0].cpu()
-    torch.testing.assert_close(after, scan_loop(fn, init, xs)[0].cpu())
+    close(after, scan_loop(fn, init, xs)[0].cpu(), DTYPE_DEFAULT)
     assert not torch.allclose(before, after)
 
 
@@ -302,25 +289,23 @@ def test_bad_input_names_the_culprit_and_the_process_goes_on(call, error, match)
     assert carry.cpu().tolist() == [3.0, 3.0]
 
 
-IN_PLACE_YS = """
-import torch, torch_xla
-import torch_xla_ext as tx
-dev = torch_xla.device()
-lin = torch.nn.Linear(16, 16).to(dev)
-init = torch.zeros(4, 16, device=dev, requires_grad=True)
-xs = torch.ones(7, 4, 16, device=dev, requires_grad=True)
-carry, ys = tx.scan(lambda c, x: (torch.tanh(lin(c) + x), (c * 2).reshape(64)), init, xs,
-                    unroll={unroll})
-(carry.sum() + ys.sum()).backward()
-torch_xla.sync()
-"""
+def in_place_ys_scenario(unroll):
+    """A training step whose ys are reshaped copies of the carry, its HLO dumped."""
+    dev = torch_xla.device()
+    lin = torch.nn.Linear(16, 16).to(dev)
+    init = torch.zeros(4, 16, device=dev, requires_grad=True)
+    xs = torch.ones(7, 4, 16, device=dev, requires_grad=True)
+    carry, ys = tx.scan(lambda c, x: (torch.tanh(lin(c) + x), (c * 2).reshape(64)), init, xs,
+                        unroll=unroll)
+    (carry.sum() + ys.sum()).backward()
+    torch_xla.sync()
 
 
 # With unroll 3, each body writes 3 slices, and 1 step is left after the loop.
 @pytest.mark.parametrize("unroll", [1, 3])
 def test_while_bodies_copy_no_stacked_buffer(run_isolated, tmp_path, unroll):
     import re
-    result = run_isolated(IN_PLACE_YS.format(unroll=unroll), env={
+    result = run_isolated(in_place_ys_scenario, args=(unroll,), env={
         "XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text"})
     assert result.returncode == 0, result.stderr[-2000:]
     optimized = [p for p in tmp_path.iterdir() if p.name.endswith("after_optimizations.txt")]
@@ -343,7 +328,7 @@ def test_same_results_as_torch_xla_scan():
     init, xs = randn(3, grad=True), randn(4, 3, grad=True)
     ours = tx.scan(fn, init, xs)
     theirs = torch_xla_scan(fn, init, xs)
-    assert_trees_close(ours, theirs)
+    close(ours, theirs, SAME_OPS)
 
 
 def test_concurrent_calls_from_threads_share_one_trace():
@@ -382,32 +367,30 @@ def test_cache_is_bounded_least_recently_used_first(monkeypatch):
     assert traced_widths == [1, 2, 3, 2]
 
 
-SCAN_OF_PLACEHOLDERS = """
-import warnings
-import torch, torch_xla
-import torch_xla_ext as tx
-warnings.simplefilter("ignore")
-lin = torch.nn.Linear(4, 4).to(torch_xla.device())
-weight = tx.placeholder((4, 4))
-carry, ys = tx.scan(lambda c, x: (lin(c) @ weight + x, c.sum()), tx.placeholder((2, 4)),
-                    tx.placeholder((5, 2, 4)))
-hlo = torch_xla._XLAC._get_xla_tensors_hlo([carry, ys])
-assert "while" in hlo, hlo[:500]
-for result in (carry, ys):
-    try:
-        result.cpu()
-    except tx.PlaceholderError:
-        pass
-    else:
-        raise AssertionError("a scan of placeholders was readable")
-good = torch.ones(2, device=torch_xla.device()) * 3
-torch_xla.sync()
-assert good.cpu().tolist() == [3.0, 3.0]
-print("survived")
-"""
+def scan_of_placeholders_scenario():
+    """A scan of placeholders stages its HLO; reading its results raises."""
+    import warnings
+    warnings.simplefilter("ignore")
+    lin = torch.nn.Linear(4, 4).to(torch_xla.device())
+    weight = tx.placeholder((4, 4))
+    carry, ys = tx.scan(lambda c, x: (lin(c) @ weight + x, c.sum()), tx.placeholder((2, 4)),
+                        tx.placeholder((5, 2, 4)))
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([carry, ys])
+    assert "while" in hlo, hlo[:500]
+    for result in (carry, ys):
+        try:
+            result.cpu()
+        except tx.PlaceholderError:
+            pass
+        else:
+            raise AssertionError("a scan of placeholders was readable")
+    good = torch.ones(2, device=torch_xla.device()) * 3
+    torch_xla.sync()
+    assert good.cpu().tolist() == [3.0, 3.0]
+    print("survived")
 
 
 def test_scanning_placeholders_stages_hlo_and_never_crashes(run_isolated):
-    result = run_isolated(SCAN_OF_PLACEHOLDERS)
+    result = run_isolated(scan_of_placeholders_scenario)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "survived" in result.stdout
