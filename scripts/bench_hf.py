@@ -302,23 +302,31 @@ def run_worker(args) -> dict:
 
 
 def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
-                 steps: int, modes: list[str]) -> None:
+                 steps: int, modes: list[str], markdown: bool) -> None:
+    """The ratios against their goals, a markdown table with `markdown`."""
+    print("\nRatios:")
+    print(harness.goal_table(goals(by_key, layer_counts, steps, modes), markdown))
+
+
+def goals(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
+          steps: int, modes: list[str]) -> list[harness.Goal]:
+    """The ratios (and the step's compilation count) against their goals."""
     middle = 32 if 32 in layer_counts else max(layer_counts)
     smallest, largest = min(layer_counts), max(layer_counts)
+    checked = []
 
     def check(label, value, goal):
-        print(harness.goal_line(label, value, goal, width=52))
+        checked.append(harness.Goal(label, value, goal))
 
     def ratio(label, numerator, denominator, figure, goal):
         check(label, harness.ratio(by_key, numerator, denominator, figure), goal)
 
     converted = ("stack_layers", middle)
-    print("\nRatios:")
     if ("stack_layers+checkpointing", middle) in by_key:
         ratio(f"peak RSS checkpointing/save_nothing at L={middle}",
               ("stack_layers+checkpointing", middle), ("stack_layers+save_nothing", middle),
               "peak_rss_mib", CHECKPOINTING_RSS_GOAL)
-        return
+        return checked
     ratio(f"python time stack_layers/loop at L={middle}", converted, ("loop", middle),
           "python_ms", 0.1)
     ratio(f"compile time stack_layers/loop at L={middle}", converted, ("loop", middle),
@@ -330,12 +338,13 @@ def print_ratios(by_key: dict[tuple[str, int], dict], layer_counts: list[int],
     check(f"step graph compilations in {steps} steps, stack_layers L={middle}",
           by_key[converted]["step_compiles"] if converted in by_key else None, 1)
     if "stack_layers+cache" not in modes:
-        return
+        return checked
     with_cache = ("stack_layers+cache", middle)
     ratio(f"compile time stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
           "compile_s", 1.10)
     ratio(f"execution stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
           "execute_ms", 1.10)
+    return checked
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -386,9 +395,9 @@ def main(argv: list[str] | None = None) -> None:
             [*harness.passed_on(args, WORKLOAD_OPTIONS), "--family", family,
              *(["--lora"] if args.lora else [])], args.timeout)
         print()
-        harness.print_layer_table(outcomes)
+        harness.print_layer_table(outcomes, args.markdown)
         print_ratios({key: outcome.figures for key, outcome in outcomes.items() if outcome.ok},
-                     layer_counts, args.steps, family_modes)
+                     layer_counts, args.steps, family_modes, args.markdown)
         all_outcomes.update({(f"{family} {mode}", layers): outcome
                              for (mode, layers), outcome in outcomes.items()})
     harness.exit_if_runs_failed(parser.prog, all_outcomes)

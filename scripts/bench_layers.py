@@ -93,14 +93,16 @@ def run_worker(args) -> dict:
     }
 
 
-def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int]) -> None:
+def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int],
+                 markdown: bool) -> None:
     """The goal lines, each ratio the median over `rounds` (figures by (mode, L))."""
     middle = 32 if 32 in layer_counts else max(layer_counts)
     smallest, largest = min(layer_counts), max(layer_counts)
+    goals = []
 
     def ratio(label, numerator, denominator, figure, goal):
-        print(harness.goal_line_over_rounds(label, rounds, numerator, denominator, figure, goal,
-                                            width=46))
+        goals.append(harness.goal_over_rounds(label, rounds, numerator, denominator, figure,
+                                              goal))
 
     ratio(f"python time scan/loop at L={middle}", ("scan", middle), ("loop", middle),
           "python_ms", 0.2)
@@ -116,20 +118,25 @@ def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[i
           "execute_ms", 1.10)
     ratio(f"forward-only execution scan/loop at L={middle}", ("scan", middle), ("loop", middle),
           "forward_ms", 1.05)
+    print(harness.goal_table(goals, markdown))
 
 
-def print_memory(by_key: dict[tuple[str, int], dict]) -> None:
+def print_memory(by_key: dict[tuple[str, int], dict], markdown: bool) -> None:
     """Peak RSS growth over the for loop, as a share of the parameter bytes."""
+    from torch_xla_ext.metrics.table import render_rows
+
     loop = next((r for (mode, _), r in by_key.items() if mode == "loop"), None)
     if loop is None:
         return
     print("\nPeak RSS of a steady step over the for loop's, in parameter bytes:")
+    rows: list = [["mode", "L", "growth", "goal", "verdict"], None]
     for (mode, layers), r in by_key.items():
         if mode == "loop":
             continue
         growth = (r["peak_rss_mib"] - loop["peak_rss_mib"]) / r["param_mib"]
-        goal = f"  goal <= 0.10 {harness.verdict(growth, 0.10)}" if mode == "scan" else ""
-        print(f"  {mode:<16} L={layers:<4} {growth:+.2f}x{goal}")
+        goal = ["<= 0.10", harness.verdict(growth, 0.10)] if mode == "scan" else ["-", "-"]
+        rows.append([mode, str(layers), f"{growth:+.2f}x", *goal])
+    print(render_rows(rows, markdown))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,17 +182,18 @@ def main(argv: list[str] | None = None) -> None:
         every_round = harness.measure_rounds(
             os.path.abspath(__file__), modes, layer_counts,
             [*harness.passed_on(args, WORKLOAD_OPTIONS), "--block", block], args.timeout,
-            args.rounds, f"block {block}", harness.print_layer_table)
+            args.rounds, f"block {block}",
+            lambda outcomes: harness.print_layer_table(outcomes, args.markdown))
         for outcomes in every_round:
             all_outcomes.update({(f"{block} {mode}" if len(blocks) > 1 else mode, layers): outcome
                                  for (mode, layers), outcome in outcomes.items()})
         rounds = [harness.figures_by_run(outcomes) for outcomes in every_round]
         if args.memory:
-            print_memory(rounds[-1])
+            print_memory(rounds[-1], args.markdown)
         else:
             print(f"\nRatios, block {block}" + (f", median of {args.rounds} rounds (spread)"
                                                 if args.rounds > 1 else "") + ":")
-            print_ratios(rounds, layer_counts)
+            print_ratios(rounds, layer_counts, args.markdown)
     harness.exit_if_runs_failed(parser.prog, all_outcomes)
 
 

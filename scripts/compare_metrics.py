@@ -418,7 +418,7 @@ def run_run(args: argparse.Namespace) -> None:
             print()
         print(f"{workload_name(args.workload)}: {layers} layers, hidden {args.hidden}, "
               f"{args.steps} steps")
-        print(harness.outcome_table(outcomes, RUN_ROWS, baseline), flush=True)
+        print(harness.outcome_table(outcomes, RUN_ROWS, baseline, args.markdown), flush=True)
 
     settings = {"workload": workload_name(args.workload), "hidden": args.hidden,
                 "steps": args.steps, "modes": args.modes}
@@ -481,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --sweep-layers, plot compile time and graph-building time "
                           "against depth, a line per mode (the plotted series go into --json)")
     harness.add_timeout_option(run, DEFAULT_TIMEOUT, "mode")
+    harness.add_markdown_option(run)
     run.set_defaults(handler=run_run)
 
     diff = commands.add_parser(
