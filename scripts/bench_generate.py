@@ -108,7 +108,7 @@ def run_worker(args) -> dict:
     return figures
 
 
-def print_table(outcomes) -> None:
+def print_table(outcomes, markdown: bool) -> None:
     def warm(figure, digits):
         return lambda r: f"{r[figure]:.{digits}f}" if figure in r else "-"
 
@@ -120,17 +120,18 @@ def print_table(outcomes) -> None:
         ("prefill ms", warm("prefill_ms", 1)),
         ("ms/token", warm("token_ms", 2)),
         ("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:.0f}"),
-    ])
+    ], markdown)
 
 
-def print_ratios(rounds: list[dict], layer_counts: list[int]) -> None:
+def print_ratios(rounds: list[dict], layer_counts: list[int], markdown: bool) -> None:
     """The goal lines, each ratio the median over `rounds` (figures by (mode, L))."""
     middle = 32 if 32 in layer_counts else max(layer_counts)
     smallest, largest = min(layer_counts), max(layer_counts)
+    goals = []
 
     def ratio(label, numerator, denominator, figure, goal):
-        print(harness.goal_line_over_rounds(label, rounds, numerator, denominator, figure, goal,
-                                            width=60))
+        goals.append(harness.goal_over_rounds(label, rounds, numerator, denominator, figure,
+                                              goal))
 
     print("\nRatios" + (f", median of {len(rounds)} rounds (spread)" if len(rounds) > 1
                         else "") + ":")
@@ -146,6 +147,7 @@ def print_ratios(rounds: list[dict], layer_counts: list[int]) -> None:
           "prefill_ms", 1.15)
     ratio(f"peak RSS stack_layers+tx-generate/hf-generate at L={middle}", ours,
           ("hf-generate", middle), "peak_rss_mib", 1.05)
+    print(harness.goal_table(goals, markdown))
 
 
 def tokens_problem(outcomes) -> str | None:
@@ -190,8 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     every_round = harness.measure_rounds(
         os.path.abspath(__file__), modes, layer_counts,
         harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout, args.rounds, "Runs",
-        print_table)
-    print_ratios([harness.figures_by_run(outcomes) for outcomes in every_round], layer_counts)
+        lambda outcomes: print_table(outcomes, args.markdown))
+    print_ratios([harness.figures_by_run(outcomes) for outcomes in every_round], layer_counts,
+                 args.markdown)
     problems = [tokens_problem(outcomes) for outcomes in every_round]
     print("\nTokens: " + ("; ".join(filter(None, problems)) or "every mode gave the same tokens"))
     for outcomes in every_round:

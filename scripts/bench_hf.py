@@ -200,26 +200,34 @@ def run_worker(args) -> dict:
 
 
 def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int],
-                 steps: int, modes: list[str]) -> None:
-    """The goal lines, each ratio the median over `rounds` (figures by (mode, L))."""
-    middle = 32 if 32 in layer_counts else max(layer_counts)
-    smallest, largest = min(layer_counts), max(layer_counts)
-
-    def check(label, value, goal):
-        print(harness.goal_line(label, value, goal, width=52))
-
-    def ratio(label, numerator, denominator, figure, goal):
-        print(harness.goal_line_over_rounds(label, rounds, numerator, denominator, figure, goal,
-                                            width=52))
-
-    converted = ("stack_layers", middle)
+                 steps: int, modes: list[str], markdown: bool) -> None:
+    """The ratios against their goals, each the median over `rounds` (figures by
+    (mode, L)); a markdown table with `markdown`."""
     print("\nRatios" + (f", median of {len(rounds)} rounds (spread):" if len(rounds) > 1
                          else ":"))
+    print(harness.goal_table(goals(rounds, layer_counts, steps, modes), markdown))
+
+
+def goals(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int],
+          steps: int, modes: list[str]) -> list[harness.Goal]:
+    """The ratios (and the step's compilation count) against their goals."""
+    middle = 32 if 32 in layer_counts else max(layer_counts)
+    smallest, largest = min(layer_counts), max(layer_counts)
+    checked = []
+
+    def check(label, value, goal):
+        checked.append(harness.Goal(label, value, goal))
+
+    def ratio(label, numerator, denominator, figure, goal):
+        checked.append(harness.goal_over_rounds(label, rounds, numerator, denominator, figure,
+                                                goal))
+
+    converted = ("stack_layers", middle)
     if "stack_layers+checkpointing" in modes:
         ratio(f"peak RSS checkpointing/save_nothing at L={middle}",
               ("stack_layers+checkpointing", middle), ("stack_layers+save_nothing", middle),
               "peak_rss_mib", CHECKPOINTING_RSS_GOAL)
-        return
+        return checked
     ratio(f"python time stack_layers/loop at L={middle}", converted, ("loop", middle),
           "python_ms", 0.1)
     ratio(f"compile time stack_layers/loop at L={middle}", converted, ("loop", middle),
@@ -235,12 +243,13 @@ def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[i
     check(f"step graph compilations in {steps} steps, stack_layers L={middle}",
           last[converted]["step_compiles"] if converted in last else None, 1)
     if "stack_layers+cache" not in modes:
-        return
+        return checked
     with_cache = ("stack_layers+cache", middle)
     ratio(f"compile time stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
           "compile_s", 1.10)
     ratio(f"execution stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
           "execute_ms", 1.10)
+    return checked
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -291,9 +300,9 @@ def main(argv: list[str] | None = None) -> None:
             os.path.abspath(__file__), family_modes, layer_counts,
             [*harness.passed_on(args, WORKLOAD_OPTIONS), "--family", family,
              *(["--lora"] if args.lora else [])], args.timeout, args.rounds, family,
-            harness.print_layer_table)
+            lambda outcomes: harness.print_layer_table(outcomes, args.markdown))
         print_ratios([harness.figures_by_run(outcomes) for outcomes in every_round],
-                     layer_counts, args.steps, family_modes)
+                     layer_counts, args.steps, family_modes, args.markdown)
         for outcomes in every_round:
             all_outcomes.update({(f"{family} {mode}", layers): outcome
                                  for (mode, layers), outcome in outcomes.items()})

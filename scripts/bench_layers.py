@@ -124,14 +124,16 @@ def run_worker(args) -> dict:
     }
 
 
-def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int]) -> None:
+def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int],
+                 markdown: bool) -> None:
     """The goal lines, each ratio the median over `rounds` (figures by (mode, L))."""
     middle = 32 if 32 in layer_counts else max(layer_counts)
     smallest, largest = min(layer_counts), max(layer_counts)
+    goals = []
 
     def ratio(label, numerator, denominator, figure, goal):
-        print(harness.goal_line_over_rounds(label, rounds, numerator, denominator, figure, goal,
-                                            width=46))
+        goals.append(harness.goal_over_rounds(label, rounds, numerator, denominator, figure,
+                                              goal))
 
     ratio(f"python time scan/loop at L={middle}", ("scan", middle), ("loop", middle),
           "python_ms", 0.2)
@@ -147,12 +149,14 @@ def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[i
           "execute_ms", 1.10)
     ratio(f"forward-only execution scan/loop at L={middle}", ("scan", middle), ("loop", middle),
           "forward_ms", 1.05)
+    print(harness.goal_table(goals, markdown))
 
 
 def print_unroll_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int],
-                        unrolls: list[int]) -> None:
+                        unrolls: list[int], markdown: bool) -> None:
     """Per L and unroll k, the run "scan unroll=k" over the loop: execution
-    (training and forward-only) and compile time, each the median over `rounds`."""
+    (training and forward-only) and compile time, each the median over `rounds`;
+    a markdown table with `markdown`."""
     from torch_xla_ext.metrics.table import render_rows
 
     def cell(numerator, denominator, figure):
@@ -169,21 +173,25 @@ def print_unroll_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts:
             run, loop = (scan_run(unroll), layers), ("loop", layers)
             rows.append([str(layers), str(unroll), cell(run, loop, "execute_ms"),
                          cell(run, loop, "forward_ms"), cell(run, loop, "compile_s")])
-    print(render_rows(rows))
+    print(render_rows(rows, markdown))
 
 
-def print_memory(by_key: dict[tuple[str, int], dict]) -> None:
+def print_memory(by_key: dict[tuple[str, int], dict], markdown: bool) -> None:
     """Peak RSS growth over the for loop, as a share of the parameter bytes."""
+    from torch_xla_ext.metrics.table import render_rows
+
     loop = next((r for (mode, _), r in by_key.items() if mode == "loop"), None)
     if loop is None:
         return
     print("\nPeak RSS of a steady step over the for loop's, in parameter bytes:")
+    rows: list = [["mode", "L", "growth", "goal", "verdict"], None]
     for (mode, layers), r in by_key.items():
         if mode == "loop":
             continue
         growth = (r["peak_rss_mib"] - loop["peak_rss_mib"]) / r["param_mib"]
-        goal = f"  goal <= 0.10 {harness.verdict(growth, 0.10)}" if mode == "scan" else ""
-        print(f"  {mode:<16} L={layers:<4} {growth:+.2f}x{goal}")
+        goal = ["<= 0.10", harness.verdict(growth, 0.10)] if mode == "scan" else ["-", "-"]
+        rows.append([mode, str(layers), f"{growth:+.2f}x", *goal])
+    print(render_rows(rows, markdown))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,22 +247,23 @@ def main(argv: list[str] | None = None) -> None:
         every_round = harness.measure_rounds(
             os.path.abspath(__file__), list(runs), layer_counts,
             [*harness.passed_on(args, WORKLOAD_OPTIONS), "--block", block], args.timeout,
-            args.rounds, f"block {block}", harness.print_layer_table, runs.__getitem__)
+            args.rounds, f"block {block}",
+            lambda outcomes: harness.print_layer_table(outcomes, args.markdown), runs.__getitem__)
         for outcomes in every_round:
             all_outcomes.update({(f"{block} {mode}" if len(blocks) > 1 else mode, layers): outcome
                                  for (mode, layers), outcome in outcomes.items()})
         rounds = [harness.figures_by_run(outcomes) for outcomes in every_round]
         if args.memory:
-            print_memory(rounds[-1])
+            print_memory(rounds[-1], args.markdown)
         else:
             print(f"\nRatios, block {block}" + (f", median of {args.rounds} rounds (spread)"
                                                 if args.rounds > 1 else "") + ":")
-            print_ratios(rounds, layer_counts)
+            print_ratios(rounds, layer_counts, args.markdown)
             if unrolled:
                 print(f"\nUnroll (layers per loop iteration), block {block}, over the loop"
                       + (f", median of {args.rounds} rounds (spread)" if args.rounds > 1
                          else "") + ":")
-                print_unroll_ratios(rounds, layer_counts, args.unroll)
+                print_unroll_ratios(rounds, layer_counts, args.unroll, args.markdown)
     harness.exit_if_runs_failed(parser.prog, all_outcomes)
 
 

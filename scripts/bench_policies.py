@@ -134,32 +134,35 @@ def gradient_difference(grads_file: str, baseline_file: str) -> float | str:
     return max((grads[name] - baseline[name]).abs().max().item() for name in grads)
 
 
-def print_gradients(differences: dict[str, float | str | None]) -> list[str]:
-    """A line per policy; returns the policies whose gradients are off."""
+def print_gradients(differences: dict[str, float | str | None], markdown: bool) -> list[str]:
+    """A line per policy (a markdown table with `markdown`); returns the
+    policies whose gradients are off."""
+    from torch_xla_ext.metrics.table import render_rows
+
     print(f"\nFirst step's gradients against {BASELINE}'s (atol {GRADIENT_ATOL:g}):")
+    rows: list = [["policy", "max abs diff", "verdict"], None]
     off = []
     for policy, difference in differences.items():
         if difference is None:
-            print(f"  {policy:<32} n/a (missing run)")
+            rows.append([policy, "n/a (missing run)"])
         elif isinstance(difference, str):
             off.append(policy)
-            print(f"  {policy:<32} {difference}")
+            rows.append([policy, difference])
         else:
             agree = difference <= GRADIENT_ATOL
             off += [] if agree else [policy]
-            print(f"  {policy:<32} max abs diff {difference:.3g}   "
-                  f"{'within atol' if agree else 'DIFFER'}")
+            rows.append([policy, f"{difference:.3g}", "within atol" if agree else "DIFFER"])
+    if differences:
+        print(render_rows(rows, markdown))
     return off
 
 
-def print_rss_ratio(figures: dict[str, dict]) -> None:
-    label = "peak RSS save_nothing / save_everything:"
+def print_rss_ratio(figures: dict[str, dict], markdown: bool) -> None:
+    """The issue's ratio of peak RSS against its goal."""
     ratio = harness.ratio(figures, "save_nothing", BASELINE, "peak_rss")
-    if ratio is None:
-        print(f"\n{label} n/a (missing run) (goal <= {RSS_RATIO_GOAL:.2f})")
-        return
-    print(f"\n{label} {ratio:.3f} (goal <= {RSS_RATIO_GOAL:.2f}) "
-          f"{harness.verdict(ratio, RSS_RATIO_GOAL)}")
+    print()
+    print(harness.goal_table([harness.Goal("peak RSS save_nothing / save_everything", ratio,
+                                           RSS_RATIO_GOAL)], markdown))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,14 +223,16 @@ def main(argv: list[str] | None = None) -> None:
             Row("params", "parameters", BYTES))
     print()
     print(harness.outcome_table({policy: outcomes[policy] for policy in chosen}, rows,
-                                baseline=BASELINE if BASELINE in chosen else None))
+                                baseline=BASELINE if BASELINE in chosen else None,
+                                markdown=args.markdown))
     lifetime = [policy for policy in chosen
                 if outcomes[policy].ok and not outcomes[policy].figures["peak_is_steady"]]
     if lifetime:
-        print(f"(peak RSS of the process's lifetime, not of the last step: {', '.join(lifetime)})")
+        print(f"\n(peak RSS of the process's lifetime, not of the last step: "
+              f"{', '.join(lifetime)})")
     figures = {policy: outcome.figures for policy, outcome in outcomes.items() if outcome.ok}
-    off = print_gradients(differences)
-    print_rss_ratio(figures)
+    off = print_gradients(differences, args.markdown)
+    print_rss_ratio(figures, args.markdown)
 
     harness.exit_on_problems(parser.prog, [
         harness.failure_summary(outcomes),

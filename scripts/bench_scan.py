@@ -24,6 +24,7 @@ import torch
 import torch_xla
 
 import torch_xla_ext as tx
+from torch_xla_ext.metrics.table import render_rows
 
 
 def graph_building_seconds(run, tensors) -> float:
@@ -50,6 +51,15 @@ def median_ms(runs, tensors, repeats: int) -> list[float]:
     return [statistics.median(measured) * 1e3 for measured in times]
 
 
+def print_times(times: list[tuple[str, float]], goal: harness.Goal, markdown: bool) -> None:
+    """A table of the runs' median graph-building times, then their ratio
+    against its goal (a blank line apart, so that markdown keeps two tables)."""
+    print(render_rows([["run", "median ms"], None,
+                       *([name, f"{ms:.2f}"] for name, ms in times)], markdown))
+    print()
+    print(harness.goal_table([goal], markdown))
+
+
 def scan_against_loop(args, device):
     block = torch.nn.Sequential(torch.nn.Linear(args.width, 4 * args.width), torch.nn.GELU(),
                                 torch.nn.Linear(4 * args.width, args.width)).to(device)
@@ -74,9 +84,8 @@ def scan_against_loop(args, device):
                                  args.repeats)
     print(f"{args.iterations} iterations of a {args.width}-wide MLP block, forward + backward, "
           f"median of {args.repeats}")
-    print(f"  for loop graph building : {loop_ms:8.2f} ms")
-    print(f"  cached scan call        : {scan_ms:8.2f} ms")
-    print(harness.goal_line("ratio scan / loop", scan_ms / loop_ms, 0.2, width=24))
+    print_times([("for loop graph building", loop_ms), ("cached scan call", scan_ms)],
+                harness.Goal("scan / loop", scan_ms / loop_ms, 0.2), args.markdown)
 
 
 class RNN(torch.nn.Module):
@@ -120,12 +129,12 @@ def per_call_lambda_against_function(args, device):
         [training_step(RNN(_cell, fresh_lambda=True)), training_step(RNN(_cell, False))],
         (h, *_cell.parameters()), args.repeats)
     traces = tx.cache_info().misses
-    print(f"{args.iterations} steps of a {args.width}-wide tanh RNN cell, forward + backward, "
+    print(f"\n{args.iterations} steps of a {args.width}-wide tanh RNN cell, forward + backward, "
           f"median of {args.repeats} training steps")
-    print(f"  module-level function   : {function_ms:8.2f} ms")
-    print(f"  fresh lambda per call   : {lambda_ms:8.2f} ms")
-    print(harness.goal_line("ratio lambda / function", lambda_ms / function_ms, 1.2, width=24))
-    print(f"  traces: {traces} (goal 2: one shared by the lambda's {args.repeats + 1} calls, one "
+    print_times([("module-level function", function_ms), ("fresh lambda per call", lambda_ms)],
+                harness.Goal("lambda / function", lambda_ms / function_ms, 1.2),
+                args.markdown)
+    print(f"\ntraces: {traces} (goal 2: one shared by the lambda's {args.repeats + 1} calls, one "
           f"for the function's)")
 
 
@@ -139,7 +148,7 @@ def main():
     torch.manual_seed(0)
     scan_against_loop(args, device)
     per_call_lambda_against_function(args, device)
-    print(f"  scan cache: {tx.cache_info()}")
+    print(f"scan cache: {tx.cache_info()}")
 
 
 if __name__ == "__main__":

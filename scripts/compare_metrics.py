@@ -562,7 +562,7 @@ def run_run(args: argparse.Namespace) -> None:
         if depth_index:
             print()
         print(f"{title}: {layers} layers, hidden {args.hidden}, {args.steps} steps{legend}")
-        print(harness.outcome_table(outcomes, RUN_ROWS, baseline), flush=True)
+        print(harness.outcome_table(outcomes, RUN_ROWS, baseline, args.markdown), flush=True)
 
     settings = {"workload": title, "hidden": args.hidden,
                 "steps": args.steps, "modes": args.modes}
@@ -634,6 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --sweep-layers, plot compile time and graph-building time "
                           "against depth, a line per mode (the plotted series go into --json)")
     harness.add_timeout_option(run, DEFAULT_TIMEOUT, "mode")
+    harness.add_markdown_option(run)
     run.set_defaults(handler=run_run)
 
     diff = commands.add_parser(

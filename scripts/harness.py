@@ -162,15 +162,17 @@ def outcome_columns(outcomes: Mapping[str, Outcome]) -> dict[str, dict]:
             for name, outcome in outcomes.items()}
 
 
-def outcome_table(outcomes: Mapping[str, Outcome], rows: Sequence, baseline: str | None) -> str:
-    """`torch_xla_ext.metrics.format_table` of the workers' figures; when a
-    worker gave none, a first row gives each worker's status and that worker's
-    figures show as `-`."""
+def outcome_table(outcomes: Mapping[str, Outcome], rows: Sequence, baseline: str | None,
+                  markdown: bool = False) -> str:
+    """`torch_xla_ext.metrics.format_table` of the workers' figures (a markdown
+    table with `markdown`); when a worker gave none, a first row gives each
+    worker's status and that worker's figures show as `-`."""
     from torch_xla_ext.metrics import COUNT, Row, format_table
 
     if any(not outcome.ok for outcome in outcomes.values()):
         rows = (Row(STATUS_KEY, "worker process", COUNT), *rows)
-    return format_table(outcome_columns(outcomes), baseline=baseline, rows=rows)
+    return format_table(outcome_columns(outcomes), baseline=baseline, rows=rows,
+                        markdown=markdown)
 
 
 def exit_on_problems(prog: str, problems: Sequence[str | None]) -> None:
@@ -186,9 +188,19 @@ def exit_on_problems(prog: str, problems: Sequence[str | None]) -> None:
 
 def benchmark_parser(script: str, description: str) -> argparse.ArgumentParser:
     """The parser of a benchmark script: named after `script` (also when its
-    main() is called from elsewhere), `description` (its docstring) as written."""
-    return argparse.ArgumentParser(prog=os.path.basename(script), description=description,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    main() is called from elsewhere), `description` (its docstring) as written,
+    with --markdown."""
+    parser = argparse.ArgumentParser(prog=os.path.basename(script), description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_markdown_option(parser)
+    return parser
+
+
+def add_markdown_option(parser: argparse.ArgumentParser) -> None:
+    """--markdown: the script's tables as GitHub markdown tables."""
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the tables (runs, ratios against their goals) as GitHub "
+                             "markdown tables instead of aligned text")
 
 
 def add_layer_and_mode_options(parser: argparse.ArgumentParser, modes: Sequence[str]) -> None:
@@ -404,13 +416,45 @@ def median_and_spread(values: Sequence[float | None]
     return statistics.median(values), spread
 
 
-def goal_line_over_rounds(label: str, rounds: Sequence[Mapping[Any, Mapping]], numerator,
-                          denominator, figure: str, goal: float, width: int) -> str:
-    """`goal_line` of the median over `rounds` (each round's figures by run) of
+@dataclass(frozen=True)
+class Goal:
+    """A ratio (or a count) and the most it should be: its value (None when a
+    run it needs is missing) and, over several rounds, its spread (min, max)."""
+    label: str
+    value: float | None
+    goal: float
+    spread: tuple[float, float] | None = None
+
+
+def goal_over_rounds(label: str, rounds: Sequence[Mapping[Any, Mapping]], numerator,
+                     denominator, figure: str, goal: float) -> Goal:
+    """The `Goal` of the median over `rounds` (each round's figures by run) of
     `ratio(numerator, denominator, figure)`, with its spread."""
     value, spread = median_and_spread([ratio(figures, numerator, denominator, figure)
                                        for figures in rounds])
-    return goal_line(label, value, goal, width, spread)
+    return Goal(label, value, goal, spread)
+
+
+def goal_table(goals: Sequence[Goal], markdown: bool = False) -> str:
+    """The goals' `goal_line`s, labels padded alike; with `markdown`, a markdown
+    table instead: ratio, value (median when over rounds), spread, goal, verdict."""
+    if not markdown:
+        width = max(len(goal.label) for goal in goals)
+        return "\n".join(goal_line(goal.label, goal.value, goal.goal, width, goal.spread)
+                         for goal in goals)
+    from torch_xla_ext.metrics.table import render_rows
+
+    over_rounds = any(goal.spread for goal in goals)
+    rows: list = [["ratio", "median" if over_rounds else "value",
+                   *(["spread"] if over_rounds else []), "goal", "verdict"]]
+    for goal in goals:
+        if goal.value is None:
+            rows.append([goal.label, "n/a (missing run)"])
+            continue
+        spread = f"{goal.spread[0]:.3f}-{goal.spread[1]:.3f}" if goal.spread else "-"
+        rows.append([goal.label, f"{goal.value:.3f}", *([spread] if over_rounds else []),
+                     f"<= {goal.goal}", verdict(goal.value, goal.goal)])
+    return render_rows(rows, markdown=True)
 
 
 def goal_line(label: str, value: float | None, goal: float, width: int,
@@ -425,9 +469,11 @@ def goal_line(label: str, value: float | None, goal: float, width: int,
 
 
 def print_runs_table(outcomes: Mapping[tuple[str, int], Outcome],
-                     columns: Sequence[tuple[str, Callable[[dict], str]]]) -> None:
-    """A line per (mode, L): each column's text made from the run's figures by
-    its function, or the status of a run that gave none."""
+                     columns: Sequence[tuple[str, Callable[[dict], str]]],
+                     markdown: bool = False) -> None:
+    """A line per (mode, L) (a markdown table with `markdown`): each column's
+    text made from the run's figures by its function, or the status of a run
+    that gave none."""
     from torch_xla_ext.metrics.table import render_rows
 
     rows: list = [["mode", "L", *(header for header, _ in columns)], None]
@@ -436,13 +482,14 @@ def print_runs_table(outcomes: Mapping[tuple[str, int], Outcome],
             rows.append([mode, str(layers), outcome.status])
         else:
             rows.append([mode, str(layers), *(text(outcome.figures) for _, text in columns)])
-    print(render_rows(rows))
+    print(render_rows(rows, markdown))
 
 
-def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome]) -> None:
-    """A line per (mode, L): its figures (first_step_s where measured,
-    python_ms, compile_s, compiles, execute_ms, forward_ms where measured, peak_rss_mib, param_mib), or the
-    status of a run that gave none."""
+def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome], markdown: bool = False) -> None:
+    """A line per (mode, L) (a markdown table with `markdown`): its figures
+    (first_step_s where measured, python_ms, compile_s, compiles, execute_ms,
+    forward_ms where measured, peak_rss_mib, param_mib), or the status of a run
+    that gave none."""
     forward = any(o.figures and "forward_ms" in o.figures for o in outcomes.values())
     first_step = any(o.figures and "first_step_s" in o.figures for o in outcomes.values())
     print_runs_table(outcomes, [
@@ -455,4 +502,4 @@ def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome]) -> None:
         ("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:.0f}"),
         ("params MiB", lambda r: f"{r['param_mib']:.1f}"
                                  + ("" if r["peak_is_steady"] else " (lifetime peak)")),
-    ])
+    ], markdown)

@@ -23,11 +23,26 @@ def test_every_policy_is_measured_with_the_baselines_gradients(forked_workers, c
     parameters = 2 * (4 * 32 * 32 + 3 * 32 * 128 + 2 * 32) + 32
     assert re.search(rf"^parameters +{parameters * 4 / 1024:.2f} KiB", printed, re.MULTILINE)
     for policy in POLICIES[1:]:
-        difference = re.search(rf"^  {re.escape(policy)} +max abs diff (\S+) +within atol$",
+        difference = re.search(rf"^{re.escape(policy)} +(\S+) +within atol$",
                                printed, re.MULTILINE)
         assert difference and float(difference.group(1)) <= 1e-4, printed
-    assert re.search(r"^peak RSS save_nothing / save_everything: \d\.\d{3} \(goal <= 0\.70\) "
+    assert re.search(r"^  peak RSS save_nothing / save_everything +\d\.\d{3} +goal <= 0\.7 +"
                      r"(ok|MISSED)$", printed, re.MULTILINE), printed
+
+
+def test_markdown_prints_every_table_as_markdown(forked_workers, capsys):
+    bench_policies.main(["--quick", "--policies", "save_everything,save_nothing", "--markdown"])
+    lines = capsys.readouterr().out.splitlines()
+    figures = lines.index("| figure | save_everything | save_nothing |")
+    assert lines[figures + 1] == "|---|---:|---:|"
+    assert [line.split(" | ")[0] for line in lines[figures + 2:figures + 7]] == [
+        "| compile s", "| compiles", "| steady step time", "| peak RSS", "| parameters"]
+    gradients = lines.index("| policy | max abs diff | verdict |")
+    assert lines[gradients + 1] == "|---|---:|---:|"
+    assert re.fullmatch(r"\| save_nothing \| \S+ \| within atol \|", lines[gradients + 2])
+    ratio = lines.index("| ratio | value | goal | verdict |")
+    assert re.fullmatch(r"\| peak RSS save_nothing / save_everything \| \d\.\d{3} \| <= 0\.7 \| "
+                        r"(ok|MISSED) \|", lines[ratio + 2])
 
 
 @pytest.mark.parametrize("policies, messages", [

@@ -162,6 +162,22 @@ def test_bench_layers_reports_each_timed_out_run_and_goes_on(capsys):
                                         "loop  2  timed out after 0.5 s"]
 
 
+def test_bench_layers_prints_markdown_tables_with_markdown(capsys):
+    with pytest.raises(SystemExit):
+        bench_layers.main(["--layers", "1", "--modes", "loop,scan", "--steps", "3",
+                           "--timeout", "0.5", "--markdown"])
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index("| mode | L | python ms | compile s | compiles | exec ms | peak RSS MiB "
+                         "| params MiB |")
+    assert lines[header + 1:header + 4] == [
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| loop | 1 | timed out after 0.5 s |  |  |  |  |  |",
+        "| scan | 1 | timed out after 0.5 s |  |  |  |  |  |"]
+    ratios = lines.index("| ratio | value | goal | verdict |")
+    assert lines[ratios + 1] == "|---|---:|---:|---:|"
+    assert lines[ratios + 2] == "| python time scan/loop at L=1 | n/a (missing run) |  |  |"
+
+
 def test_time_steps_times_build_and_finish_apart_after_an_untimed_prepare(monkeypatch):
     calls = []
     monkeypatch.setattr(metrics, "reset_peak_rss", lambda: calls.append("reset") or True)
@@ -238,11 +254,43 @@ def test_ratios_over_rounds_are_their_median_with_the_spread():
     assert harness.goal_line("scan/loop", 1.0, 1.1, width=12, spread=(0.9, 1.2)) == (
         "  scan/loop     1.000   goal <= 1.1   ok     (0.900-1.200)")
     rounds = [{"scan": {"ms": ms}, "loop": {"ms": 10.0}} for ms in (12.0, 9.0, 10.0)]
-    assert harness.goal_line_over_rounds("scan/loop", rounds, "scan", "loop", "ms", 1.1,
-                                         width=12) == harness.goal_line(
-        "scan/loop", 1.0, 1.1, width=12, spread=(0.9, 1.2))
-    assert harness.goal_line_over_rounds("scan/loop", [*rounds, {}], "scan", "loop", "ms", 1.1,
-                                         width=12).endswith("n/a (missing run)")
+    assert harness.goal_over_rounds("scan/loop", rounds, "scan", "loop", "ms", 1.1) == (
+        harness.Goal("scan/loop", 1.0, 1.1, spread=(0.9, 1.2)))
+    assert harness.goal_over_rounds("scan/loop", [*rounds, {}], "scan", "loop", "ms",
+                                    1.1) == harness.Goal("scan/loop", None, 1.1)
+    # As text, the goal lines with their labels padded alike.
+    assert harness.goal_table([harness.Goal("scan/loop", 1.0, 1.1, spread=(0.9, 1.2)),
+                               harness.Goal("compile scan/loop", None, 0.5)]).splitlines() == [
+        harness.goal_line("scan/loop", 1.0, 1.1, width=17, spread=(0.9, 1.2)),
+        harness.goal_line("compile scan/loop", None, 0.5, width=17)]
+
+
+def test_markdown_tables_of_runs_and_of_ratios(capsys):
+    outcomes = {("loop", 8): harness.Outcome({"ms": 10.0}, harness.OK, "", 1.0),
+                ("scan", 8): harness.Outcome({"ms": 2.5}, harness.OK, "", 1.0),
+                ("scan", 32): harness.Outcome(None, "timed out after 9 s", "", 9.0)}
+    harness.print_runs_table(outcomes, [("time ms", lambda r: f"{r['ms']:.1f}")], markdown=True)
+    # A header row, the separator row (the first column left-aligned, the
+    # numbers right-aligned), one row per run; a run without figures shows its
+    # status in its first figure's cell.
+    assert capsys.readouterr().out.splitlines() == [
+        "| mode | L | time ms |",
+        "|---|---:|---:|",
+        "| loop | 8 | 10.0 |",
+        "| scan | 8 | 2.5 |",
+        "| scan | 32 | timed out after 9 s |"]
+    goals = [harness.Goal("scan/loop at L=8", 0.25, 0.2, spread=(0.2, 0.3)),
+             harness.Goal("scan/loop at L=32", None, 0.2)]
+    assert harness.goal_table(goals, markdown=True).splitlines() == [
+        "| ratio | median | spread | goal | verdict |",
+        "|---|---:|---:|---:|---:|",
+        "| scan/loop at L=8 | 0.250 | 0.200-0.300 | <= 0.2 | MISSED |",
+        "| scan/loop at L=32 | n/a (missing run) |  |  |  |"]
+    # One round: its value, no spread column.
+    assert harness.goal_table([harness.Goal("a|b", 0.1, 0.2)], markdown=True).splitlines() == [
+        "| ratio | value | goal | verdict |",
+        "|---|---:|---:|---:|",
+        "| a\\|b | 0.100 | <= 0.2 | ok |"]
 
 
 @pytest.mark.parametrize("argv, error", [

@@ -346,6 +346,21 @@ def test_format_table_marks_changes_over_ten_percent():
     assert len({len(line.rstrip(" *")) for line in lines[:4]}) == 1  # right-aligned columns
 
 
+def test_format_table_as_markdown():
+    rows = [Row("steps", "steps", COUNT), None, Row("rss", "peak RSS", BYTES)]
+    table = format_table({"loop": {"steps": 100, "rss": 1024**2},
+                          "scan": {"steps": 120, "rss": None}}, rows=rows, markdown=True)
+    # A header row, the separator row, a row per figure (no rule); the note on
+    # the marks a paragraph of its own, its `*` escaped.
+    assert table.splitlines() == [
+        "| figure | loop | scan |",
+        "|---|---:|---:|",
+        "| steps | 100 | 120 * |",
+        "| peak RSS | 1.00 MiB | - |",
+        "",
+        "\\* differs from loop by more than 10%"]
+
+
 def test_format_table_defaults_to_the_figure_rows():
     figures_of = dict.fromkeys([row.key for row in FIGURE_ROWS], 1)
     table = format_table({"loop": figures_of, "scan": figures_of})

@@ -46,9 +46,10 @@ def _differs(value: int | float | str | None, baseline: int | float | str | None
 def format_table(columns: Mapping[str, Mapping[str, int | float | str | None]],
                  baseline: str | None = "loop",
                  rows: Sequence[Row | tuple[str, str, str] | None] | None = None,
-                 threshold: float = 0.10) -> str:
+                 threshold: float = 0.10, markdown: bool = False) -> str:
     """One table: a column per entry of `columns` (a mode, or a report file), a
-    line per row (FIGURE_ROWS by default; None draws a rule).
+    line per row (FIGURE_ROWS by default; None draws a rule), as aligned text
+    or, with `markdown`, a GitHub markdown table (`render_rows`).
 
     A value that differs from the `baseline` column by more than `threshold`
     (relative) is marked with `*`; a value that is missing shows as `-`, and
@@ -77,18 +78,27 @@ def format_table(columns: Mapping[str, Mapping[str, int | float | str | None]],
             cells.append(format_value(value, unit) + (" *" if marked else "  "))
         table.append(cells)
 
-    text = render_rows(table)
+    text = render_rows(table, markdown)
     if any_marked:
-        text += f"\n* differs from {baseline} by more than {threshold:.0%}"
+        # In markdown, a line right after the table would be one of its rows,
+        # and a line that starts with `*` a list item.
+        note = "\n\\*" if markdown else "*"
+        text += f"\n{note} differs from {baseline} by more than {threshold:.0%}"
     return text
 
 
-def render_rows(rows: Sequence[Sequence[str] | None]) -> str:
+def render_rows(rows: Sequence[Sequence[str] | None], markdown: bool = False) -> str:
     """Rows of cells as aligned text, the one table format of the project: the
     first column left-aligned, the others right-aligned, two spaces apart;
     None draws a rule. A row shorter than the others ends in free text (a
-    run's status), which sets no column's width."""
+    run's status), which sets no column's width.
+
+    With `markdown`, the same rows as a GitHub markdown table instead: the
+    first row its header, the rules left out, a short row's free text in its
+    next cell."""
     count = max(len(cells) for cells in rows if cells is not None)
+    if markdown:
+        return _markdown_table([cells for cells in rows if cells is not None], count)
     full = [cells for cells in rows if cells is not None and len(cells) == count]
     widths = [max(len(cells[index]) for cells in full) for index in range(count)]
     lines = []
@@ -102,3 +112,15 @@ def render_rows(rows: Sequence[Sequence[str] | None]) -> str:
                           *(value.rjust(width) for value, width in zip(values, widths[1:]))])
         lines.append(line if aligned is cells else f"{line}  {cells[-1]}")
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _markdown_table(rows: Sequence[Sequence[str]], count: int) -> str:
+    """`rows` as a markdown table of `count` columns aligned as `render_rows`
+    aligns them; a cell's `|` is escaped, a short row padded with empty cells."""
+    def line(cells: Sequence[str]) -> str:
+        padded = [cell.strip().replace("|", "\\|") for cell in cells]
+        return "| " + " | ".join(padded + [""] * (count - len(cells))) + " |"
+
+    header, *body = rows
+    separator = "|" + "|".join(["---", *["---:"] * (count - 1)]) + "|"
+    return "\n".join([line(header), separator, *(line(cells) for cells in body)])
