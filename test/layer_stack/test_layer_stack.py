@@ -57,10 +57,7 @@ def test_training_matches_for_loop(device, make_optimizer):
             loss.backward()
             losses.append(loss)
         torch_xla.sync()
-        close(losses[1], losses[0], THROUGH_LAYERS)
-        for name, stacked in scan_model.layers.stacked.named_parameters():
-            for index, layer in enumerate(loop_model.layers):
-                close(stacked.grad[index], layer.get_parameter(name).grad, THROUGH_LAYERS)
+        assert_same_losses_and_gradients(loop_model, scan_model, losses)
         # An infinite max_norm leaves the gradients as they are and returns the norm.
         norms = [nn.utils.clip_grad_norm_(m.parameters(), float("inf")) for m in
                  (loop_model, scan_model)]
@@ -89,6 +86,11 @@ def test_an_unrolled_stack_trains_as_the_for_loop(device):
         loss.backward()
         losses.append(loss)
     torch_xla.sync()
+    assert_same_losses_and_gradients(loop_model, scan_model, losses)
+
+
+def assert_same_losses_and_gradients(loop_model, scan_model, losses) -> None:
+    """The loss of each (loop's, scan's), and each layer's gradients, alike."""
     close(losses[1], losses[0], THROUGH_LAYERS)
     for name, stacked in scan_model.layers.stacked.named_parameters():
         for index, layer in enumerate(loop_model.layers):

@@ -66,9 +66,7 @@ def saved_tensors_hooks_scenario():
     scan_grads = gradients((final, ys), params)
     inner_grads = gradients((inner_final, inner_ys), params)
     torch_xla.sync()
-    expected = scan_loop(step, c0, xs)
-    loop_grads = gradients(expected, params)
-    torch_xla.sync()
+    expected, loop_grads = for_loop_and_gradients(step, c0, xs, params)
     print(json.dumps({
         "packed": len(packed),
         "placeholders_packed": sum(tx.is_placeholder(t) or tx.depends_on_placeholder(t)
@@ -114,9 +112,7 @@ def save_on_cpu_scenario():
     executions = met.metric_data("ExecuteTime")[0]
     scan_grads = gradients((final, ys), params)
     torch_xla.sync()
-    expected = scan_loop(step, c0, xs)
-    loop_grads = gradients(expected, params)
-    torch_xla.sync()
+    expected, loop_grads = for_loop_and_gradients(step, c0, xs, params)
     print(json.dumps({
         "copied_to": copied_to,
         "executions": executions,
@@ -179,6 +175,14 @@ def test_sync_inside_autocast_after_scan(run_isolated):
 def gradients(result, params):
     carry, ys = result
     return torch.autograd.grad(carry.float().sum() + ys.float().sum(), params)
+
+
+def for_loop_and_gradients(step, c0, xs, params):
+    """What the for loop of `step` computes, and its gradients, synced."""
+    expected = scan_loop(step, c0, xs)
+    loop_grads = gradients(expected, params)
+    torch_xla.sync()
+    return expected, loop_grads
 
 
 def test_carry_dtype_changed_under_autocast_raises_naming_the_leaf_and_both_dtypes():
