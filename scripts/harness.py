@@ -389,9 +389,9 @@ def ratio(figures: Mapping[Any, Mapping], numerator, denominator, figure: str) -
     return a[figure] / b[figure] if a and b and b[figure] else None
 
 
-def verdict(value: float, goal: float) -> str:
-    """Whether `value` meets a goal of at most `goal`."""
-    return "ok" if value <= goal else "MISSED"
+def verdict(value: float, goal: float, minimum: bool = False) -> str:
+    """Whether `value` meets a goal of at most `goal` (at least `goal`, with `minimum`)."""
+    return "ok" if (value >= goal if minimum else value <= goal) else "MISSED"
 
 
 def median_and_spread(values: Sequence[float | None]
@@ -414,13 +414,14 @@ def goal_line_over_rounds(label: str, rounds: Sequence[Mapping[Any, Mapping]], n
 
 
 def goal_line(label: str, value: float | None, goal: float, width: int,
-              spread: tuple[float, float] | None = None) -> str:
-    """A ratio's line: `label` padded to `width`, its value, its goal and the
-    verdict, then the spread over rounds if given; n/a when a run it needs is
-    missing (`value` None)."""
+              spread: tuple[float, float] | None = None, minimum: bool = False) -> str:
+    """A ratio's line: `label` padded to `width`, its value, its goal (at most
+    `goal`; at least, with `minimum`) and the verdict, then the spread over
+    rounds if given; n/a when a run it needs is missing (`value` None)."""
     if value is None:
         return f"  {label:<{width}} n/a (missing run)"
-    line = f"  {label:<{width}} {value:6.3f}   goal <= {goal:<5} {verdict(value, goal)}"
+    line = (f"  {label:<{width}} {value:6.3f}   goal {'>=' if minimum else '<='} {goal:<5} "
+            f"{verdict(value, goal, minimum)}")
     return line if spread is None else f"{line:<{width + 32}} ({spread[0]:.3f}-{spread[1]:.3f})"
 
 
