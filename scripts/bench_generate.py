@@ -218,8 +218,8 @@ def print_ratios(rounds: list[dict], layer_counts: list[int]) -> None:
           "prefill_ms", 1.0)
     fraction, spread = harness.median_and_spread(
         [(figures.get(ours) or {}).get("limit_fraction") for figures in rounds])
-    print(harness.goal_line(f"of the memory limit, stack_layers+tx-generate at L={middle} "
-                            f"(aim 0.8)", fraction, 0.5, width=60, spread=spread, minimum=True))
+    print(harness.goal_line(f"of limit stack_layers+tx-generate at L={middle} (aim 0.8)",
+                            fraction, 0.5, width=60, spread=spread, minimum=True))
     ratio(f"peak RSS stack_layers+tx-generate/hf-generate at L={middle}", ours,
           ("hf-generate", middle), "peak_rss_mib", 1.05)
 

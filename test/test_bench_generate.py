@@ -71,7 +71,7 @@ def test_the_tables_ratios_over_rounds_and_token_check_are_printed(forked_worker
                      r"\(-?[\d.]+--?[\d.]+\)", printed), printed
     assert "first call stack_layers+hf-generate/hf-generate at L=2" in printed
     assert re.search(r"roofline ms/token +of limit", printed), printed
-    assert re.search(r"of the memory limit, stack_layers\+tx-generate at L=2 \(aim 0\.8\) +"
+    assert re.search(r"of limit stack_layers\+tx-generate at L=2 \(aim 0\.8\) +"
                      r"(n/a|[\d.]+ +goal >= 0\.5 )", printed), printed
     assert "n/a (missing run)" in printed
     assert "Tokens: every mode gave the same tokens" in printed
