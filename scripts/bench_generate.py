@@ -26,7 +26,7 @@ heads, 2 key/value heads, intermediate 512, vocab 1024), then generate
 * ms/token:      (a call of all the new tokens - a call of one) / the tokens
                  after the first: the steady decoding step (the tx modes),
 * peak RSS:      peak resident memory of the process,
-* step reads MiB: the bytes a decoding step must read at least: every weight,
+* step reads MiB: the bytes a decoding step must read: every weight once,
                  and the keys and values of the cache's filled part at the
                  decode's mean position (prompt + new tokens / 2), for every
                  row, in the model's dtype (the tx modes),
@@ -77,9 +77,11 @@ BANDWIDTH_COPIES = 5
 
 def decode_step_bytes(model, batch: int, cache_positions: float) -> float:
     """The bytes a decoding step of `model` (a transformers decoder, converted
-    or not) must read at least: each of its weights once, and the keys and
-    values of `cache_positions` positions in every layer for `batch` rows, in
-    the model's dtype (as a StaticCache holds them)."""
+    or not) must read: each of its weights once, and the keys and values of
+    `cache_positions` positions in every layer for `batch` rows, in the
+    model's dtype (as a StaticCache holds them). The input embedding counts
+    whole, though a step reads only its tokens' rows of it: at most
+    vocab x hidden more than the least, little beside the layers."""
     weights = sum(parameter.numel() * parameter.element_size()
                   for parameter in model.parameters())
     config = model.config
