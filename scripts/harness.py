@@ -401,9 +401,9 @@ def ratio(figures: Mapping[Any, Mapping], numerator, denominator, figure: str) -
     return a[figure] / b[figure] if a and b and b[figure] else None
 
 
-def verdict(value: float, goal: float) -> str:
-    """Whether `value` meets a goal of at most `goal`."""
-    return "ok" if value <= goal else "MISSED"
+def verdict(value: float, goal: float, minimum: bool = False) -> str:
+    """Whether `value` meets a goal of at most `goal` (at least `goal`, with `minimum`)."""
+    return "ok" if (value >= goal if minimum else value <= goal) else "MISSED"
 
 
 def median_and_spread(values: Sequence[float | None]
@@ -418,12 +418,14 @@ def median_and_spread(values: Sequence[float | None]
 
 @dataclass(frozen=True)
 class Goal:
-    """A ratio (or a count) and the most it should be: its value (None when a
-    run it needs is missing) and, over several rounds, its spread (min, max)."""
+    """A ratio (or a count) and the most it should be (the least, with
+    `minimum`): its value (None when a run it needs is missing) and, over
+    several rounds, its spread (min, max)."""
     label: str
     value: float | None
     goal: float
     spread: tuple[float, float] | None = None
+    minimum: bool = False
 
 
 def goal_over_rounds(label: str, rounds: Sequence[Mapping[Any, Mapping]], numerator,
@@ -440,8 +442,8 @@ def goal_table(goals: Sequence[Goal], markdown: bool = False) -> str:
     table instead: ratio, value (median when over rounds), spread, goal, verdict."""
     if not markdown:
         width = max(len(goal.label) for goal in goals)
-        return "\n".join(goal_line(goal.label, goal.value, goal.goal, width, goal.spread)
-                         for goal in goals)
+        return "\n".join(goal_line(goal.label, goal.value, goal.goal, width, goal.spread,
+                                   goal.minimum) for goal in goals)
     from torch_xla_ext.metrics.table import render_rows
 
     over_rounds = any(goal.spread for goal in goals)
@@ -453,18 +455,20 @@ def goal_table(goals: Sequence[Goal], markdown: bool = False) -> str:
             continue
         spread = f"{goal.spread[0]:.3f}-{goal.spread[1]:.3f}" if goal.spread else "-"
         rows.append([goal.label, f"{goal.value:.3f}", *([spread] if over_rounds else []),
-                     f"<= {goal.goal}", verdict(goal.value, goal.goal)])
+                     f"{'>=' if goal.minimum else '<='} {goal.goal}",
+                     verdict(goal.value, goal.goal, goal.minimum)])
     return render_rows(rows, markdown=True)
 
 
 def goal_line(label: str, value: float | None, goal: float, width: int,
-              spread: tuple[float, float] | None = None) -> str:
-    """A ratio's line: `label` padded to `width`, its value, its goal and the
-    verdict, then the spread over rounds if given; n/a when a run it needs is
-    missing (`value` None)."""
+              spread: tuple[float, float] | None = None, minimum: bool = False) -> str:
+    """A ratio's line: `label` padded to `width`, its value, its goal (at most
+    `goal`; at least, with `minimum`) and the verdict, then the spread over
+    rounds if given; n/a when a run it needs is missing (`value` None)."""
     if value is None:
         return f"  {label:<{width}} n/a (missing run)"
-    line = f"  {label:<{width}} {value:6.3f}   goal <= {goal:<5} {verdict(value, goal)}"
+    line = (f"  {label:<{width}} {value:6.3f}   goal {'>=' if minimum else '<='} {goal:<5} "
+            f"{verdict(value, goal, minimum)}")
     return line if spread is None else f"{line:<{width + 32}} ({spread[0]:.3f}-{spread[1]:.3f})"
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from benchmark_scripts import forked_workers, worker_figures  # noqa: F401 (a fixture)
 import bench_generate
+from bench_generate import decode_step_bytes
 
 TINY = ["--prompt", "6", "--new-tokens", "2", "--repeats", "1", "--hidden", "32", "--heads", "4",
         "--kv-heads", "2", "--intermediate", "64", "--vocab", "64"]
@@ -30,6 +31,20 @@ def test_the_modes_give_the_same_tokens_and_ours_compile_one_decoding_step(scena
     for mode in ("stack_layers+tx-generate", "tx-generate"):
         assert figures[mode]["prefill_ms"] > 0 and isinstance(figures[mode]["token_ms"], float)
     assert "token_ms" not in figures["hf-generate"]
+    # The memory limit of the decode, for our modes only: the reads of a step
+    # at these sizes are the model's bytes (decode_step_bytes), bandwidth any.
+    for mode in ("stack_layers+tx-generate", "tx-generate"):
+        f = figures[mode]
+        assert f["step_read_mib"] == pytest.approx(
+            decode_step_bytes(tiny_model(layers=2), batch=1, cache_positions=6 + 2 / 2) / 2**20)
+        assert f["bandwidth_gbs"] > 0
+        assert f["roofline_ms"] == pytest.approx(
+            f["step_read_mib"] * 2**20 / (f["bandwidth_gbs"] * 1e9) * 1e3)
+        if f["token_ms"] > 0:  # a difference of two timings: see below
+            assert f["limit_fraction"] == pytest.approx(f["roofline_ms"] / f["token_ms"])
+        else:
+            assert f["limit_fraction"] is None
+    assert "roofline_ms" not in figures["hf-generate"]
 
 
 def test_generate_with_the_default_cache_gives_the_same_tokens_compiling_no_more_graphs(
@@ -55,8 +70,36 @@ def test_the_tables_ratios_over_rounds_and_token_check_are_printed(forked_worker
     assert re.search(r"ms/token stack_layers\+tx-generate/tx-generate at L=2 +-?[\d.]+ .*"
                      r"\(-?[\d.]+--?[\d.]+\)", printed), printed
     assert "first call stack_layers+hf-generate/hf-generate at L=2" in printed
+    assert re.search(r"roofline ms/token +of limit", printed), printed
+    assert re.search(r"of limit stack_layers\+tx-generate at L=2 \(aim 0\.8\) +"
+                     r"(n/a|[\d.]+ +goal >= 0\.5 )", printed), printed
     assert "n/a (missing run)" in printed
     assert "Tokens: every mode gave the same tokens" in printed
+
+
+def tiny_model(layers: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2))
+
+
+def test_a_decoding_steps_reads_are_the_weights_and_the_filled_cache():
+    import torch_xla_ext as tx
+
+    per_layer = (32 * 32 + 2 * 32 * 8 * 2 + 32 * 32  # q, k and v (2 heads of 8), o
+                 + 3 * 32 * 64 + 2 * 32)              # gate, up, down, two norms
+    weights = 4 * (3 * per_layer + 2 * 64 * 32 + 32)  # float32; embeddings, lm_head, norm
+    # At each of 5.5 positions, for each of 2 rows, the keys and values of the
+    # 2 heads of 8 in each of the 3 layers.
+    cache = 4 * 5.5 * 2 * 3 * 2 * 2 * 8
+    model = tiny_model(layers=3)
+    assert decode_step_bytes(model, batch=2, cache_positions=5.5) == weights + cache
+    tx.stack_layers(model)  # the same weights, stacked
+    assert decode_step_bytes(model, batch=2, cache_positions=5.5) == weights + cache
 
 
 def test_too_few_new_tokens_are_refused(capsys):

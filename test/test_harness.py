@@ -211,6 +211,16 @@ def test_ratio_lines_against_their_goals():
         "  scan/loop    n/a (missing run)")
 
 
+def test_goal_lines_of_at_least_a_value():
+    assert harness.verdict(0.5, 0.5, minimum=True) == "ok"
+    assert harness.verdict(0.4, 0.5, minimum=True) == "MISSED"
+    assert harness.goal_line("of limit", 0.8, 0.5, width=12, minimum=True) == (
+        "  of limit      0.800   goal >= 0.5   ok")
+    assert harness.goal_line("of limit", 0.3, 0.5, width=12, spread=(0.2, 0.4),
+                             minimum=True) == (
+        "  of limit      0.300   goal >= 0.5   MISSED (0.200-0.400)")
+
+
 def test_workers_are_given_the_parents_options():
     args = argparse.Namespace(steps=5, kv_heads=2, intermediate=None)
     assert harness.passed_on(args, ("steps", "kv_heads", "intermediate")) == [
