@@ -741,3 +741,17 @@ def test_an_opaque_per_layer_value_abandons_the_trace_when_used():
         with pytest.raises(PerLayerAttributeRead):
             use()
     assert reads == {"layer_idx"}
+
+
+def test_a_stack_on_the_cpu_runs_its_layers_one_by_one_saying_why():
+    # The scan is an XLA loop: on another device the stack is its for loop.
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    stack, x = LayerStack(copy.deepcopy(layers)), torch.randn(2, 8)
+    with pytest.warns(LayerByLayerWarning, match="the layers run on cpu, and the scan is an XLA "
+                                                 "loop"):
+        out = stack(x)
+    expected = x
+    for layer in layers:
+        expected = layer(expected)
+    close(out, expected, THROUGH_LAYERS)
