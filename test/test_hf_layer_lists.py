@@ -72,6 +72,39 @@ MULTIMODAL = {
 }
 
 
+def trained(model, device, **inputs) -> tuple:
+    """The loss of one training step of `model` on `device` (its gradients
+    left on the host), the While loops in its graph, and the
+    LayerByLayerWarnings it gave."""
+    model.to(device).train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(**inputs).loss
+    loss.backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
+    torch_xla.sync()
+    model.cpu()  # the gradients too: compared on the host, without a graph per slice
+    return (loss.cpu(), hlo.count(" while("),
+            [str(each.message) for each in caught if each.category is LayerByLayerWarning])
+
+
+def check_training_matches(reference, model, inputs: dict, device, scans: int) -> None:
+    """One training step of the stacked `model` has the loss and gradients of
+    the unconverted `reference`, with `scans` more While loops and no list
+    run layer by layer."""
+    expected, loops_before, _ = trained(reference, device, **inputs)
+    actual, loops_after, one_by_one = trained(model, device, **inputs)
+    close(actual, expected, TRAINING)
+    assert loops_after == loops_before + scans
+    assert not one_by_one
+    expected_grads, grads = per_layer_grads(reference), per_layer_grads(model)
+    for name, grad in grads.items():
+        # A layer whose output nothing reads (LLaVA's last vision layer) has no
+        # gradient unconverted, and zeros in the stacked one.
+        close(grad, expected_grads.get(name, torch.zeros_like(grad)), TRAINING)
+    assert expected_grads.keys() <= grads.keys()
+
+
 @supports("training", ("gemma3", "llava"))
 @pytest.mark.parametrize("family", MULTIMODAL)
 def test_image_and_text_training_matches_the_unconverted_model(device, family):
@@ -82,32 +115,79 @@ def test_image_and_text_training_matches_the_unconverted_model(device, family):
         assert type(stack) is StackedLayers and len(stack) == 2
     # Per-layer names, as before the conversion.
     assert model.state_dict().keys() == reference.state_dict().keys()
-
     ids, pixels = image_and_text(device)
+    check_training_matches(reference, model, dict(input_ids=ids, pixel_values=pixels, labels=ids),
+                           device, scans=2)
+    assert any(name.startswith(VISION_LAYERS) for name in per_layer_grads(reference))
+
+
+NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+ENCODER_DECODER = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                       decoder_ffn_dim=64, **NO_DROPOUT)
+
+
+def bart(**options):
+    """BartForConditionalGeneration, whose encoder's and decoder's loops each
+    skip layers at random while training if their LayerDrop is above 0."""
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        **{**ENCODER_DECODER, **options}, max_position_embeddings=32))
+
+
+def whisper():
+    """WhisperForConditionalGeneration: a convolution stem, then the encoder
+    layers, and decoder layers with cross-attention."""
+    torch.manual_seed(0)
+    return transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        **ENCODER_DECODER, num_mel_bins=8, max_source_positions=8, max_target_positions=16,
+        decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+ENCODER_DECODER_LAYERS = {"bart": ("model.encoder.layers", "model.decoder.layers"),
+                          "whisper": ("model.encoder.layers", "model.decoder.layers")}
+
+
+@supports("training", ("bart", "whisper"))
+@pytest.mark.parametrize("family", ENCODER_DECODER_LAYERS)
+def test_encoder_and_decoder_train_as_a_scan_each(device, family):
+    reference = {"bart": bart, "whisper": whisper}[family]()
+    model = stack_layers(copy.deepcopy(reference))
+    for path in ENCODER_DECODER_LAYERS[family]:
+        assert type(model.get_submodule(path)) is StackedLayers
+    labels = torch.randint(3, VOCAB, (BATCH, TEXT_TOKENS), generator=torch.Generator().manual_seed(1))
+    if family == "bart":  # BART's decoder gets no cache while training
+        inputs = dict(input_ids=labels.to(device), labels=labels.to(device))
+    else:  # Whisper's would make one, which the decoder's layers fill one by one
+        features = torch.randn(BATCH, 8, 16, generator=torch.Generator().manual_seed(2))
+        inputs = dict(input_features=features.to(device), labels=labels.to(device),
+                      use_cache=False)
+    check_training_matches(reference, model, inputs, device, scans=2)
+
+
+def test_layerdrop_runs_the_layers_one_by_one_while_training_and_as_a_scan_otherwise(device):
+    reference = bart(encoder_layerdrop=0.5, decoder_layerdrop=0.5)
+    model = stack_layers(copy.deepcopy(reference))
+    ids = torch.randint(3, VOCAB, (BATCH, TEXT_TOKENS), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
     results = []
     for which in (reference, model):
-        which.to(device).train()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loss = which(input_ids=ids, pixel_values=pixels, labels=ids).loss
-        loss.backward()
-        hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
-        torch_xla.sync()
-        which.cpu()  # the gradients too: compared on the host, without a graph per slice
-        results.append((loss.cpu(), hlo.count(" while("),
-                        [str(each.message) for each in caught
-                         if each.category is LayerByLayerWarning]))
-    (expected, loops_before, _), (actual, loops_after, one_by_one) = results
+        torch.manual_seed(3)  # the same layers dropped
+        results.append(trained(which, device, input_ids=ids, labels=ids))
+    (expected, loops, _), (actual, same_loops, one_by_one) = results
     close(actual, expected, TRAINING)
-    assert loops_after == loops_before + 2
-    assert not one_by_one
-    expected_grads, grads = per_layer_grads(reference), per_layer_grads(model)
-    assert any(name.startswith(VISION_LAYERS) for name in expected_grads)
-    for name, grad in grads.items():
-        # A layer whose output nothing reads (LLaVA's last vision layer) has no
-        # gradient unconverted, and zeros in the stacked one.
-        close(grad, expected_grads.get(name, torch.zeros_like(grad)), TRAINING)
-    assert expected_grads.keys() <= grads.keys()
+    assert same_loops == loops
+    assert len(one_by_one) == 2 and all(
+        "under `if self.training and self.layerdrop > 0.0:`" in each
+        and "LayerDrop while training skips layers at random" in each for each in one_by_one)
+    # In evaluation no layer is dropped: the loops are scans.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        model.to(device).eval()
+        logits = model(input_ids=ids, use_cache=False).logits
+        assert torch_xla._XLAC._get_xla_tensors_hlo([logits]).count(" while(") == 2
+        close(logits, reference.to(device).eval()(input_ids=ids, use_cache=False).logits,
+              TRAINING)
 
 
 @supports("generate", ("gemma3", "llava"))
@@ -201,20 +281,16 @@ def test_a_loop_with_work_between_layers_leaves_its_list_as_it_was(device):
 
 
 def test_a_model_whose_every_list_cannot_be_stacked_is_refused():
-    # BART's encoder and decoder loops drop layers at random (LayerDrop) between two layers.
-    config = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2,
-                                     decoder_layers=2, encoder_attention_heads=4,
-                                     decoder_attention_heads=4, encoder_ffn_dim=64,
-                                     decoder_ffn_dim=64, max_position_embeddings=32)
-    model = transformers.BartForConditionalGeneration(config)
+    model = llava()
+    for path in (VISION_LAYERS, TEXT_LAYERS):
+        model.get_submodule(path)[1].mlp.register_forward_hook(lambda *args: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnstackedLayersWarning)
-        with pytest.raises(ValueError, match=r"cannot stack the layers at 'model\.encoder\.layers"
-                                             r"': BartEncoder\.forward does more between two "
-                                             r"layers"):
+        with pytest.raises(ValueError, match=rf"cannot stack the layers at '{VISION_LAYERS}': "
+                                             rf"{VISION_LAYERS}\.1\.mlp has a hook"):
             stack_layers(model)
-    assert type(model.model.encoder.layers) is nn.ModuleList
-    assert type(model.model.decoder.layers) is nn.ModuleList
+    for path in (VISION_LAYERS, TEXT_LAYERS):
+        assert type(model.get_submodule(path)) is nn.ModuleList
 
 
 def test_a_list_whose_layers_are_not_alike_is_refused_and_the_model_is_unchanged():

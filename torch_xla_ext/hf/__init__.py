@@ -120,7 +120,9 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     (`every_n_layers`), a forward that neither loops
     over `self.layers[...]` nor iterates over `self.layers` calling each layer
     on the hidden state alone (after lookups such as Exaone4's `layer_type =
-    self.config.layer_types[i]`, which call nothing), and calls with
+    self.config.layer_types[i]`, which call nothing; a statement under a
+    test of the owner's settings, BART's LayerDrop, makes the layers run one by
+    one, with a LayerByLayerWarning, while the test holds), and calls with
     `output_hidden_states` or `output_attentions` to a model that collects
     them in its own loop. Both stacks give them from their scans:
     `stack_layers` installs transformers' output-capturing hooks on the
@@ -172,7 +174,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     for each, stack in stacks:
         setattr(each.owner, each.name, stack)
         if each.iterated:
-            hook_forward_loop(each.owner, each.name)
+            hook_forward_loop(each.owner, each.name, each.guards)
     return model
 
 

@@ -22,7 +22,7 @@ import textwrap
 
 from torch import nn
 
-from torch_xla_ext.hf.stacks import STACKS, StackedLayerKinds, StackedLayers
+from torch_xla_ext.hf.stacks import STACKS, LoopGuard, StackedLayerKinds, StackedLayers
 
 
 # transformers' own output-capturing hooks, which a StackedLayers replays after its scan.
@@ -54,6 +54,7 @@ class LayerList:
     config: object
     kinds: list | None  # config.layer_types, when they are not all the same
     iterated: bool  # the owner's forward iterates over the list (see layer_loop)
+    guards: tuple[LoopGuard, ...]  # of that loop (see layer_loop)
     recorder: nn.Module | None  # see output_recorder
 
 
@@ -94,7 +95,7 @@ def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
     parent_path, _, name = path.rpartition(".")
     owner = model.get_submodule(parent_path)
     config = getattr(owner, "config", getattr(model, "config", None))
-    iterated, reason = layer_loop(owner, name, path)
+    iterated, guards, reason = layer_loop(owner, name, path)
     reason = (reason or _kinds_reason(config, len(layers))
               or next(filter(None, (hooks_reason(layer, f"{path}.{index}")
                                     for index, layer in enumerate(layers))), None)
@@ -102,7 +103,7 @@ def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
     if reason is not None:
         return Unstackable(path, reason)
     return LayerList(path, owner, name, layers, config, mixed_layer_types(config, len(layers)),
-                     iterated, output_recorder(model, path))
+                     iterated, guards, output_recorder(model, path))
 
 
 def _one_class_among(layers: nn.Module, class_names: set) -> bool:
@@ -114,14 +115,17 @@ def _one_class_among(layers: nn.Module, class_names: set) -> bool:
     return len(classes) == 1 and next(iter(classes)).__name__ in class_names
 
 
-def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[bool, str | None]:
+def layer_loop(owner: nn.Module, name: str, path: str
+               ) -> tuple[bool, tuple[LoopGuard, ...], str | None]:
     """How the owner's forward calls the layers, and why a scan cannot stand
     for its loop (None if it can). How: False when it takes them as a slice
     (`for layer in self.layers[: n]`), which yields the stack itself; True
     when it iterates over them (`for block in self.h`, `enumerate(self.h)`)
     with a loop body that only calls the layer on the hidden state, so that
-    `stack_layers` installs the owner's `stacks.ForwardLoop` hooks. Why not:
-    no such loop, or the line of a loop that does more between the layers."""
+    `stack_layers` installs the owner's `stacks.ForwardLoop` hooks; and the
+    loop's guards, statements that do more only while a test of the owner's
+    settings holds (`_is_guard`: LayerDrop). Why not: no such loop, or the
+    line of a loop that does more between the layers."""
     forward = inspect.unwrap(type(owner).forward)
     try:
         lines, first_line = inspect.getsourcelines(forward)
@@ -129,33 +133,74 @@ def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[bool, str | None
         lines, first_line = [], 0
     source = textwrap.dedent("".join(lines))
     if re.search(rf"self\.{re.escape(name)}\s*\[", source):
-        return False, None
+        return False, (), None
     where = type(owner).__qualname__ + ".forward"
     loop = next((node for node in ast.walk(ast.parse(source)) if source and
                  isinstance(node, ast.For) and _iterates_over(node.iter, name)), None)
     if loop is None:
-        return False, (
+        return False, (), (
             f"{where} neither loops over a slice `self.{name}[...]` nor over "
             f"`self.{name}` itself (or its source is not available), so it would call the "
             f"layers at {path!r} one by one, not as one scan. stack_layers takes over loops of "
             f"the form `for layer in self.{name}[: n]` or `for layer in self.{name}`; for "
             f"other models, call a torch_xla_ext.LayerStack from your own forward")
     layer = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) else loop.target
-    body = loop.body
+    guards = [each for each in loop.body if _is_guard(each)]
+    body = [_unless_flag_set(each, loop.body, guards) for each in loop.body if each not in guards]
     calls = [each for each in body if _only_calls_the_layer(each, layer)]
     extra = [each for each in body if len(calls) != 1
              or not (each is calls[0] or _only_looks_up(each, calls[0]))]
-    if extra:
-        statement = extra[0]
+
+    def located(statement: ast.stmt) -> tuple[str, str]:
         line = first_line + statement.lineno - 1
-        text = source.splitlines()[statement.lineno - 1].strip()
-        return False, (
+        return f"{forward.__code__.co_filename}:{line}", source.splitlines()[statement.lineno - 1].strip()
+
+    if extra:
+        line, text = located(extra[0])
+        return False, (), (
             f"{where} does more between two layers than call the next one on "
-            f"the hidden state ({forward.__code__.co_filename}:{line}: `{text}`); one scan "
+            f"the hidden state ({line}: `{text}`); one scan "
             f"runs all the layers at once, so that work would not run between them. Move it "
             f"before or after the loop, or call a torch_xla_ext.LayerStack from your own "
             f"forward")
-    return True, None
+    return True, tuple(LoopGuard(where, *located(each), ast.unparse(each.test))
+                       for each in guards), None
+
+
+def _is_guard(statement: ast.stmt) -> bool:
+    """`if <test of the owner's settings>: ...` (BART's LayerDrop: `if
+    self.training and self.layerdrop > 0.0:` draws whether to skip the
+    layer): while its test is false, it does nothing, whatever its body; while
+    it is true, the layers run one by one (`LoopGuard`)."""
+    return (isinstance(statement, ast.If) and not statement.orelse
+            and _reads_settings_only(statement.test))
+
+
+def _reads_settings_only(test: ast.expr) -> bool:
+    """An expression of `self`'s attributes and constants (no calls), which
+    `LoopGuard` evaluates on the owner."""
+    allowed = (ast.BoolOp, ast.boolop, ast.Compare, ast.cmpop, ast.UnaryOp, ast.unaryop,
+               ast.Attribute, ast.Constant, ast.Load)
+    return all(isinstance(node, allowed) or (isinstance(node, ast.Name) and node.id == "self")
+               for node in ast.walk(test))
+
+
+def _unless_flag_set(statement: ast.stmt, body: list, guards: list) -> ast.stmt:
+    """The statement under `if not flag:` when the loop sets `flag = False` and
+    changes it only under a guard (BART's encoder: `to_drop = False`, then `if
+    not to_drop: hidden_states = layer(...)`): while the guards' tests are
+    false, it always runs. Else the statement itself."""
+    if not (isinstance(statement, ast.If) and not statement.orelse and len(statement.body) == 1
+            and isinstance(statement.test, ast.UnaryOp) and isinstance(statement.test.op, ast.Not)
+            and isinstance(statement.test.operand, ast.Name)):
+        return statement
+    flag = statement.test.operand.id
+    settings = [each for each in body if each not in guards and any(
+        isinstance(node, ast.Name) and node.id == flag and isinstance(node.ctx, ast.Store)
+        for node in ast.walk(each))]
+    cleared = (len(settings) == 1 and isinstance(settings[0], ast.Assign)
+               and isinstance(settings[0].value, ast.Constant) and settings[0].value.value is False)
+    return statement.body[0] if cleared else statement
 
 
 def _iterates_over(iterable: ast.expr, name: str) -> bool:

@@ -25,7 +25,7 @@ from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
 from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.running import (
-    Layers, Unscannable, run, run_layer_by_layer, run_recording)
+    Layers, Unscannable, run, run_layer_by_layer, run_recording, warn_layer_by_layer)
 
 
 # Output flags of transformers models that collect something from every layer
@@ -173,8 +173,12 @@ class StackedLayers(LayerStack):
         return tuple(templates)
 
     def __iter__(self):
-        if _LOOPING.iterating(self):  # the owner's forward iterates over the layers
+        loop = _LOOPING.over(self)
+        if loop is None:  # user code, peft, ...: the layers as modules
+            return super().__iter__()
+        if loop.guarded is None:  # the owner's forward iterates over the layers
             return iter(self._layer_calls())
+        warn_layer_by_layer(len(self), loop.guarded, stacklevel=3)
         return super().__iter__()
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -289,15 +293,45 @@ def _scan_with_cache(plan: CachePlan, layers: Layers, hidden, kwargs: dict):
 STACKS = (StackedLayers, StackedLayerKinds)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopGuard:
+    """A statement of an owner's loop over its layers that does something
+    only while `test`, an expression of the owner's settings, holds (BART's
+    LayerDrop: `if self.training and self.layerdrop > 0.0:`, which skips
+    layers at random): found by `inspection.layer_loop`, evaluated on the
+    owner at each forward. While it holds, the layers run one by one, as the
+    loop calls them; a scan runs every layer."""
+    where: str  # 'Owner.forward'
+    line: str  # file:line
+    text: str  # the statement's first line
+    test: str
+
+    def reason(self, owner: nn.Module) -> str | None:
+        code = compile(self.test, self.line, "eval")
+        if not eval(code, {"__builtins__": {}}, {"self": owner}):
+            return None
+        return (f"{self.where} loops over its layers under `{self.text}` ({self.line}), "
+                f"which holds, so that the loop may skip layers or do more between two (LayerDrop "
+                f"while training skips layers at random), which one scan cannot; make it false "
+                f"to run them as one scan (for LayerDrop, set the config's encoder_layerdrop and "
+                f"decoder_layerdrop to 0.0)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    forward_loop: ForwardLoop
+    stack_id: int
+    guarded: str | None  # why the layers run one by one in this forward (a guard holds)
+
+
 class _RunningLoops(threading.local):
-    """The forward loops running in this thread, innermost last: each
-    `ForwardLoop` with the id of the stack its forward iterates over."""
+    """The forward loops running in this thread, innermost last."""
 
     def __init__(self):
-        self.loops: list[tuple[ForwardLoop, int]] = []
+        self.loops: list[_Loop] = []
 
-    def iterating(self, stack: nn.Module) -> bool:
-        return any(stack_id == id(stack) for _, stack_id in self.loops)
+    def over(self, stack: nn.Module) -> _Loop | None:
+        return next((loop for loop in reversed(self.loops) if loop.stack_id == id(stack)), None)
 
 
 _LOOPING = _RunningLoops()
@@ -308,28 +342,31 @@ class ForwardLoop:
     stacked layer list `name` (`for block in self.h`, GPT-2's; see
     `inspection.layer_loop`) tells the stack so: while that forward runs,
     iterating over the stack gives the loop's callables (the first runs the
-    scan, the others hand the hidden state on); anywhere else (user code,
-    peft, ...), the layers as modules."""
+    scan, the others hand the hidden state on), or, while one of the loop's
+    `guards` holds, the layers as modules; anywhere else (user code, peft,
+    ...), the layers as modules."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, guards: tuple[LoopGuard, ...]):
         self.name = name
+        self.guards = guards
 
     def entered(self, owner: nn.Module, args) -> None:
-        _LOOPING.loops.append((self, id(owner._modules.get(self.name))))
+        guarded = next(filter(None, (guard.reason(owner) for guard in self.guards)), None)
+        _LOOPING.loops.append(_Loop(self, id(owner._modules.get(self.name)), guarded))
 
     def left(self, owner: nn.Module, args, output) -> None:
         # Its last entry: `entered` may not have run (an earlier pre-hook raised).
         for index in range(len(_LOOPING.loops) - 1, -1, -1):
-            if _LOOPING.loops[index][0] is self:
+            if _LOOPING.loops[index].forward_loop is self:
                 del _LOOPING.loops[index]
                 return
 
 
-def hook_forward_loop(owner: nn.Module, name: str) -> None:
+def hook_forward_loop(owner: nn.Module, name: str, guards: tuple[LoopGuard, ...]) -> None:
     """Installs `ForwardLoop`'s hooks on `owner` for its layer list `name`
     (the `left` one runs even if the forward raises), in place of any it has."""
     unhook_forward_loop(owner, name)
-    loop = ForwardLoop(name)
+    loop = ForwardLoop(name, guards)
     owner.register_forward_pre_hook(loop.entered)
     owner.register_forward_hook(loop.left, always_call=True)
 

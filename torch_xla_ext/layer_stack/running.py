@@ -149,12 +149,17 @@ def run_layer_by_layer(layer_at: Callable[[int], nn.Module], num_layers: int, hi
                        args: tuple, kwargs: dict, drop_in: bool, reason: str):
     """The for loop that a stack stands for, with a LayerByLayerWarning giving
     `reason`; each layer gets its variant of each PerLayerChoice argument."""
-    warnings.warn(f"The {num_layers} layers ran one by one, as the for loop does, instead "
-                  f"of as one scan: {reason}.", LayerByLayerWarning, stacklevel=3)
+    warn_layer_by_layer(num_layers, reason, stacklevel=4)
     for index in range(num_layers):
         hidden = _next_hidden(layer_at(index), hidden, *call_for_layer(args, kwargs, index),
                               drop_in)
     return hidden
+
+
+def warn_layer_by_layer(num_layers: int, reason: str, stacklevel: int) -> None:
+    """The LayerByLayerWarning of a call whose layers run one by one."""
+    warnings.warn(f"The {num_layers} layers ran one by one, as the for loop does, instead "
+                  f"of as one scan: {reason}.", LayerByLayerWarning, stacklevel=stacklevel)
 
 
 class Unscannable(Exception):
