@@ -293,11 +293,19 @@ def test_a_model_whose_every_list_cannot_be_stacked_is_refused():
         assert type(model.get_submodule(path)) is nn.ModuleList
 
 
-def test_a_list_whose_layers_are_not_alike_is_refused_and_the_model_is_unchanged():
+def test_a_list_whose_layers_are_not_alike_stays_with_a_warning_and_the_others_are_stacked():
     model = gemma3()
     model.get_submodule(VISION_LAYERS)[1].layer_norm1.eps = 1e-3
-    with pytest.raises(ValueError, match=rf"cannot stack the layers at '{VISION_LAYERS}': "
-                                         rf"[Ll]ayer 1 setting 'layer_norm1\.eps'"):
+    with pytest.warns(UnstackedLayersWarning, match=rf"cannot stack the layers at "
+                                                    rf"'{VISION_LAYERS}': [Ll]ayer 1 setting "
+                                                    rf"'layer_norm1\.eps'.*they stay as they were"):
         stack_layers(model)
     assert type(model.get_submodule(VISION_LAYERS)) is nn.ModuleList
-    assert type(model.get_submodule(TEXT_LAYERS)) is nn.ModuleList
+    assert type(model.get_submodule(TEXT_LAYERS)) is StackedLayers
+    # Named by its path, the list is refused and the model is unchanged.
+    model = gemma3()
+    model.get_submodule(VISION_LAYERS)[1].layer_norm1.eps = 1e-3
+    with pytest.raises(ValueError, match=rf"[Ll]ayer 1 setting 'layer_norm1\.eps'.*the model "
+                                         rf"is unchanged"):
+        stack_layers(model, path=VISION_LAYERS)
+    assert type(model.get_submodule(VISION_LAYERS)) is nn.ModuleList

@@ -38,6 +38,7 @@ from torch_xla_ext.hf.inspection import (
 from torch_xla_ext.hf.stacks import (
     STACKS, StackedLayerKinds, StackedLayers, hook_forward_loop, unhook_forward_loop)
 from torch_xla_ext.layer_stack.kinds import compare_kinds
+from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 
 __all__ = ["StackedLayerKinds", "StackedLayers", "UnstackedLayersWarning", "stack_layers",
            "unstack_layers"]
@@ -144,9 +145,9 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         class the model names in `_no_split_modules` (a multimodal model's
         vision encoder layers and language model layers, each its own scan);
         one that cannot be stacked (its forward's loop, hooks, checkpointing
-        on some layers) stays as it was, with an `UnstackedLayersWarning`
-        saying which and why, unless none can be (then the error says why);
-        layers of a list that are not alike raise, as with a path. A call
+        on some layers, layers of one kind not alike) stays as it was, with an
+        `UnstackedLayersWarning` saying which and why, unless none can be
+        (then the error says why). A call
         that selects hidden states by index (`output_hidden_states=-2`, what
         LLaVA asks of its vision tower) gets them: the last layer's output from the scan, another
         layer's by running the layers one by one, with a LayerByLayerWarning.
@@ -160,7 +161,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
     adapters.teach_peft()
     fsdp.teach_class_lookup()
-    found = [layer_list(model, each) for each in
+    per_layer = options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES)
+    found = [layer_list(model, each, per_layer) for each in
              (layer_list_paths(model) if path is None else [path])]
     for unstackable in (each for each in found if isinstance(each, Unstackable)):
         message = (f"stack_layers: cannot stack the layers at {unstackable.path!r}: "

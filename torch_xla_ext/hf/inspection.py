@@ -19,10 +19,12 @@ import dataclasses
 import inspect
 import re
 import textwrap
+from typing import Iterable
 
 from torch import nn
 
 from torch_xla_ext.hf.stacks import STACKS, LoopGuard, StackedLayerKinds, StackedLayers
+from torch_xla_ext.layer_stack.alike import layers_difference
 
 
 # transformers' own output-capturing hooks, which a StackedLayers replays after its scan.
@@ -82,9 +84,11 @@ def layer_list_paths(model: nn.Module) -> list[str]:
     return found
 
 
-def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
+def layer_list(model: nn.Module, path: str, per_layer_attributes: Iterable[str]
+               ) -> LayerList | Unstackable | None:
     """The list at `path` to stack, why it cannot be stacked, or None when it
-    is stacked already."""
+    is stacked already. `per_layer_attributes`: the settings each layer keeps
+    its own of (`LayerStack`'s)."""
     layers = submodule(model, path)
     if isinstance(layers, STACKS):
         return None
@@ -102,7 +106,13 @@ def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
               or checkpointing_reason(layers, path))
     if reason is not None:
         return Unstackable(path, reason)
-    return LayerList(path, owner, name, layers, config, mixed_layer_types(config, len(layers)),
+    kinds = mixed_layer_types(config, len(layers))
+    # Layers of several kinds are compared kind by kind when they are stacked.
+    difference = None if kinds else layers_difference(list(layers), frozenset(per_layer_attributes))
+    if difference is not None:
+        error, message = difference
+        return Unstackable(path, message, error)
+    return LayerList(path, owner, name, layers, config, kinds,
                      iterated, guards, output_recorder(model, path))
 
 

@@ -172,25 +172,52 @@ def structure_difference(index: int, reference: LayerLayout, other: LayerLayout
     return None
 
 
-def _check_same_layout(index: int, reference: LayerLayout, other: LayerLayout,
-                       per_layer_attributes: frozenset[str]) -> set[str]:
-    """Raises TypeError/ValueError naming the first thing layer `index` does
-    differently; returns the settings that differ only in naming their module."""
-    difference = structure_difference(index, reference, other)
-    if difference is not None:
-        error, message = difference
-        raise error(message)
-    naming = set()
+def _setting_difference_of(index: int, reference: LayerLayout, other: LayerLayout,
+                           per_layer_attributes: frozenset[str]) -> str | None:
+    """The message naming the first setting of layer `index` whose value
+    differs from layer 0's (beyond naming its own module), or None."""
     for name, form in reference.settings.items():
         owner_path, _, attribute = name.rpartition(".")
         if attribute in per_layer_attributes:
             continue
         for difference in differences(form, other.settings[name]):
             if not names_its_module(index, owner_path, *difference[1:]):
-                raise ValueError(_setting_difference(index, name, *difference,
-                                                     per_layer_attributes))
-            naming.add(name)
-    return naming
+                return _setting_difference(index, name, *difference, per_layer_attributes)
+    return None
+
+
+def layout_difference(index: int, reference: LayerLayout, other: LayerLayout,
+                      per_layer_attributes: frozenset[str]) -> tuple[type[Exception], str] | None:
+    """What layer `index` does otherwise than layer 0, in structure or in a
+    setting's value (see `structure_difference`), or None."""
+    structure = structure_difference(index, reference, other)
+    if structure is not None:
+        return structure
+    setting = _setting_difference_of(index, reference, other, per_layer_attributes)
+    return None if setting is None else (ValueError, setting)
+
+
+def layers_difference(layers: list[nn.Module], per_layer_attributes: frozenset[str]
+                      ) -> tuple[type[Exception], str] | None:
+    """The first difference of a layer from layer 0 (see `layout_difference`),
+    or None when the layers are alike and can be stacked."""
+    return _first_difference([layout_of(layer, index) for index, layer in enumerate(layers)],
+                             per_layer_attributes)
+
+
+def _first_difference(layouts: list[LayerLayout], per_layer_attributes: frozenset[str]
+                      ) -> tuple[type[Exception], str] | None:
+    return next(filter(None, (layout_difference(index, layouts[0], other, per_layer_attributes)
+                              for index, other in enumerate(layouts[1:], start=1))), None)
+
+
+def _naming_settings(index: int, reference: LayerLayout, other: LayerLayout,
+                     per_layer_attributes: frozenset[str]) -> set[str]:
+    """The settings of layer `index` that differ from layer 0's only in naming
+    their module (peft's dotted names)."""
+    return {name for name, form in reference.settings.items()
+            if name.rpartition(".")[2] not in per_layer_attributes
+            and any(True for _ in differences(form, other.settings[name]))}
 
 
 def check_identical_layers(layers: list, per_layer_attributes: frozenset[str]
@@ -206,9 +233,12 @@ def check_identical_layers(layers: list, per_layer_attributes: frozenset[str]
                             f"pass a list or nn.ModuleList of layers.")
     layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
     reference = layouts[0]
-    naming = set()
-    for index, other in enumerate(layouts[1:], start=1):
-        naming |= _check_same_layout(index, reference, other, per_layer_attributes)
+    difference = _first_difference(layouts, per_layer_attributes)
+    if difference is not None:
+        error, message = difference
+        raise error(message)
+    naming = set().union(*(_naming_settings(index, reference, other, per_layer_attributes)
+                           for index, other in enumerate(layouts[1:], start=1)))
     per_layer_values = {
         name: tuple(each.values[name] for each in layouts)
         for name, form in reference.settings.items()
