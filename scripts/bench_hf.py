@@ -57,6 +57,8 @@ sequences of 128 tokens. The columns are those of bench_layers.py, and:
               mask preparation runs to read the position ids; the ratios count
               the compilations of the step's graph alone),
 * exec ms:    wall time of `torch_xla.sync()` + `wait_device_ops()` of a steady step,
+* exec cpu ms: the process's CPU time (all threads) over the same span: the work
+              done, which other tenants of a shared machine stretch far less,
 * peak RSS:   peak resident memory during the last steady step.
 
 Steady steps are the ones after the first two; figures are their medians. The
@@ -191,6 +193,7 @@ def run_worker(args) -> dict:
         # position ids), the same in every mode.
         "step_compiles": sum(step_compiles),
         "execute_ms": 1e3 * statistics.median(times.finish[steady]),
+        "execute_cpu_ms": 1e3 * statistics.median(times.finish_cpu[steady]),
         "peak_rss_mib": peak_rss_bytes() / 2**20,
         "peak_is_steady": times.peak_is_last_steps,
         "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
@@ -232,8 +235,9 @@ def goals(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int],
           "python_ms", 0.1)
     ratio(f"compile time stack_layers/loop at L={middle}", converted, ("loop", middle),
           "compile_s", 0.3)
-    ratio(f"execution stack_layers/loop at L={middle}", converted, ("loop", middle),
-          "execute_ms", 1.15)
+    for figure, what in (("execute_ms", "execution"), ("execute_cpu_ms", "execution CPU time")):
+        ratio(f"{what} stack_layers/loop at L={middle}", converted, ("loop", middle), figure,
+              1.15)
     for layers in sorted({middle, largest}):
         ratio(f"first step (trace+compile+run) stack_layers/loop L={layers}",
               ("stack_layers", layers), ("loop", layers), "first_step_s", 0.3)
@@ -247,8 +251,9 @@ def goals(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[int],
     with_cache = ("stack_layers+cache", middle)
     ratio(f"compile time stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
           "compile_s", 1.10)
-    ratio(f"execution stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
-          "execute_ms", 1.10)
+    for figure, what in (("execute_ms", "execution"), ("execute_cpu_ms", "execution CPU time")):
+        ratio(f"{what} stack_layers+cache/stack_layers at L={middle}", with_cache, converted,
+              figure, 1.05)
     return checked
 
 

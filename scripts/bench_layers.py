@@ -13,7 +13,10 @@ backward, SGD), then as many forward-only steps (no gradients), and report
 * compile s:  XLA compile time over all steps (metric `CompileTime`, total),
 * compiles:   number of XLA compilations over all steps,
 * exec ms:    wall time of `torch_xla.sync()` + `wait_device_ops()` of a steady step,
-* fwd ms:     the same for a steady forward-only step,
+* exec cpu ms: the process's CPU time (all threads) over the same span: the
+              work done, which other tenants of a shared machine stretch far
+              less than its wall time,
+* fwd ms, fwd cpu ms: the same for a steady forward-only step,
 * peak RSS:   peak resident memory during the last steady step (VmHWM after
               resetting it through /proc/self/clear_refs).
 
@@ -117,7 +120,9 @@ def run_worker(args) -> dict:
         "compile_s": compile_ns / 1e9,
         "compiles": compiles,
         "execute_ms": 1e3 * statistics.median(times.finish[steady]),
+        "execute_cpu_ms": 1e3 * statistics.median(times.finish_cpu[steady]),
         "forward_ms": 1e3 * statistics.median(forward_times.finish[steady]),
+        "forward_cpu_ms": 1e3 * statistics.median(forward_times.finish_cpu[steady]),
         "peak_rss_mib": peak_rss / 2**20,
         "peak_is_steady": times.peak_is_last_steps,
         "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
@@ -142,13 +147,16 @@ def print_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts: list[i
     ratio(f"python time scan L={largest}/L={smallest}", ("scan", largest), ("scan", smallest),
           "python_ms", 1.3)
     ratio(f"compile time scan/loop at L={middle}", ("scan", middle), ("loop", middle),
-          "compile_s", 0.5)
+          "compile_s", 0.3)
     ratio(f"compile time scan L={largest}/L={smallest}", ("scan", largest), ("scan", smallest),
           "compile_s", 1.3)
-    ratio(f"execution scan/loop at L={middle}", ("scan", middle), ("loop", middle),
-          "execute_ms", 1.10)
-    ratio(f"forward-only execution scan/loop at L={middle}", ("scan", middle), ("loop", middle),
-          "forward_ms", 1.05)
+    # Issue 28's goals: at or below the loop in time and memory.
+    for figure, what in (("execute_ms", "execution"), ("execute_cpu_ms", "execution CPU time"),
+                         ("forward_ms", "forward-only execution"),
+                         ("forward_cpu_ms", "forward-only CPU time")):
+        ratio(f"{what} scan/loop at L={middle}", ("scan", middle), ("loop", middle), figure, 1.00)
+    ratio(f"peak RSS scan/loop at L={middle}", ("scan", middle), ("loop", middle),
+          "peak_rss_mib", 1.00)
     print(harness.goal_table(goals, markdown))
 
 

@@ -356,6 +356,10 @@ class StepTimes:
     """Wall seconds of each step `time_steps` ran, split where its graph is built."""
     build: list[float]   # from the step's start until `build` returned
     finish: list[float]  # from then until `finish` returned
+    # The process's CPU seconds (all its threads) over `finish`: the work the
+    # device's execution did, which the machine's other tenants do not stretch
+    # as they stretch wall time (CPU backend).
+    finish_cpu: list[float]
     peak_is_last_steps: bool  # peak RSS restarted before the last step (reset_peak_rss)
     last_built: Any      # what the last step's `build` returned (its loss, say)
 
@@ -375,7 +379,7 @@ def time_steps(steps: int, build: Callable[[], Any], finish: Callable[[], Any],
     """
     from torch_xla_ext.metrics import reset_peak_rss
 
-    build_seconds, finish_seconds = [], []
+    build_seconds, finish_seconds, finish_cpu_seconds = [], [], []
     peak_is_last_steps = False
     built = None
     for step in range(steps):
@@ -384,11 +388,12 @@ def time_steps(steps: int, build: Callable[[], Any], finish: Callable[[], Any],
             peak_is_last_steps = reset_peak_rss()
         started = time.perf_counter()
         built = build()
-        built_at = time.perf_counter()
+        built_at, cpu_at = time.perf_counter(), time.process_time()
         finish()
         build_seconds.append(built_at - started)
         finish_seconds.append(time.perf_counter() - built_at)
-    return StepTimes(build_seconds, finish_seconds, peak_is_last_steps, built)
+        finish_cpu_seconds.append(time.process_time() - cpu_at)
+    return StepTimes(build_seconds, finish_seconds, finish_cpu_seconds, peak_is_last_steps, built)
 
 
 # ---------------------------------------------------------------- ratios and tables
@@ -492,7 +497,8 @@ def print_runs_table(outcomes: Mapping[tuple[str, int], Outcome],
 def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome], markdown: bool = False) -> None:
     """A line per (mode, L) (a markdown table with `markdown`): its figures
     (first_step_s where measured, python_ms, compile_s, compiles, execute_ms,
-    forward_ms where measured, peak_rss_mib, param_mib), or the status of a run
+    execute_cpu_ms, forward_ms and forward_cpu_ms where measured, peak_rss_mib,
+    param_mib), or the status of a run
     that gave none."""
     forward = any(o.figures and "forward_ms" in o.figures for o in outcomes.values())
     first_step = any(o.figures and "first_step_s" in o.figures for o in outcomes.values())
@@ -502,7 +508,9 @@ def print_layer_table(outcomes: Mapping[tuple[str, int], Outcome], markdown: boo
         ("compile s", lambda r: f"{r['compile_s']:.2f}"),
         ("compiles", lambda r: str(r["compiles"])),
         ("exec ms", lambda r: f"{r['execute_ms']:.1f}"),
-        *([("fwd ms", lambda r: f"{r['forward_ms']:.1f}")] if forward else []),
+        ("exec cpu ms", lambda r: f"{r['execute_cpu_ms']:.1f}"),
+        *([("fwd ms", lambda r: f"{r['forward_ms']:.1f}"),
+           ("fwd cpu ms", lambda r: f"{r['forward_cpu_ms']:.1f}")] if forward else []),
         ("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:.0f}"),
         ("params MiB", lambda r: f"{r['param_mib']:.1f}"
                                  + ("" if r["peak_is_steady"] else " (lifetime peak)")),

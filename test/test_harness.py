@@ -157,7 +157,8 @@ def test_bench_layers_reports_each_timed_out_run_and_goes_on(capsys):
     assert "  loop L=1: timed out after 0.5 s; the end of its output:" in lines
     rule = next(index for index, line in enumerate(lines) if set(line) == {"-"})
     assert lines[rule - 1].split() == ["mode", "L", "python", "ms", "compile", "s", "compiles",
-                                       "exec", "ms", "peak", "RSS", "MiB", "params", "MiB"]
+                                       "exec", "ms", "exec", "cpu", "ms", "peak", "RSS", "MiB",
+                                       "params", "MiB"]
     assert lines[rule + 1:rule + 3] == ["loop  1  timed out after 0.5 s",
                                         "loop  2  timed out after 0.5 s"]
 
@@ -167,12 +168,12 @@ def test_bench_layers_prints_markdown_tables_with_markdown(capsys):
         bench_layers.main(["--layers", "1", "--modes", "loop,scan", "--steps", "3",
                            "--timeout", "0.5", "--markdown"])
     lines = capsys.readouterr().out.splitlines()
-    header = lines.index("| mode | L | python ms | compile s | compiles | exec ms | peak RSS MiB "
-                         "| params MiB |")
+    header = lines.index("| mode | L | python ms | compile s | compiles | exec ms | exec cpu ms "
+                         "| peak RSS MiB | params MiB |")
     assert lines[header + 1:header + 4] == [
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        "| loop | 1 | timed out after 0.5 s |  |  |  |  |  |",
-        "| scan | 1 | timed out after 0.5 s |  |  |  |  |  |"]
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| loop | 1 | timed out after 0.5 s |  |  |  |  |  |  |",
+        "| scan | 1 | timed out after 0.5 s |  |  |  |  |  |  |"]
     ratios = lines.index("| ratio | value | goal | verdict |")
     assert lines[ratios + 1] == "|---|---:|---:|---:|"
     assert lines[ratios + 2] == "| python time scan/loop at L=1 | n/a (missing run) |  |  |"
@@ -182,6 +183,8 @@ def test_time_steps_times_build_and_finish_apart_after_an_untimed_prepare(monkey
     calls = []
     monkeypatch.setattr(metrics, "reset_peak_rss", lambda: calls.append("reset") or True)
     monkeypatch.setattr(harness.time, "perf_counter", lambda: len(calls))
+    # CPU time: 10 s per finish.
+    monkeypatch.setattr(harness.time, "process_time", lambda: 10 * calls.count("finish"))
 
     def build():
         calls.extend(["build"] * 2)
@@ -194,6 +197,7 @@ def test_time_steps_times_build_and_finish_apart_after_an_untimed_prepare(monkey
                      "prepare 1", "build", "build", "finish",
                      "prepare 2", "reset", "build", "build", "finish"]
     assert times.build == [2, 2, 2] and times.finish == [1, 1, 1]
+    assert times.finish_cpu == [10, 10, 10]
     assert times.total == [3, 3, 3]
     assert times.peak_is_last_steps and times.last_built == 12
 
