@@ -16,6 +16,7 @@ from test_hf import device, per_layer_grads, seeded_generate  # noqa: F401 (a fi
 from tolerances import TRAINING, close
 from torch_xla_ext.hf import (StackedLayers, UnstackedLayersWarning, stack_layers,
                               unstack_layers)
+from torch_xla_ext.hf.cache_plan import CACHE_REASON
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
 VOCAB, TEXT_TOKENS, BATCH = 128, 6, 2
@@ -148,7 +149,12 @@ ENCODER_DECODER_LAYERS = {"bart": ("model.encoder.layers", "model.decoder.layers
                           "whisper": ("model.encoder.layers", "model.decoder.layers")}
 
 
+def audio_features(device) -> torch.Tensor:
+    return torch.randn(BATCH, 8, 16, generator=torch.Generator().manual_seed(2)).to(device)
+
+
 @supports("training", ("bart", "whisper"))
+@supports("default cache", "whisper")
 @pytest.mark.parametrize("family", ENCODER_DECODER_LAYERS)
 def test_encoder_and_decoder_train_as_a_scan_each(device, family):
     reference = {"bart": bart, "whisper": whisper}[family]()
@@ -158,11 +164,29 @@ def test_encoder_and_decoder_train_as_a_scan_each(device, family):
     labels = torch.randint(3, VOCAB, (BATCH, TEXT_TOKENS), generator=torch.Generator().manual_seed(1))
     if family == "bart":  # BART's decoder gets no cache while training
         inputs = dict(input_ids=labels.to(device), labels=labels.to(device))
-    else:  # Whisper's would make one, which the decoder's layers fill one by one
-        features = torch.randn(BATCH, 8, 16, generator=torch.Generator().manual_seed(2))
-        inputs = dict(input_features=features.to(device), labels=labels.to(device),
-                      use_cache=False)
+    else:  # Whisper's makes an empty encoder-decoder cache, which the scan fills
+        inputs = dict(input_features=audio_features(device), labels=labels.to(device))
     check_training_matches(reference, model, inputs, device, scans=2)
+
+
+@supports("generate", "whisper")
+def test_encoder_decoder_generation_matches_the_unconverted_model(device):
+    reference = whisper()
+    model = stack_layers(copy.deepcopy(reference))
+    features = audio_features(device)
+    results = []
+    for which in (reference, model):
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            tokens = which.to(device).eval().generate(input_features=features, do_sample=False,
+                                                      max_new_tokens=3, min_new_tokens=3)
+        results.append((tokens.cpu().tolist(), [str(each.message) for each in caught
+                                                if each.category is LayerByLayerWarning]))
+    (expected, _), (tokens, one_by_one) = results
+    assert tokens == expected
+    # The encoder and the prefill (the empty cache) are scans; the two decoding
+    # steps, with a cache that holds tokens, run their layers one by one.
+    assert len(one_by_one) == 2 and all(CACHE_REASON in each for each in one_by_one)
 
 
 def test_layerdrop_runs_the_layers_one_by_one_while_training_and_as_a_scan_otherwise(device):

@@ -28,6 +28,12 @@ and the stack runs its plan as one scan, or the layers one by one.
   materialize as a copy). The prefill's scan fills the empty cache; each
   decoding step's scan, under `torch.no_grad()`, writes only the new
   positions, in place.
+* An empty `EncoderDecoderCache` (an encoder-decoder model's decoder: BART's
+  and Whisper's in a prompt's prefill, Whisper's in training): the scan
+  records each layer's self-attention and cross-attention keys and values,
+  and fills both caches after the loop, detached, marking the cross-attention
+  ones computed, as the layers' own updates leave it. Its decoding steps run
+  layer by layer.
 * Layers of kinds that run as a few scans (`StackedLayerKinds`) with an
   empty `DynamicCache`: each segment's scan fills that segment's layers of
   the cache after it, layer by layer.
@@ -46,11 +52,12 @@ import dataclasses
 
 import torch
 from transformers.cache_utils import (
-    DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer)
+    DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache, StaticLayer,
+    StaticSlidingWindowLayer)
 
 from torch_xla_ext.class_swaps import original_class
 from torch_xla_ext.hf.caches import (
-    advance, appended, extend, fill_stacked, hold_stacked, keeps_all,
+    advance, appended, appended_encoder_decoder, extend, fill_encoder_decoder, fill_stacked, hold_stacked, keeps_all,
     keys_and_values_per_position, reads_one_stack, stacked_buffers, written_in_place)
 from torch_xla_ext.layer_stack.running import Recording, device_reason
 
@@ -59,8 +66,9 @@ from torch_xla_ext.layer_stack.running import Recording, device_reason
 CACHE_REASON = (
     "the key/value cache passed (past_key_values) is of a kind, or in a state, in which each "
     "layer reads and updates its own slot of it; one scan stands for the layers with a "
-    "DynamicCache that starts empty (training, or a prompt's prefill) or holds as many tokens "
-    "in every layer (decoding), and with a StaticCache, as long as no sliding window is full "
+    "DynamicCache or an EncoderDecoderCache that starts empty (training, or a prompt's "
+    "prefill), a DynamicCache that holds as many tokens in every layer (decoding), and a "
+    "StaticCache, as long as no sliding window is full "
     "or fills up in the call (a window drops tokens)")
 DYNAMIC_GRADIENTS_REASON = (
     "a DynamicCache that holds tokens keeps the keys and values the scan adds without their "
@@ -95,12 +103,15 @@ class CachePlan:
     stacked: bool = False
     first: int = 0
     period: int | None = None
+    encoder_decoder: bool = False  # an empty EncoderDecoderCache
 
     @property
     def recording(self) -> Recording:
         """What each layer of the scan gets as its cache, and records."""
         if self.period is not None:
             return keys_and_values_per_position(self.parameter, self.period)
+        if self.encoder_decoder:
+            return appended_encoder_decoder(self.parameter)
         if self.in_place and self.held:
             return written_in_place(self.parameter)
         return appended(self.parameter, self.cache.layers[0].max_cache_len
@@ -116,7 +127,9 @@ class CachePlan:
     def commit(self, recorded: tuple, new_tokens: int) -> None:
         """Leaves the cache as the layers' own updates of `new_tokens` tokens
         would have, from what the scan recorded."""
-        if self.in_place:
+        if self.encoder_decoder:
+            fill_encoder_decoder(self.cache, recorded)
+        elif self.in_place:
             if self.held:
                 advance(self.cache, new_tokens)
             else:
@@ -154,6 +167,11 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
     if on_another_device is not None:
         return on_another_device
     if cache is None:
+        return CACHE_REASON
+    if isinstance(cache, EncoderDecoderCache):
+        if period is None and all(starts_empty(part) for part in
+                                  (cache.self_attention_cache, cache.cross_attention_cache)):
+            return CachePlan(cache, parameter, in_place=False, encoder_decoder=True)
         return CACHE_REASON
     if period is not None:
         if _holds_nothing(cache, first, first + num_layers):

@@ -3,7 +3,8 @@ decoder layers, as `torch_xla_ext.hf.cache_plan` plans them (which says what
 runs how): the stand-in cache each traced layer call gets, which records the
 keys and values it puts in (`appended`: a DynamicCache, or an empty
 StaticCache, extended or filled after the loop; `keys_and_values_per_position`:
-a group of layers' empty DynamicCache) or writes a StaticCache's stacked
+a group of layers' empty DynamicCache; `appended_encoder_decoder`: an empty
+EncoderDecoderCache, filled after the loop by `fill_encoder_decoder`) or writes a StaticCache's stacked
 buffers inside the loop (`written_in_place`), and a cache held as two stacked
 buffers, its layers reading their slices (a StaticCache: `fill_stacked`; a
 DynamicCache that keeps all it gets: `hold_stacked`; either:
@@ -13,7 +14,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, EncoderDecoderCache, StaticLayer
 
 from torch_xla_ext.class_swaps import (lookalike_subclass, original_class, reduce_as_original,
                                        swap_back, swap_in)
@@ -122,6 +123,62 @@ def keys_and_values_per_position(parameter: str, period: int) -> Recording:
                                                     for _ in range(period))},
         lambda given: tuple(tensor for position in given["per_position"]
                             for tensor in _recorded_keys_and_values(position[parameter])))
+
+
+class _RecordingEncoderDecoderCache(EncoderDecoderCache):
+    """What each layer gets inside the scan in place of an empty
+    EncoderDecoderCache (an encoder-decoder model's decoder: BART's,
+    Whisper's): its self-attention and cross-attention caches record the keys
+    and values the layer puts in (`_AppendingCache`); the cache gets them
+    after the loop (`fill_encoder_decoder`)."""
+
+    def __init__(self):  # not EncoderDecoderCache's, which takes two caches to hold
+        self.self_attention_cache = _AppendingCache()
+        self.cross_attention_cache = _AppendingCache()
+        self.is_updated = _NoneComputedYet()
+
+
+class _NoneComputedYet:
+    """The stand-in's `is_updated`: the cache starts empty, so no layer's
+    cross-attention keys and values are computed yet, and what the layer marks
+    is done after the loop (`fill_encoder_decoder`). It never looks at the
+    layer's index, which inside the scan is the template's, not the layer's."""
+
+    def get(self, layer_idx, default=None) -> bool:
+        return False
+
+    def __setitem__(self, layer_idx, computed: bool) -> None:
+        pass
+
+
+def _recorded_encoder_decoder(cache: _RecordingEncoderDecoderCache) -> tuple:
+    """The self-attention keys and values, then the cross-attention ones if
+    the layer computed them (it was given the encoder's hidden states)."""
+    recorded = _recorded_keys_and_values(cache.self_attention_cache)
+    if cache.cross_attention_cache.keys is None:
+        return recorded
+    return recorded + _recorded_keys_and_values(cache.cross_attention_cache)
+
+
+@functools.cache
+def appended_encoder_decoder(parameter: str) -> Recording:
+    """The recording of each layer's new self-attention and cross-attention
+    keys and values through its empty EncoderDecoderCache argument `parameter`."""
+    return Recording(("appended encoder-decoder keys and values", parameter),
+                     lambda index, state: {parameter: _RecordingEncoderDecoderCache()},
+                     lambda given: _recorded_encoder_decoder(given[parameter]))
+
+
+def fill_encoder_decoder(cache, recorded: tuple) -> None:
+    """Leaves an empty EncoderDecoderCache as the layers' own updates would:
+    each layer's self-attention keys and values, and its cross-attention ones
+    (marked as computed, so that decoding steps read them) if recorded."""
+    parts = (cache.self_attention_cache, cache.cross_attention_cache)
+    for part, (keys, values) in zip(parts, (recorded[i:i + 2] for i in range(0, len(recorded), 2))):
+        for index in range(keys.shape[0]):
+            extend(part, index, keys[index], values[index])
+            if part is cache.cross_attention_cache:
+                cache.is_updated[index] = True
 
 
 def extend(cache, layer_index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
