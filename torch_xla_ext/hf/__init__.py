@@ -36,11 +36,12 @@ from torch_xla_ext.hf.inspection import (
     LayerList, Unstackable, UnstackedLayersWarning, layer_list, layer_list_paths,
     recorded_outputs, submodule)
 from torch_xla_ext.hf.stacks import (
-    STACKS, StackedLayerKinds, StackedLayers, hook_forward_loop, unhook_forward_loop)
+    STACKS, StackedAfterFirst, StackedLayerKinds, StackedLayers, hook_forward_loop,
+    unhook_forward_loop)
 from torch_xla_ext.layer_stack.kinds import compare_kinds
 
-__all__ = ["StackedLayerKinds", "StackedLayers", "UnstackedLayersWarning", "stack_layers",
-           "unstack_layers"]
+__all__ = ["StackedAfterFirst", "StackedLayerKinds", "StackedLayers", "UnstackedLayersWarning",
+           "stack_layers", "unstack_layers"]
 
 
 def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Module:
@@ -189,7 +190,9 @@ def _stack(found: LayerList, options: dict) -> nn.Module:
     try:
         # Kinds that differ only in settings run as one scan; in structure, as a scan per segment.
         compared = None if kinds is None else compare_kinds(layers, kinds)
-        if compared is None or compared.structure is None:
+        if found.hands_back:
+            stack = _stack_after_first(found, recorded, options)
+        elif compared is None or compared.structure is None:
             stack = StackedLayers(layers, found.config, recorded, kinds=kinds, **options)
         elif found.iterated:
             raise ValueError(
@@ -203,6 +206,18 @@ def _stack(found: LayerList, options: dict) -> nn.Module:
     except (TypeError, ValueError) as error:
         raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
     return stack
+
+
+def _stack_after_first(found: LayerList, recorded: tuple, options: dict) -> nn.Module:
+    """The stack for a loop that hands values the layers return back as
+    arguments of the next call: layer 0 gets other arguments than the rest."""
+    if found.kinds is not None:
+        raise ValueError(
+            f"the layers are of several kinds (config.layer_types: {sorted(set(found.kinds))}) "
+            f"and {type(found.owner).__qualname__}.forward hands values each layer returns "
+            f"back as arguments of the next call; such layers run as a scan only when they "
+            f"are of one kind")
+    return StackedAfterFirst(found.layers, found.config, recorded, **options)
 
 
 def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
@@ -245,4 +260,6 @@ def layers_as_modules(model: nn.Module):
 
 
 def stacked_paths(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, STACKS)]
+    """The paths of the model's stacks, but those inside another (a StackedAfterFirst's rest)."""
+    paths = [name for name, module in model.named_modules() if isinstance(module, STACKS)]
+    return [path for path in paths if not any(path.startswith(other + ".") for other in paths)]
