@@ -78,6 +78,35 @@ def test_t5_training_matches_the_unconverted_model(device):
     for name, grad in grads.items():
         close(grad, expected_grads[name], TRAINING)
 
+    # An optimizer's state dict names and orders the parameters as unconverted.
+    states = []
+    for which in (reference, model):
+        optimizer = torch.optim.SGD(which.named_parameters(), lr=0.1, momentum=0.9)
+        optimizer.step()
+        states.append(optimizer.state_dict())
+    (group,), (stacked_group,) = (state["param_groups"] for state in states)
+    assert stacked_group["param_names"] == group["param_names"]
+    expected_state, state = (each["state"] for each in states)
+    assert state.keys() == expected_state.keys()
+    for index, expected_buffers in expected_state.items():
+        close(state[index]["momentum_buffer"], expected_buffers["momentum_buffer"], TRAINING)
+
+
+def test_t5_per_layer_hidden_states_match_the_unconverted_model(device):
+    reference = t5()
+    model = stack_layers(copy.deepcopy(reference))
+    ids = tokens(device)
+    outputs = []
+    for which in (reference, model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            outputs.append(which.to(device).eval()(input_ids=ids, labels=ids, use_cache=False,
+                                                   output_hidden_states=True))
+    for name in ("encoder_hidden_states", "decoder_hidden_states"):
+        expected, actual = (output[name] for output in outputs)
+        assert len(actual) == len(expected) == 4
+        close(actual, expected, TRAINING)
+
 
 def test_t5_training_with_the_default_cache_runs_the_decoder_layer_by_layer(device):
     reference = t5()
@@ -134,6 +163,10 @@ def test_unstack_layers_and_state_dicts_of_t5(device):
     assert "encoder.block.1.layer.0.SelfAttention.q.weight" in incompatible.missing_keys
 
     model.load_state_dict(expected)
+    stack_layers(model)  # stacked already: nothing to do
+    unstack_layers(model, path="encoder.block")
+    assert type(model.encoder.block) is nn.ModuleList
+    assert type(model.decoder.block) is StackedAfterFirst
     unstack_layers(model)
     for path in LISTS:
         assert type(model.get_submodule(path)) is nn.ModuleList

@@ -112,6 +112,19 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     `torch_xla_ext.hf.adapters`); `unstack_layers(model)` undoes the
     conversion, for peft's other operations.
 
+    A forward whose loop hands values each layer returns back as arguments
+    of the next call (T5's `hidden_states, position_bias, ... =
+    layer_module(hidden_states, mask, position_bias, ...)`, then
+    `position_bias = ...`, perhaps under an `if` that calls nothing) becomes
+    a `StackedAfterFirst`: layer 0, which gets what the forward set before
+    the loop (None: it computes the position biases), runs as itself, and
+    the other layers as one scan, those values entering it as arguments of
+    every step, once a call of a layer on fake tensors shows that each
+    layer returns them as it got them (else, and with a key/value cache
+    among the arguments, each call runs its layer, with a
+    `LayerByLayerWarning`). The loop's later calls must get what the scan
+    returned; a loop that hands on something else raises.
+
     Not supported, and refused with an error that says so: layers of one kind
     that are not alike (a setting changed on one layer: the scan runs the
     first layer's code with each layer's weights), layers of kinds that
@@ -223,8 +236,8 @@ def _stack_after_first(found: LayerList, recorded: tuple, options: dict) -> nn.M
 def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
     """Undoes `stack_layers` in place; returns `model`.
 
-    Each `StackedLayers` or `StackedLayerKinds` of the model (only the one at
-    `path`, if given) becomes an `nn.ModuleList` of its layers, each holding
+    Each `StackedLayers`, `StackedLayerKinds` or `StackedAfterFirst` of the
+    model (only the one at `path`, if given) becomes an `nn.ModuleList` of its layers, each holding
     parameters and buffers of its own, copied from its slices of the stacked
     ones (which are dropped). For code that must find each layer among the
     model's modules; `stack_layers(model)` stacks them again."""
@@ -232,8 +245,8 @@ def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
         stack = submodule(model, each)
         if not isinstance(stack, STACKS):
             raise TypeError(f"unstack_layers: {each!r} is a {type(stack).__name__}, not the "
-                            f"StackedLayers or StackedLayerKinds that stack_layers made; pass "
-                            f"the path of that.")
+                            f"StackedLayers, StackedLayerKinds or StackedAfterFirst that "
+                            f"stack_layers made; pass the path of that.")
         parent_path, _, name = each.rpartition(".")
         parent = model.get_submodule(parent_path)
         unhook_forward_loop(parent, name)

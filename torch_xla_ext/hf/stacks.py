@@ -1,7 +1,9 @@
 """The stacks that `stack_layers` puts in place of a transformers model's
 decoder-layer list: `StackedLayers` (one scan: layers of one kind, or of
-several kinds that differ only in the settings telling them apart) and
-`StackedLayerKinds` (kinds that differ in more, a few scans); each runs a call with a
+several kinds that differ only in the settings telling them apart),
+`StackedLayerKinds` (kinds that differ in more, a few scans) and
+`StackedAfterFirst` (a loop that hands what each layer returns back as the
+next call's arguments: layer 0 as itself, the others as one scan); each runs a call with a
 key/value cache as `torch_xla_ext.hf.cache_plan` plans it: scans where the
 cache allows, else layer by layer."""
 from __future__ import annotations
@@ -311,7 +313,7 @@ class StackedAfterFirst(nn.Module):
         self.add_module("0", layers[0])
         self.rest = StackedLayers(layers[1:], config, recorded_outputs, **options)
         # The calls of the model's loop to layers 1, ..., N-1; the second runs them.
-        self._calls = KindCalls([None] * len(self.rest), first=1)
+        self._calls = KindCalls([None] * len(self.rest), first=1) if len(self.rest) else None
         self._given = None  # what layer 0 returned: the hidden state of the next call
         self._returned = None  # what the scan returned, or None when each call runs its layer
         self.register_state_dict_post_hook(_per_layer_state_dict)
@@ -371,7 +373,6 @@ class StackedAfterFirst(nn.Module):
         """Layer `index` of the model's loop, called in order (see the class docstring)."""
         try:
             if index == 0:
-                self._calls.clear()
                 output = self.first(hidden_states, *args, **kwargs)
                 self._given = output[0] if isinstance(output, tuple) else output
                 return output
@@ -391,7 +392,8 @@ class StackedAfterFirst(nn.Module):
             return self._returned
         finally:
             if index == len(self) - 1:
-                self._calls.clear()
+                if self._calls is not None:
+                    self._calls.clear()
                 self._given = self._returned = None
 
     def _run_rest(self, hidden_states, args: tuple, kwargs: dict) -> tuple | None:

@@ -18,6 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
+from torch_xla_ext.layer_stack.alike import layout_of
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import argument_path
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -48,7 +49,7 @@ def handed_on(layer: nn.Module, weights: dict[str, torch.Tensor], hidden, args: 
                     f"layers would change as they run, and layers that hand values on to the "
                     f"next layer's call run as one scan only on tensors and constants (a "
                     f"transformers model without a key/value cache: use_cache=False)")
-    key = (str(spec), layer.training, tuple(
+    key = (layout_of(layer, 0).trace_key(), str(spec), tuple(
         (tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor)
         else (type(leaf), leaf) for leaf in (hidden, *leaves)))
     found = _FOUND.setdefault(layer, {})
