@@ -210,9 +210,9 @@ def _hands_back(statement: ast.stmt, call: ast.Assign) -> bool:
 
 
 def _only_calls_the_layer(statement: ast.stmt, layer: ast.expr) -> bool:
-    """`hidden = layer(hidden, ...)`, or `hidden, *others = layer(hidden, ...)`
-    of names (a layer that returns a tuple): the layer called on what the
-    result (its first value) replaces."""
+    """`hidden = layer(hidden, ...)`, or `hidden, other, ... = layer(hidden,
+    ...)` of names (a layer that returns a tuple): the layer called on what
+    the result (its first value) replaces."""
     if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
             and isinstance(layer, ast.Name)):
         return False

@@ -27,7 +27,7 @@ from torch_xla_ext.hf.caches import is_cache
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
 from torch_xla_ext.layer_stack import LayerStack, optimizer_state
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
-from torch_xla_ext.layer_stack.handed_on import handed_on, returned_values
+from torch_xla_ext.layer_stack.handed_on import handed_on, returned
 from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.running import (
@@ -374,7 +374,7 @@ class StackedAfterFirst(nn.Module):
         try:
             if index == 0:
                 output = self.first(hidden_states, *args, **kwargs)
-                self._given = output[0] if isinstance(output, tuple) else output
+                self._given = _hidden_of(output)
                 return output
             if index == 1:
                 if hidden_states is not self._given:
@@ -386,9 +386,9 @@ class StackedAfterFirst(nn.Module):
                 self._returned = self._run_rest(hidden_states, args, kwargs)
             if self._returned is None:
                 return self.rest[index - 1](hidden_states, *args, **kwargs)
-            self._calls.record(index - 1, hidden_states, args, kwargs)
-            if index == 1:
-                self._calls.ran(self._returned[0])
+            # The later calls must get what the scan returned, and the arguments it used.
+            if self._calls.record(index - 1, hidden_states, args, kwargs):
+                self._calls.ran(_hidden_of(self._returned))
             return self._returned
         finally:
             if index == len(self) - 1:
@@ -396,18 +396,22 @@ class StackedAfterFirst(nn.Module):
                     self._calls.clear()
                 self._given = self._returned = None
 
-    def _run_rest(self, hidden_states, args: tuple, kwargs: dict) -> tuple | None:
+    def _run_rest(self, hidden_states, args: tuple, kwargs: dict):
         """Layers 1, ..., N-1 as one scan: what the last one returns; None,
         with a LayerByLayerWarning, when each call is to run its layer."""
         stack = self.rest
-        found = (handed_on(stack._template, stack._stacked_tensors(), hidden_states, args,
-                           kwargs) if stack._template is not None else ())
+        found = handed_on(stack._template, stack._stacked_tensors(), hidden_states, args, kwargs)
         if isinstance(found, str):
             warnings.warn(f"The {len(stack)} layers after the first ran one by one, as the for "
                           f"loop does, instead of as one scan: {found}.", LayerByLayerWarning,
                           stacklevel=3)
             return None
-        return (stack(hidden_states, *args, **kwargs), *returned_values(found, args, kwargs))
+        return returned(found, stack(hidden_states, *args, **kwargs), args, kwargs)
+
+
+def _hidden_of(output):
+    """A layer's hidden state: its output, or the first value of its tuple."""
+    return output[0] if isinstance(output, tuple) else output
 
 
 def _after_first(name: str) -> str:

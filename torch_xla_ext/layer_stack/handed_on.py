@@ -11,6 +11,7 @@ tensors (no data, nothing computed), per form of the call.
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -23,11 +24,13 @@ from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import argument_path
 from torch_xla_ext.object_graph import VALUE_TYPES
 
-__all__ = ["handed_on", "returned_values"]
+__all__ = ["Constant", "handed_on", "returned"]
 
 
-class Constant(tuple):
-    """A returned value that is no argument: `Constant((value,))`."""
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """A returned value that is no argument (None, a flag, ...)."""
+    value: object
 
 
 # Per layer, per form of the call: what `handed_on` found.
@@ -35,13 +38,14 @@ _FOUND: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def handed_on(layer: nn.Module, weights: dict[str, torch.Tensor], hidden, args: tuple,
-              kwargs: dict) -> tuple | str:
+              kwargs: dict) -> tuple | None | str:
     """Each value that `layer(hidden, *args, **kwargs)`, run on one slice of
     the stacked `weights` ([num_layers, ...] by name), returns after the
     hidden state: the index of the argument it is, among the leaves of
-    `tree_flatten((args, kwargs))`, or a `Constant`. Or why not: a value
-    the layer computes, or an argument no fake can stand for (a key/value
-    cache, which the call would update)."""
+    `tree_flatten((args, kwargs))`, or a `Constant`; None when it returns
+    the hidden state alone, not in a tuple. Or why not: a value the layer
+    computes, or an argument no fake can stand for (a key/value cache,
+    which the call would update)."""
     leaves, spec = tree_flatten((args, kwargs))
     for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
         if not isinstance(leaf, (torch.Tensor, *VALUE_TYPES)):
@@ -58,13 +62,17 @@ def handed_on(layer: nn.Module, weights: dict[str, torch.Tensor], hidden, args: 
     return found[key]
 
 
-def returned_values(found: tuple, args: tuple, kwargs: dict) -> tuple:
-    """The values `handed_on` found, for a call with `args` and `kwargs`."""
+def returned(found: tuple | None, hidden, args: tuple, kwargs: dict):
+    """What the layers return after a call with `args` and `kwargs` that
+    gave the hidden state `hidden`, as `handed_on` found it."""
+    if found is None:
+        return hidden
     leaves = tree_flatten((args, kwargs))[0]
-    return tuple(each[0] if isinstance(each, Constant) else leaves[each] for each in found)
+    return (hidden, *(each.value if isinstance(each, Constant) else leaves[each]
+                      for each in found))
 
 
-def _traced(layer: nn.Module, weights: dict, hidden, leaves: list, spec) -> tuple | str:
+def _traced(layer: nn.Module, weights: dict, hidden, leaves: list, spec) -> tuple | None | str:
     mode = FakeTensorMode()
 
     def fake(tensor, shape=None):
@@ -81,13 +89,15 @@ def _traced(layer: nn.Module, weights: dict, hidden, leaves: list, spec) -> tupl
         output = torch.func.functional_call(
             layer, {name: fake(tensor, tensor.shape[1:]) for name, tensor in weights.items()},
             (tree_map(fake, hidden), *args), kwargs)
+    if not isinstance(output, tuple):
+        return None
     found = []
-    for position, value in enumerate(output[1:] if isinstance(output, tuple) else (), start=1):
+    for position, value in enumerate(output[1:], start=1):
         index = next((index for index, leaf in enumerate(fakes) if leaf is value), None)
         if index is not None:
             found.append(index)
         elif isinstance(value, VALUE_TYPES):
-            found.append(Constant((value,)))
+            found.append(Constant(value))
         else:
             what = "tensor" if isinstance(value, torch.Tensor) else type(value).__name__
             return (f"the layer returns a {what} it computes as its value "
