@@ -204,7 +204,9 @@ def _stack(found: LayerList, options: dict) -> nn.Module:
         # Kinds that differ only in settings run as one scan; in structure, as a scan per segment.
         compared = None if kinds is None else compare_kinds(layers, kinds)
         if found.hands_back:
-            stack = _stack_after_first(found, recorded, options)
+            # Layer 0 gets other arguments than the rest, which all get the second call's
+            # (whatever their kinds): the later calls are checked to pass the same.
+            stack = StackedAfterFirst(layers, found.config, recorded, **options)
         elif compared is None or compared.structure is None:
             stack = StackedLayers(layers, found.config, recorded, kinds=kinds, **options)
         elif found.iterated:
@@ -221,18 +223,6 @@ def _stack(found: LayerList, options: dict) -> nn.Module:
     return stack
 
 
-def _stack_after_first(found: LayerList, recorded: tuple, options: dict) -> nn.Module:
-    """The stack for a loop that hands values the layers return back as
-    arguments of the next call: layer 0 gets other arguments than the rest."""
-    if found.kinds is not None:
-        raise ValueError(
-            f"the layers are of several kinds (config.layer_types: {sorted(set(found.kinds))}) "
-            f"and {type(found.owner).__qualname__}.forward hands values each layer returns "
-            f"back as arguments of the next call; such layers run as a scan only when they "
-            f"are of one kind")
-    return StackedAfterFirst(found.layers, found.config, recorded, **options)
-
-
 def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
     """Undoes `stack_layers` in place; returns `model`.
 
@@ -245,8 +235,8 @@ def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
         stack = submodule(model, each)
         if not isinstance(stack, STACKS):
             raise TypeError(f"unstack_layers: {each!r} is a {type(stack).__name__}, not the "
-                            f"StackedLayers, StackedLayerKinds or StackedAfterFirst that "
-                            f"stack_layers made; pass the path of that.")
+                            f"StackedLayers or StackedLayerKinds that stack_layers made; pass "
+                            f"the path of that.")
         parent_path, _, name = each.rpartition(".")
         parent = model.get_submodule(parent_path)
         unhook_forward_loop(parent, name)
