@@ -64,8 +64,8 @@ def test_the_quickstart_runs(run_isolated, tmp_path):
 # the code of the packages that emit them: every reason a call runs layer by
 # layer (`Unscannable`, `reason=`), every reason a list stays unstacked
 # (`Unstackable`), every warning, every error raised (IndexError aside: an
-# index out of range), and what the functions that return a reason (annotated
-# `-> str | None`) return. A message's text is the literal parts of its string
+# index out of range), and what the functions that may return a reason
+# (annotated `-> ... | str | None`) return. A message's text is the literal parts of its string
 # or f-string (and the module constants named *_REASON); the section must quote
 # QUOTE characters in a row of one of them (a shorter part whole).
 PACKAGES = ("hf", "layer_stack")
@@ -93,7 +93,7 @@ def message_nodes(tree: ast.Module):
     """(line, message expression) of each place the module emits a message."""
     for function in ast.walk(tree):
         if (isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and function.returns
-                and "str | None" in ast.unparse(function.returns)):
+                and {"str", "None"} <= set(ast.unparse(function.returns).split(" | "))):
             for node in ast.walk(function):
                 if isinstance(node, ast.Return):
                     yield node.lineno, node.value

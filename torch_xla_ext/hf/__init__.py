@@ -36,12 +36,13 @@ from torch_xla_ext.hf.inspection import (
     LayerList, Unstackable, UnstackedLayersWarning, layer_list, layer_list_paths,
     recorded_outputs, submodule)
 from torch_xla_ext.hf.stacks import (
-    STACKS, StackedLayerKinds, StackedLayers, hook_forward_loop, unhook_forward_loop)
+    STACKS, StackedAfterFirst, StackedLayerKinds, StackedLayers, hook_forward_loop,
+    unhook_forward_loop)
 from torch_xla_ext.layer_stack.kinds import compare_kinds
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 
-__all__ = ["StackedLayerKinds", "StackedLayers", "UnstackedLayersWarning", "stack_layers",
-           "unstack_layers"]
+__all__ = ["StackedAfterFirst", "StackedLayerKinds", "StackedLayers", "UnstackedLayersWarning",
+           "stack_layers", "unstack_layers"]
 
 
 def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Module:
@@ -112,6 +113,19 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     `torch_xla_ext.hf.adapters`); `unstack_layers(model)` undoes the
     conversion, for peft's other operations.
 
+    A forward whose loop hands values each layer returns back as arguments
+    of the next call (T5's `hidden_states, position_bias, ... =
+    layer_module(hidden_states, mask, position_bias, ...)`, then
+    `position_bias = ...`, perhaps under an `if` that calls nothing) becomes
+    a `StackedAfterFirst`: layer 0, which gets what the forward set before
+    the loop (None: it computes the position biases), runs as itself, and
+    the other layers as one scan, those values entering it as arguments of
+    every step, once a call of a layer on fake tensors shows that each
+    layer returns them as it got them (else, and with a key/value cache
+    among the arguments, each call runs its layer, with a
+    `LayerByLayerWarning`). The loop's later calls must get what the scan
+    returned; a loop that hands on something else raises.
+
     Not supported, and refused with an error that says so: layers of one kind
     that are not alike (a setting changed on one layer: the scan runs the
     first layer's code with each layer's weights), layers of kinds that
@@ -175,8 +189,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     stacks = [(each, _stack(each, options)) for each in found if isinstance(each, LayerList)]
     for each, stack in stacks:
         setattr(each.owner, each.name, stack)
-        if each.iterated:
-            hook_forward_loop(each.owner, each.name, each.guards)
+        if each.loop.iterated:
+            hook_forward_loop(each.owner, each.name, each.loop.guards)
     return model
 
 
@@ -193,9 +207,13 @@ def _stack(found: LayerList, options: dict) -> nn.Module:
     try:
         # Kinds that differ only in settings run as one scan; in structure, as a scan per segment.
         compared = None if kinds is None else compare_kinds(layers, kinds)
-        if compared is None or compared.structure is None:
+        if found.loop.hands_back:
+            # Layer 0 gets other arguments than the rest, which all get the second call's
+            # (whatever their kinds): the later calls are checked to pass the same.
+            stack = StackedAfterFirst(layers, found.config, recorded, **options)
+        elif compared is None or compared.structure is None:
             stack = StackedLayers(layers, found.config, recorded, kinds=kinds, **options)
-        elif found.iterated:
+        elif found.loop.iterated:
             raise ValueError(
                 f"the layers are of several kinds (config.layer_types: {sorted(set(kinds))}) "
                 f"that differ in more than their settings ({compared.structure}), and "
@@ -212,8 +230,8 @@ def _stack(found: LayerList, options: dict) -> nn.Module:
 def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
     """Undoes `stack_layers` in place; returns `model`.
 
-    Each `StackedLayers` or `StackedLayerKinds` of the model (only the one at
-    `path`, if given) becomes an `nn.ModuleList` of its layers, each holding
+    Each `StackedLayers`, `StackedLayerKinds` or `StackedAfterFirst` of the
+    model (only the one at `path`, if given) becomes an `nn.ModuleList` of its layers, each holding
     parameters and buffers of its own, copied from its slices of the stacked
     ones (which are dropped). For code that must find each layer among the
     model's modules; `stack_layers(model)` stacks them again."""
@@ -249,4 +267,6 @@ def layers_as_modules(model: nn.Module):
 
 
 def stacked_paths(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, STACKS)]
+    """The paths of the model's stacks, but those inside another (a StackedAfterFirst's rest)."""
+    paths = [name for name, module in model.named_modules() if isinstance(module, STACKS)]
+    return [path for path in paths if not any(path.startswith(other + ".") for other in paths)]

@@ -23,7 +23,8 @@ from typing import Iterable
 
 from torch import nn
 
-from torch_xla_ext.hf.stacks import STACKS, LoopGuard, StackedLayerKinds, StackedLayers
+from torch_xla_ext.hf.stacks import (
+    STACKS, LoopGuard, StackedAfterFirst, StackedLayerKinds, StackedLayers)
 from torch_xla_ext.layer_stack.alike import layers_difference
 
 
@@ -55,8 +56,7 @@ class LayerList:
     layers: nn.ModuleList
     config: object
     kinds: list | None  # config.layer_types, when they are not all the same
-    iterated: bool  # the owner's forward iterates over the list (see layer_loop)
-    guards: tuple[LoopGuard, ...]  # of that loop (see layer_loop)
+    loop: LoopShape  # how the owner's forward calls it
     recorder: nn.Module | None  # see output_recorder
 
 
@@ -99,7 +99,7 @@ def layer_list(model: nn.Module, path: str, per_layer_attributes: Iterable[str]
     parent_path, _, name = path.rpartition(".")
     owner = model.get_submodule(parent_path)
     config = getattr(owner, "config", getattr(model, "config", None))
-    iterated, guards, reason = layer_loop(owner, name, path)
+    loop, reason = layer_loop(owner, name, path)
     reason = (reason or _kinds_reason(config, len(layers))
               or next(filter(None, (hooks_reason(layer, f"{path}.{index}")
                                     for index, layer in enumerate(layers))), None)
@@ -107,35 +107,55 @@ def layer_list(model: nn.Module, path: str, per_layer_attributes: Iterable[str]
     if reason is not None:
         return Unstackable(path, reason)
     kinds = mixed_layer_types(config, len(layers))
-    # Layers of several kinds are compared kind by kind when they are stacked.
-    difference = None if kinds else layers_difference(list(layers), frozenset(per_layer_attributes))
+    # Layers of several kinds are compared kind by kind when they are stacked;
+    # a loop that hands values back runs layer 0 as itself and stacks the rest.
+    difference = (None if kinds or loop.hands_back
+                  else layers_difference(list(layers), frozenset(per_layer_attributes)))
     if difference is not None:
         error, message = difference
         return Unstackable(path, message, error)
-    return LayerList(path, owner, name, layers, config, kinds,
-                     iterated, guards, output_recorder(model, path))
+    return LayerList(path, owner, name, layers, config, kinds, loop, output_recorder(model, path))
 
 
 def _one_class_among(layers: nn.Module, class_names: set) -> bool:
     if isinstance(layers, StackedLayers):
         return type(layers._template).__name__ in class_names
+    if isinstance(layers, StackedAfterFirst):
+        return type(layers.first).__name__ in class_names
     if isinstance(layers, StackedLayerKinds):
         return type(layers.segments[0]._template.layers[0]).__name__ in class_names
     classes = {type(layer) for layer in layers}
     return len(classes) == 1 and next(iter(classes)).__name__ in class_names
 
 
-def layer_loop(owner: nn.Module, name: str, path: str
-               ) -> tuple[bool, tuple[LoopGuard, ...], str | None]:
+@dataclasses.dataclass(frozen=True)
+class LoopShape:
+    """How an owner's forward calls its layer list (see `layer_loop`)."""
+    # It iterates over the list (`for block in self.h`), rather than slicing it.
+    iterated: bool = False
+    # Statements of that loop that do more only while a test of the owner's
+    # settings holds (`_is_guard`: LayerDrop).
+    guards: tuple[LoopGuard, ...] = ()
+    # The loop unpacks each layer's tuple and hands its other values back as
+    # arguments of the next call (`_hands_back`: T5's position biases).
+    hands_back: bool = False
+
+
+def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[LoopShape, str | None]:
     """How the owner's forward calls the layers, and why a scan cannot stand
-    for its loop (None if it can). How: False when it takes them as a slice
-    (`for layer in self.layers[: n]`), which yields the stack itself; True
-    when it iterates over them (`for block in self.h`, `enumerate(self.h)`)
-    with a loop body that only calls the layer on the hidden state, so that
-    `stack_layers` installs the owner's `stacks.ForwardLoop` hooks; and the
-    loop's guards, statements that do more only while a test of the owner's
-    settings holds (`_is_guard`: LayerDrop). Why not: no such loop, or the
-    line of a loop that does more between the layers."""
+    for its loop (None if it can). How: a `LoopShape`, not iterated when it
+    takes them as a slice (`for layer in self.layers[: n]`), which yields the
+    stack itself; iterated when it iterates over them (`for block in
+    self.h`, `enumerate(self.h)`) with a loop body that only calls the layer
+    on the hidden state, so that `stack_layers` installs the owner's
+    `stacks.ForwardLoop` hooks; with the loop's guards, statements that do
+    more only while a test of the owner's settings holds (`_is_guard`:
+    LayerDrop); handing back when the call unpacks the layer's tuple
+    (`hidden, bias = layer(hidden, mask, position_bias)`) and the body's
+    other statements only hand its other values back as arguments of the
+    next call (`position_bias = bias`, see `_hands_back`), which
+    `stacks.StackedAfterFirst` runs. Why not: no such loop, or the line of a
+    loop that does more between the layers."""
     forward = inspect.unwrap(type(owner).forward)
     try:
         lines, first_line = inspect.getsourcelines(forward)
@@ -143,12 +163,12 @@ def layer_loop(owner: nn.Module, name: str, path: str
         lines, first_line = [], 0
     source = textwrap.dedent("".join(lines))
     if re.search(rf"self\.{re.escape(name)}\s*\[", source):
-        return False, (), None
+        return LoopShape(), None
     where = type(owner).__qualname__ + ".forward"
     loop = next((node for node in ast.walk(ast.parse(source)) if source and
                  isinstance(node, ast.For) and _iterates_over(node.iter, name)), None)
     if loop is None:
-        return False, (), (
+        return LoopShape(), (
             f"{where} neither loops over a slice `self.{name}[...]` nor over "
             f"`self.{name}` itself (or its source is not available), so it would call the "
             f"layers at {path!r} one by one, not as one scan. stack_layers takes over loops of "
@@ -159,7 +179,8 @@ def layer_loop(owner: nn.Module, name: str, path: str
     body = [_unless_flag_set(each, loop.body, guards) for each in loop.body if each not in guards]
     calls = [each for each in body if _only_calls_the_layer(each, layer)]
     extra = [each for each in body if len(calls) != 1
-             or not (each is calls[0] or _only_looks_up(each, calls[0]))]
+             or not (each is calls[0] or _only_looks_up(each, calls[0])
+                     or _hands_back(each, calls[0]))]
 
     def located(statement: ast.stmt) -> tuple[str, str]:
         line = first_line + statement.lineno - 1
@@ -167,14 +188,14 @@ def layer_loop(owner: nn.Module, name: str, path: str
 
     if extra:
         line, text = located(extra[0])
-        return False, (), (
+        return LoopShape(), (
             f"{where} does more between two layers than call the next one on "
             f"the hidden state ({line}: `{text}`); one scan "
             f"runs all the layers at once, so that work would not run between them. Move it "
             f"before or after the loop, or call a torch_xla_ext.LayerStack from your own "
             f"forward")
-    return True, tuple(LoopGuard(where, *located(each), ast.unparse(each.test))
-                       for each in guards), None
+    guarded = tuple(LoopGuard(where, *located(each), ast.unparse(each.test)) for each in guards)
+    return LoopShape(True, guarded, isinstance(calls[0].targets[0], ast.Tuple)), None
 
 
 def _is_guard(statement: ast.stmt) -> bool:
@@ -226,22 +247,57 @@ def _only_looks_up(statement: ast.stmt, call: ast.Assign) -> bool:
     """`name = <an expression without calls>` (Exaone4's `layer_type =
     self.config.layer_types[i]`), naming neither the hidden state nor anything
     the layer call's result replaces: it cannot change what the layers compute."""
-    hidden = call.targets[0].id
+    replaced = _names(call.targets[0])
     return (isinstance(statement, ast.Assign)
-            and all(isinstance(target, ast.Name) and target.id != hidden
+            and all(isinstance(target, ast.Name) and target.id not in replaced
                     for target in statement.targets)
-            and not any(isinstance(node, ast.Call) for node in ast.walk(statement.value)))
+            and not _calls_anything(statement.value))
+
+
+def _hands_back(statement: ast.stmt, call: ast.Assign) -> bool:
+    """`argument = value`, where `value` is one of the values the layer call
+    unpacked after the hidden state and `argument` a name the call passes the
+    layer (T5's `position_bias = self_attention_position_bias`), or such
+    statements under an `if` without `else` whose test calls nothing: the
+    next layer gets what this one returned. The stack checks, as the loop
+    runs, that every layer after the first gets the same arguments."""
+    if isinstance(statement, ast.If):
+        return (not statement.orelse and not _calls_anything(statement.test)
+                and all(_hands_back(each, call) for each in statement.body))
+    unpacked = call.targets[0]
+    returned = _names(unpacked)[1:] if isinstance(unpacked, ast.Tuple) else []
+    passed = [each.id for each in (*call.value.args[1:],
+                                   *(keyword.value for keyword in call.value.keywords))
+              if isinstance(each, ast.Name)]
+    return (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id in passed
+            and isinstance(statement.value, ast.Name) and statement.value.id in returned)
 
 
 def _only_calls_the_layer(statement: ast.stmt, layer: ast.expr) -> bool:
-    """`hidden = layer(hidden, ...)`: the layer called on what the result replaces."""
+    """`hidden = layer(hidden, ...)`, or `hidden, other, ... = layer(hidden,
+    ...)` of names (a layer that returns a tuple): the layer called on what
+    the result (its first value) replaces."""
     if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
-            and isinstance(statement.targets[0], ast.Name) and isinstance(layer, ast.Name)):
+            and isinstance(layer, ast.Name)):
         return False
-    call = statement.value
+    target, call = statement.targets[0], statement.value
+    names = _names(target)
+    if not names or (isinstance(target, ast.Tuple) and len(names) != len(target.elts)):
+        return False
     return (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
             and call.func.id == layer.id and bool(call.args)
-            and isinstance(call.args[0], ast.Name) and call.args[0].id == statement.targets[0].id)
+            and isinstance(call.args[0], ast.Name) and call.args[0].id == names[0])
+
+
+def _names(target: ast.expr) -> list[str]:
+    """The names a target assigns: `x`, or `x, y, z`."""
+    elements = target.elts if isinstance(target, ast.Tuple) else [target]
+    return [each.id for each in elements if isinstance(each, ast.Name)]
+
+
+def _calls_anything(expression: ast.expr) -> bool:
+    return any(isinstance(node, ast.Call) for node in ast.walk(expression))
 
 
 def mixed_layer_types(config, count: int) -> list | None:

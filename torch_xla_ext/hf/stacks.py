@@ -1,7 +1,9 @@
 """The stacks that `stack_layers` puts in place of a transformers model's
 decoder-layer list: `StackedLayers` (one scan: layers of one kind, or of
-several kinds that differ only in the settings telling them apart) and
-`StackedLayerKinds` (kinds that differ in more, a few scans); each runs a call with a
+several kinds that differ only in the settings telling them apart),
+`StackedLayerKinds` (kinds that differ in more, a few scans) and
+`StackedAfterFirst` (a loop that hands what each layer returns back as the
+next call's arguments: layer 0 as itself, the others as one scan); each runs a call with a
 key/value cache as `torch_xla_ext.hf.cache_plan` plans it: scans where the
 cache allows, else layer by layer."""
 from __future__ import annotations
@@ -10,6 +12,8 @@ import copy
 import dataclasses
 import functools
 import inspect
+import operator
+import re
 import threading
 from typing import Iterable, Sequence
 
@@ -20,8 +24,9 @@ from torch_xla_ext.hf import checkpointing
 from torch_xla_ext.hf.cache_plan import CachePlan, plan_cache_call, starts_empty
 from torch_xla_ext.hf.caches import is_cache
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
-from torch_xla_ext.layer_stack import LayerStack
+from torch_xla_ext.layer_stack import LayerStack, optimizer_state
 from torch_xla_ext.layer_stack.groups import GroupedLayers, LayerGroup
+from torch_xla_ext.layer_stack.handed_on import handed_on, returned
 from torch_xla_ext.layer_stack.kinds import KindCalls, kind_attributes
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.running import (
@@ -173,12 +178,8 @@ class StackedLayers(LayerStack):
         return tuple(templates)
 
     def __iter__(self):
-        loop = _LOOPING.over(self)
-        if loop is None:  # user code, peft, ...: the layers as modules
-            return super().__iter__()
-        if loop.guarded is None:  # the owner's forward iterates over the layers
+        if _runs_the_loop(self):
             return iter(self._layer_calls())
-        warn_layer_by_layer(len(self), loop.guarded, stacklevel=3)
         return super().__iter__()
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -278,6 +279,170 @@ class StackedLayerKinds(GroupedLayers):
                                   reason=plan)
 
 
+class StackedAfterFirst(nn.Module):
+    """The layers of a model whose loop hands values each layer returns back
+    as arguments of the next call (T5's `hidden_states, position_bias, ... =
+    layer_module(hidden_states, mask, position_bias, ...)` then
+    `position_bias = ...`; see `inspection.layer_loop`): layer 0, which gets
+    what the forward set before the loop (None: it computes the values),
+    runs as itself, and layers 1, ..., N-1, which get what layer 0 returned,
+    as one scan of a `StackedLayers` (`rest`), those values entering the
+    loop once, as arguments of every step.
+
+    The model's loop gets a callable per layer (`ForwardLoop`): the first
+    calls layer 0, the second runs the scan and returns what the last layer
+    would (the hidden state, then the values a layer returns besides it,
+    which `layer_stack.handed_on` shows to be the very arguments it got),
+    the others return that again, after checking that they get that hidden
+    state and the second call's very arguments (what the loop hands back).
+    Where a layer returns a value it computes, or the call holds a
+    key/value cache, each call runs its layer, with a LayerByLayerWarning.
+
+    Like the other stacks: `len()`, `layers[i]` (layer 0 itself, the
+    others holding views of their slices), iteration outside the loop,
+    `state_dict()` with per-layer names (`0.layer.0...`, `1.layer.0...`),
+    `unstacked()`; `named_parameters()` names layer 0's as they were
+    (`block.0.layer.0.SelfAttention.q.weight`) and the others' stacked
+    (`block.rest.stacked.layer.0.SelfAttention.q.weight`)."""
+
+    def __init__(self, layers: Iterable[nn.Module], config=None,
+                 recorded_outputs: Iterable[str] = (), **options):
+        super().__init__()
+        layers = list(layers)
+        self.add_module("0", layers[0])
+        self.rest = StackedLayers(layers[1:], config, recorded_outputs, **options)
+        # The calls of the model's loop to layers 1, ..., N-1; the second runs them.
+        self._calls = KindCalls([None] * len(self.rest), first=1) if len(self.rest) else None
+        self._given = None  # what layer 0 returned: the hidden state of the next call
+        self._returned = None  # what the scan returned, or None when each call runs its layer
+        self.register_state_dict_post_hook(_per_layer_state_dict)
+        self.register_load_state_dict_post_hook(_per_layer_incompatible_keys)
+        optimizer_state.track(self, inner=[self.rest])
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        optimizer_state.track(self, inner=[self.rest])  # a copy, or unpickled
+
+    @property
+    def first(self) -> nn.Module:
+        return self._modules["0"]
+
+    def __len__(self) -> int:
+        return 1 + len(self.rest)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[each] for each in range(len(self))[index]]
+        index = operator.index(index)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"Layer index {index} is out of range for {len(self)} layers.")
+        index %= len(self)
+        return self.first if index == 0 else self.rest[index - 1]
+
+    def __iter__(self):
+        if _runs_the_loop(self):
+            return iter([functools.partial(self._called, each) for each in range(len(self))])
+        return (self[index] for index in range(len(self)))
+
+    def unstacked(self) -> list[nn.Module]:
+        """Layer 0 itself, and the others as `LayerStack.unstacked` gives them."""
+        return [self.first, *self.rest.unstacked()]
+
+    def stack_options(self) -> dict:
+        return self.rest.stack_options()
+
+    def layer_parameters(self) -> list[tuple[str, int | None, str]]:
+        """As `LayerStack.layer_parameters`: layer 0's parameters as they are, then the others'."""
+        return [*((f"0.{name}", None, f"0.{name}") for name, _ in self.first.named_parameters()),
+                *((f"rest.{stacked}", layer, _after_first(per_layer))
+                  for stacked, layer, per_layer in self.rest.layer_parameters())]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        # Layers 1, ..., N-1's keys as the rest's, which it then loads; keys of
+        # layers beyond len(self) stay, reported as unexpected.
+        for key in [key for key in state_dict if key.startswith(prefix)]:
+            index, dot, name = key[len(prefix):].partition(".")
+            if index.isdigit() and 1 <= int(index) < len(self):
+                state_dict[f"{prefix}rest.{int(index) - 1}{dot}{name}"] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
+    def _called(self, index: int, hidden_states, *args, **kwargs):
+        """Layer `index` of the model's loop, called in order (see the class docstring)."""
+        try:
+            if index == 0:
+                output = self.first(hidden_states, *args, **kwargs)
+                self._given = _hidden_of(output)
+                return output
+            if index == 1:
+                if hidden_states is not self._given:
+                    raise RuntimeError(
+                        f"layer 1 got another hidden state than layer 0 returned: layers 1-"
+                        f"{len(self) - 1} run as one scan when layer 1 is called, on what layer 0 "
+                        f"returned; call the layers in order, with nothing between them but "
+                        f"handing back what each returned.")
+                self._returned = self._run_rest(hidden_states, args, kwargs)
+            if self._returned is None:
+                return self.rest[index - 1](hidden_states, *args, **kwargs)
+            # The later calls must get what the scan returned, and the arguments it used.
+            if self._calls.record(index - 1, hidden_states, args, kwargs):
+                self._calls.ran(_hidden_of(self._returned))
+            return self._returned
+        finally:
+            if index == len(self) - 1:
+                if self._calls is not None:
+                    self._calls.clear()
+                self._given = self._returned = None
+
+    def _run_rest(self, hidden_states, args: tuple, kwargs: dict):
+        """Layers 1, ..., N-1 as one scan: what the last one returns; None,
+        with a LayerByLayerWarning, when each call is to run its layer."""
+        stack = self.rest
+        found = handed_on(stack._template, stack._stacked_tensors(), hidden_states, args, kwargs)
+        if isinstance(found, str):
+            warn_layer_by_layer(len(stack), f"the layers after the first: {found}", stacklevel=4)
+            return None
+        return returned(found, stack(hidden_states, *args, **kwargs), args, kwargs)
+
+
+def _hidden_of(output):
+    """A layer's hidden state: its output, or the first value of its tuple."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _after_first(name: str) -> str:
+    """'2.mlp.weight' of layers 1, ..., N-1 as the name in the whole list, '3.mlp.weight'."""
+    index, dot, rest = name.partition(".")
+    return f"{int(index) + 1}{dot}{rest}"
+
+
+# 'rest.3.layer...' of a StackedAfterFirst's state_dict, relative to it.
+_REST_NAME = re.compile(r"rest\.(\d+)(\.|$)")
+
+
+def _per_layer_state_dict(stack: StackedAfterFirst, state_dict, prefix: str,
+                          local_metadata) -> None:
+    """state_dict post-hook: layers 1, ..., N-1 by their names in the whole list."""
+    for key in [key for key in state_dict if key.startswith(prefix + "rest.")]:
+        state_dict[prefix + _after_first(key[len(prefix) + len("rest."):])] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [key for key in metadata
+                    if key == prefix + "rest" or key.startswith(prefix + "rest.")]:
+            entry = metadata.pop(key)
+            if _REST_NAME.match(key[len(prefix):]):
+                metadata[prefix + _after_first(key[len(prefix) + len("rest."):])] = entry
+
+
+def _per_layer_incompatible_keys(stack: StackedAfterFirst, incompatible_keys) -> None:
+    """load_state_dict post-hook: reports keys by their names in the whole list."""
+    for keys in incompatible_keys:
+        keys[:] = [re.sub(r"(^|\.)rest\.(\d+)(?=\.|$)",
+                          lambda match: f"{match.group(1)}{int(match.group(2)) + 1}", key)
+                   for key in keys]
+
+
 def _scan_with_cache(plan: CachePlan, layers: Layers, hidden, kwargs: dict):
     """One scan over `layers` called with `kwargs` and each with the cache
     `plan` gives it; the plan's cache then holds what the layers' own
@@ -290,7 +455,7 @@ def _scan_with_cache(plan: CachePlan, layers: Layers, hidden, kwargs: dict):
 
 
 # The stacks that stack_layers makes.
-STACKS = (StackedLayers, StackedLayerKinds)
+STACKS = (StackedLayers, StackedLayerKinds, StackedAfterFirst)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,6 +500,17 @@ class _RunningLoops(threading.local):
 
 
 _LOOPING = _RunningLoops()
+
+
+def _runs_the_loop(stack: nn.Module) -> bool:
+    """Whether iterating over `stack` now is its owner's forward loop, which
+    gets the stack's callables (a scan stands for it); else the layers as
+    modules: anywhere else (user code, peft, ...), and in that loop while one
+    of its guards holds, with a LayerByLayerWarning giving the guard's reason."""
+    loop = _LOOPING.over(stack)
+    if loop is not None and loop.guarded is not None:
+        warn_layer_by_layer(len(stack), loop.guarded, stacklevel=4)
+    return loop is not None and loop.guarded is None
 
 
 class ForwardLoop:

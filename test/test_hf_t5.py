@@ -1,0 +1,262 @@
+"""stack_layers on T5, whose loop hands the position biases the first layer
+computes on to the others (`hidden_states, self_attention_position_bias,
+cross_attention_position_bias = layer_module(...)`, then `position_bias =
+self_attention_position_bias`): layer 0 runs as itself and the others as one
+scan per layer list, against the same model unconverted; and the same for a
+small model of such a loop."""
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+import torch_xla
+import transformers
+from torch import nn
+
+from support import supports
+from test_hf import device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
+from tolerances import TRAINING, close
+from torch_xla_ext.hf import StackedAfterFirst, stack_layers, unstack_layers
+from torch_xla_ext.layer_stack import LayerByLayerWarning
+
+VOCAB, SEQ, BATCH = 128, 6, 2
+LISTS = ("encoder.block", "decoder.block")
+
+
+def t5():
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=3, num_decoder_layers=3, num_heads=4,
+        d_kv=8, relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def tokens(device, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator).to(device)
+
+
+def unconverted_grads(model) -> dict:
+    """per_layer_grads, with the stacked layers after the first named as in the whole list."""
+    return {re.sub(r"\.rest\.(\d+)\.", lambda match: f".{int(match.group(1)) + 1}.", name): grad
+            for name, grad in per_layer_grads(model).items()}
+
+
+def run_training_step(model, ids, **options):
+    """The loss, the number of While loops in its graph and the LayerByLayerWarnings."""
+    model.to(ids.device).train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(input_ids=ids, labels=ids, **options).loss
+    loss.backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
+    torch_xla.sync()
+    model.cpu()  # the gradients too: compared on the host
+    return loss.cpu(), hlo.count(" while("), [str(each.message) for each in caught
+                                              if each.category is LayerByLayerWarning]
+
+
+@supports("training", "t5")
+def test_t5_training_matches_the_unconverted_model(device):
+    reference = t5()
+    model = stack_layers(copy.deepcopy(reference))
+    for path in LISTS:
+        stack = model.get_submodule(path)
+        assert type(stack) is StackedAfterFirst and len(stack) == 3
+    assert model.state_dict().keys() == reference.state_dict().keys()
+
+    ids = tokens(device)
+    # Without a key/value cache: T5's decoder makes an EncoderDecoderCache otherwise.
+    expected, loops_before, _ = run_training_step(reference, ids, use_cache=False)
+    loss, loops_after, one_by_one = run_training_step(model, ids, use_cache=False)
+    close(loss, expected, TRAINING)
+    assert loops_after == loops_before + 2  # a scan of layers 1-2 of each list
+    assert not one_by_one
+    expected_grads, grads = per_layer_grads(reference), unconverted_grads(model)
+    assert grads.keys() == expected_grads.keys()
+    # Layer 0's relative_attention_bias gets the gradients of every layer's use of the bias.
+    assert "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in grads
+    for name, grad in grads.items():
+        close(grad, expected_grads[name], TRAINING)
+
+    # An optimizer's state dict names and orders the parameters as unconverted.
+    states = []
+    for which in (reference, model):
+        optimizer = torch.optim.SGD(which.named_parameters(), lr=0.1, momentum=0.9)
+        optimizer.step()
+        states.append(optimizer.state_dict())
+    (group,), (stacked_group,) = (state["param_groups"] for state in states)
+    assert stacked_group["param_names"] == group["param_names"]
+    expected_state, state = (each["state"] for each in states)
+    assert state.keys() == expected_state.keys()
+    for index, expected_buffers in expected_state.items():
+        close(state[index]["momentum_buffer"], expected_buffers["momentum_buffer"], TRAINING)
+
+
+def test_t5_per_layer_hidden_states_match_the_unconverted_model(device):
+    reference = t5()
+    model = stack_layers(copy.deepcopy(reference))
+    ids = tokens(device)
+    outputs = []
+    for which in (reference, model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            outputs.append(which.to(device).eval()(input_ids=ids, labels=ids, use_cache=False,
+                                                   output_hidden_states=True))
+    for name in ("encoder_hidden_states", "decoder_hidden_states"):
+        expected, actual = (output[name] for output in outputs)
+        assert len(actual) == len(expected) == 4
+        close(actual, expected, TRAINING)
+
+
+def test_t5_training_with_the_default_cache_runs_the_decoder_layer_by_layer(device):
+    reference = t5()
+    model = stack_layers(copy.deepcopy(reference))
+    ids = tokens(device)
+    expected, _, _ = run_training_step(reference, ids)
+    loss, loops, one_by_one = run_training_step(model, ids)
+    close(loss, expected, TRAINING)
+    assert loops == 1  # the encoder's scan
+    assert len(one_by_one) == 1 and re.search(
+        r"The 2 layers ran one by one.*the layers after the first: argument kwargs\['past_key_values'\] is a "
+        r"EncoderDecoderCache.*use_cache=False", one_by_one[0])
+    expected_grads = per_layer_grads(reference)
+    for name, grad in unconverted_grads(model).items():
+        close(grad, expected_grads[name], TRAINING)
+
+
+@supports("generate", "t5")
+def test_t5_greedy_generation_matches_the_unconverted_model(device):
+    reference = t5()
+    model = stack_layers(copy.deepcopy(reference))
+    ids = tokens(device, seed=2)
+    mask = torch.ones_like(ids)
+    expected = seeded_generate(reference, ids, mask, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert seeded_generate(model, ids, mask, do_sample=False) == expected
+    # The encoder is one scan; the decoder gets generate()'s EncoderDecoderCache.
+    reasons = {str(each.message) for each in caught if each.category is LayerByLayerWarning}
+    assert reasons and all("EncoderDecoderCache" in reason for reason in reasons)
+
+
+def test_unstack_layers_and_state_dicts_of_t5(device):
+    reference = t5()
+    expected = reference.state_dict()
+    model = stack_layers(copy.deepcopy(reference))
+    stack = model.encoder.block
+    assert stack[0] is stack.first and stack[-1].layer[0].SelfAttention.q.weight.shape == (32, 32)
+    assert torch.equal(stack[2].layer[1].DenseReluDense.wi.weight,
+                       expected["encoder.block.2.layer.1.DenseReluDense.wi.weight"])
+    assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())
+
+    # An unconverted checkpoint loads into the stacked model, layer by layer.
+    other = t5()
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(1.0)
+    assert not model.load_state_dict(other.state_dict()).missing_keys
+    assert torch.equal(model.decoder.block[1].layer[2].DenseReluDense.wo.weight,
+                       other.decoder.block[1].layer[2].DenseReluDense.wo.weight)
+    incompatible = model.load_state_dict({"encoder.block.2.layer.0.SelfAttention.q.weight":
+                                          expected["encoder.block.2.layer.0.SelfAttention.q.weight"],
+                                          "encoder.block.3.extra": torch.zeros(1)}, strict=False)
+    assert "encoder.block.3.extra" in incompatible.unexpected_keys
+    assert "encoder.block.1.layer.0.SelfAttention.q.weight" in incompatible.missing_keys
+
+    model.load_state_dict(expected)
+    stack_layers(model)  # stacked already: nothing to do
+    unstack_layers(model, path="encoder.block")
+    assert type(model.encoder.block) is nn.ModuleList
+    assert type(model.decoder.block) is StackedAfterFirst
+    unstack_layers(model)
+    for path in LISTS:
+        assert type(model.get_submodule(path)) is nn.ModuleList
+    assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())
+
+
+class Block(nn.Module):
+    """Adds a bias that the first block computes and hands on (or, `recomputed`, each block)."""
+
+    def __init__(self, recomputed=False):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.recomputed = recomputed
+
+    def forward(self, x, scale, bias=None):
+        if bias is None or self.recomputed:
+            bias = x.mean(dim=-1, keepdim=True)
+        return self.linear(x) * scale + bias, bias
+
+
+class HandsBack(nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self, recomputed=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(recomputed) for _ in range(3))
+
+    def forward(self, x):
+        bias = None
+        scale = 0.5
+        for block in self.blocks:
+            x, returned = block(x, scale, bias)
+            if scale:
+                bias = returned
+        return x
+
+
+@pytest.mark.parametrize("recomputed", [False, True])
+def test_a_loop_that_hands_back_what_layers_return(device, recomputed):
+    reference = HandsBack(recomputed).to(device)
+    model = stack_layers(copy.deepcopy(reference))
+    assert type(model.blocks) is StackedAfterFirst
+    x = torch.randn(2, 4, device=device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        output = model(x)
+    loops = torch_xla._XLAC._get_xla_tensors_hlo([output]).count(" while(")
+    one_by_one = [str(each.message) for each in caught if each.category is LayerByLayerWarning]
+    close(output, reference(x), TRAINING)
+    if recomputed:
+        # Each block computes the bias it returns: the loop's calls run their blocks.
+        assert len(one_by_one) == 1 and loops == 0
+        assert "returns a tensor it computes as its value 1" in one_by_one[0]
+    else:
+        assert not one_by_one and loops == 1
+
+
+class Rescales(HandsBack):
+    """Scales what it hands back: each block gets another bias."""
+
+    def forward(self, x):
+        bias = None
+        for block in self.blocks:
+            x, returned = block(x, 0.5, bias)
+            bias = returned * 2
+        return x
+
+
+class Clamps(HandsBack):
+    """Calls something on what it hands back."""
+
+    def forward(self, x):
+        bias = None
+        for block in self.blocks:
+            x, returned = block(x, 0.5, bias)
+            bias = returned
+            bias = bias.clamp(min=0)
+        return x
+
+
+def test_a_loop_that_changes_what_it_hands_back_is_refused(device):
+    with pytest.raises(ValueError, match=r"Clamps\.forward does more between two layers .*"
+                                         r"`bias = bias\.clamp\(min=0\)`"):
+        stack_layers(Clamps())
+    # What calls nothing is seen as the loop runs: layer 2 gets another bias than layer 1.
+    model = stack_layers(Rescales()).to(device)
+    with pytest.raises(ValueError, match=r"layer 2 is called with other arguments than layer 1"
+                                         r".*its argument args\[1\]"):
+        model(torch.randn(2, 4, device=device))
