@@ -87,7 +87,7 @@ MODES = ("loop", "stack_layers", "stack_layers+cache", "torch-xla-scan")
 CHECKPOINTING_MODES = ("stack_layers+save_nothing", "stack_layers+checkpointing")
 CHECKPOINTING_RSS_GOAL = 1.05
 # What LoRA adapts in each family: the attention's query and value projections.
-LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"]}
+LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"], "t5": ["q", "v"]}
 DEFAULT_LORA_TARGETS = ["q_proj", "v_proj"]
 WARMUP_STEPS = 2
 # Seconds one (mode, L) may take: the for loop at L=64 compiles for minutes.
@@ -102,7 +102,7 @@ def skipped_because(family: str, mode: str, lora: bool) -> str | None:
         unsupported = hf_workloads.torch_xla_scan_unsupported(family)
         if unsupported or lora:
             return unsupported or "the torch_xla scan_layers wrapper is not run with --lora"
-    if mode == "stack_layers+cache" and family in hf_workloads.AUTO_CLASSES:
+    if mode == "stack_layers+cache" and family in hf_workloads.WITHOUT_CACHE:
         return f"{family} makes no cache"
     return None
 

@@ -41,7 +41,7 @@ def test_lora_on_other_families_trains_the_same_steps_converted(scenario_server,
     assert figures["stack_layers"]["step_compiles"] == 1, figures
 
 
-NEW_FAMILIES = ["mixtral", "qwen3_moe", "bert", "vit"]
+NEW_FAMILIES = ["mixtral", "qwen3_moe", "bert", "vit", "t5"]
 
 
 def tiny_args(**settings) -> argparse.Namespace:
@@ -95,7 +95,7 @@ def test_gradient_checkpointing_is_measured_beside_save_nothing(forked_workers, 
 
 @pytest.mark.parametrize("arguments, message", [
     (["--modes", "loop,bogus"], "unknown modes ['bogus']"),
-    (["--family", "llama,t5"], "unknown families ['t5']"),
+    (["--family", "llama,gpt3"], "unknown families ['gpt3']"),
 ])
 def test_unknown_modes_and_families_are_refused(arguments, message, capsys):
     with pytest.raises(SystemExit) as exited:

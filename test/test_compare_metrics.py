@@ -340,7 +340,7 @@ def test_hf_config_json_with_layers_overriding_its_depth(tmp_path, forked_worker
 
 
 FAMILY_LIST = ("llama, qwen3, gemma2, gemma3, qwen2-window, gpt2, mixtral, qwen3_moe, bert, "
-               "vit")
+               "vit, t5")
 
 
 @pytest.mark.parametrize("config, args, message", [

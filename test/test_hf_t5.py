@@ -5,12 +5,14 @@ self_attention_position_bias`): layer 0 runs as itself and the others as one
 scan per layer list, against the same model unconverted; and the same for a
 small model of such a loop."""
 import copy
+import functools
 import re
 import warnings
 
 import pytest
 import torch
 import torch_xla
+import torch_xla.utils.checkpoint as xla_checkpoint
 import transformers
 from torch import nn
 
@@ -18,7 +20,8 @@ from support import supports
 from test_hf import device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
 from tolerances import TRAINING, close
 from torch_xla_ext.hf import StackedAfterFirst, stack_layers, unstack_layers
-from torch_xla_ext.layer_stack import LayerByLayerWarning
+from torch_xla_ext import policies
+from torch_xla_ext.layer_stack import LayerByLayerWarning, running
 
 VOCAB, SEQ, BATCH = 128, 6, 2
 LISTS = ("encoder.block", "decoder.block")
@@ -260,3 +263,38 @@ def test_a_loop_that_changes_what_it_hands_back_is_refused(device):
     with pytest.raises(ValueError, match=r"layer 2 is called with other arguments than layer 1"
                                          r".*its argument args\[1\]"):
         model(torch.randn(2, 4, device=device))
+
+
+@supports("gradient checkpointing", "t5")
+def test_t5_gradient_checkpointing_recomputes_block_0_and_the_scan(device, monkeypatch):
+    # The unconverted oracle checkpoints its blocks with torch_xla's checkpoint
+    # (torch's fails on XLA); converted, the scan recomputes under save_nothing
+    # and block 0, which runs by itself, under torch_xla's checkpoint.
+    reference = t5()
+    reference._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
+        xla_checkpoint.checkpoint, use_reentrant=True))
+    model = stack_layers(copy.deepcopy(t5()))
+    model.gradient_checkpointing_enable()  # torch's checkpoint, non-reentrant: transformers' default
+    checkpointed, partition_fns = [], []
+    monkeypatch.setattr(xla_checkpoint, "checkpoint", recording(xla_checkpoint.checkpoint,
+                                                                checkpointed))
+    monkeypatch.setattr(running, "scan", recording(running.scan, partition_fns))
+    ids = tokens(device)
+    expected, _, _ = run_training_step(reference, ids, use_cache=False)
+    expected_grads = per_layer_grads(reference)
+    checkpointed.clear()
+    loss, loops, one_by_one = run_training_step(model, ids, use_cache=False)
+    close(loss, expected, TRAINING)
+    assert loops == 2 and not one_by_one
+    assert len(checkpointed) == 2  # block 0 of the encoder and of the decoder
+    assert [each["partition_fn"] for each in partition_fns] == [policies.save_nothing] * 2
+    for name, grad in unconverted_grads(model).items():
+        close(grad, expected_grads[name], TRAINING)
+
+
+def recording(function, calls: list):
+    """`function`, appending the keyword arguments of each call to `calls`."""
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return function(*args, **kwargs)
+    return recorded

@@ -12,9 +12,12 @@ import dataclasses
 import math
 
 FAMILIES = ("llama", "qwen3", "gemma2", "gemma3", "qwen2-window", "gpt2", "mixtral",
-            "qwen3_moe", "bert", "vit")
+            "qwen3_moe", "bert", "vit", "t5")
 # The transformers auto class of each family that is not a causal LM.
-AUTO_CLASSES = {"bert": "AutoModelForMaskedLM", "vit": "AutoModelForImageClassification"}
+AUTO_CLASSES = {"bert": "AutoModelForMaskedLM", "vit": "AutoModelForImageClassification",
+                "t5": "AutoModelForSeq2SeqLM"}
+# The families whose models make no key/value cache.
+WITHOUT_CACHE = ("bert", "vit")
 DEFAULT_AUTO_CLASS = "AutoModelForCausalLM"
 # Mixture-of-experts models: their experts, and the experts implementation
 # whose shapes do not depend on the routing, so that the layers scan.
@@ -45,7 +48,8 @@ def family_config(family: str, sizes: ModelSizes, use_cache: bool = False):
     gemma3 (text) has its default pattern of 5 sliding-window layers and 1
     full; qwen2-window full attention in its first half and a window of half
     the sequence in the rest; mixtral and qwen3_moe EXPERTS experts of
-    `intermediate`, EXPERTS_PER_TOKEN per token."""
+    `intermediate`, EXPERTS_PER_TOKEN per token; t5 an encoder and a decoder
+    of `layers` blocks each."""
     import transformers
 
     if family not in FAMILIES:
@@ -61,6 +65,12 @@ def family_config(family: str, sizes: ModelSizes, use_cache: bool = False):
             num_attention_heads=sizes.heads, intermediate_size=sizes.intermediate,
             max_position_embeddings=sizes.seq, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0)
+    if family == "t5":  # an encoder and a decoder of `layers` blocks each
+        return transformers.T5Config(
+            vocab_size=sizes.vocab, d_model=sizes.hidden, d_ff=sizes.intermediate,
+            num_layers=sizes.layers, num_decoder_layers=sizes.layers, num_heads=sizes.heads,
+            d_kv=sizes.hidden // sizes.heads, dropout_rate=0.0, decoder_start_token_id=0,
+            use_cache=use_cache)
     if family == "vit":
         return transformers.ViTConfig(
             hidden_size=sizes.hidden, num_hidden_layers=sizes.layers,

@@ -15,7 +15,9 @@ function runs inside the scan. Each call of the stack then reads it
 (`under_policy`): while training with it set, the scan runs under
 `save_nothing`, which recomputes each layer in the backward loop, as the
 checkpoint function would; otherwise under the stack's own `partition_fn`,
-so disabling restores it.
+so disabling restores it. A layer that runs by itself (a
+`StackedAfterFirst`'s layer 0) keeps transformers' checkpointing, with
+torch_xla's checkpoint function on XLA (`runnable_on`).
 
 `every_n_layers` sets the flag on some GradientCheckpointingLayers only:
 `stack_layers` refuses such layers, as one scan recomputes every layer or
@@ -24,10 +26,12 @@ transformers sets the flag on the stack alone and every layer recomputes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
 
+import torch
 import torch.utils.checkpoint
 import torch_xla.utils.checkpoint
 from torch import nn
@@ -78,6 +82,33 @@ def given_to(layers: list[nn.Module], stack: nn.Module) -> list[nn.Module]:
                     module._gradient_checkpointing_func = stack._gradient_checkpointing_func
                     module.gradient_checkpointing = True
     return layers
+
+
+@contextlib.contextmanager
+def runnable_on(layer: nn.Module, device: torch.device):
+    """While `layer` runs by itself on `device`, outside any scan (a
+    `StackedAfterFirst`'s layer 0): on XLA, transformers' checkpoint function
+    (torch's, which fails on XLA tensors) is torch_xla's, with the same
+    keywords, so that the layer recomputes in the backward as the scan after
+    it does; elsewhere, and for any other function, as it is. torch_xla's
+    has the reentrant implementation only: `use_reentrant` only picks one
+    (see `_WITHOUT_EFFECT`)."""
+    swapped = []
+    if device.type == "xla":
+        for module in layer.modules():
+            function = getattr(module, "_gradient_checkpointing_func", None)
+            if (getattr(module, "gradient_checkpointing", False) is True
+                    and isinstance(function, functools.partial)
+                    and function.func is torch.utils.checkpoint.checkpoint):
+                swapped.append((module, function))
+                module._gradient_checkpointing_func = functools.partial(
+                    torch_xla.utils.checkpoint.checkpoint, *function.args,
+                    **{**function.keywords, "use_reentrant": True})
+    try:
+        yield
+    finally:
+        for module, function in swapped:
+            module._gradient_checkpointing_func = function
 
 
 def under_policy(stack: nn.Module, layers: Layers) -> Layers:

@@ -372,7 +372,8 @@ class StackedAfterFirst(nn.Module):
         """Layer `index` of the model's loop, called in order (see the class docstring)."""
         try:
             if index == 0:
-                output = self.first(hidden_states, *args, **kwargs)
+                with checkpointing.runnable_on(self.first, hidden_states.device):
+                    output = self.first(hidden_states, *args, **kwargs)
                 self._given = _hidden_of(output)
                 return output
             if index == 1:
