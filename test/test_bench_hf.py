@@ -32,7 +32,8 @@ def test_every_mode_trains_the_same_steps(scenario_server):
     assert figures["stack_layers+cache"]["compiles"] == figures["loop"]["compiles"] - 1
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gpt2", "bert"])
+# Families whose LoRA targets are not the default q_proj and v_proj.
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
 def test_lora_on_other_families_trains_the_same_steps_converted(scenario_server, family):
     figures = {mode: worker_figures(scenario_server, "bench_hf.py", "--mode", mode, "--layers",
                                     "2", "--family", family, "--lora", *TINY)
@@ -53,14 +54,15 @@ def tiny_args(**settings) -> argparse.Namespace:
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_moe_and_encoder_families_train_the_same_steps_as_one_scan(scenario_server, family):
-    # T5's checkpointing is tested against torch_xla's checkpoint in test_hf_t5.py.
-    converted = ("stack_layers",) + (() if family == "t5" else ("stack_layers+checkpointing",))
+    # Trained converted with recomputation (the forward and backward of plain
+    # stack_layers, and the scan's save_nothing policy); T5's, whose block 0
+    # checkpoints by itself, is tested against torch_xla's checkpoint in test_hf_t5.py.
+    converted = "stack_layers" if family == "t5" else "stack_layers+checkpointing"
     figures = {mode: worker_figures(scenario_server, "bench_hf.py", "--mode", mode, "--layers",
                                     "2", "--family", family, *TINY)
-               for mode in ("loop", *converted)}
-    for mode in converted:
-        assert abs(figures[mode]["last_loss"] - figures["loop"]["last_loss"]) < 1e-4, figures
-        assert figures[mode]["step_compiles"] == 1, figures
+               for mode in ("loop", converted)}
+    assert abs(figures[converted]["last_loss"] - figures["loop"]["last_loss"]) < 1e-4, figures
+    assert figures[converted]["step_compiles"] == 1, figures
     # The converted forward, on the benchmark's own model and inputs, is one
     # while loop and runs no layer by itself.
     args = tiny_args(family=family, layers=2, mode="stack_layers")

@@ -42,14 +42,14 @@ def gemma3():
     return transformers.Gemma3ForConditionalGeneration(config)
 
 
-def llava(vision_feature_layer=-2):
+def llava():
     """LlavaForConditionalGeneration: a CLIP vision tower and a Llama language
     model, which takes the vision tower's hidden state `vision_feature_layer`
-    (-2 by default: the output of the layer before the last)."""
+    -2 (its default: the output of the layer before the last)."""
     config = transformers.LlavaConfig(
         vision_config=transformers.CLIPVisionConfig(**VISION, projection_dim=32),
         text_config=transformers.LlamaConfig(**TEXT), image_token_id=IMAGE_TOKEN,
-        vision_feature_layer=vision_feature_layer)
+        vision_feature_layer=-2)
     torch.manual_seed(0)
     return transformers.LlavaForConditionalGeneration(config)
 
@@ -64,9 +64,8 @@ def image_and_text(device, seed=1):
 
 # Each trains with a scan of each list (two loops beyond the unconverted model's).
 MULTIMODAL = {
-    "gemma3": gemma3,
     # The vision tower's last hidden state.
-    "llava-last-layer": lambda: llava(vision_feature_layer=-1),
+    "gemma3": gemma3,
     # The hidden state after the vision tower's first layer: from the scan's
     # per-layer outputs, replayed to transformers' hooks.
     "llava": llava,
