@@ -328,7 +328,7 @@ def test_a_list_whose_layers_are_not_alike_stays_with_a_warning_and_the_others_a
     # Named by its path, the list is refused and the model is unchanged.
     model = gemma3()
     model.get_submodule(VISION_LAYERS)[1].layer_norm1.eps = 1e-3
-    with pytest.raises(ValueError, match=rf"[Ll]ayer 1 setting 'layer_norm1\.eps'.*the model "
-                                         rf"is unchanged"):
+    with pytest.raises(ValueError, match=r"[Ll]ayer 1 setting 'layer_norm1\.eps'.*the model "
+                                         r"is unchanged"):
         stack_layers(model, path=VISION_LAYERS)
     assert type(model.get_submodule(VISION_LAYERS)) is nn.ModuleList
