@@ -122,9 +122,10 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     the other layers as one scan, those values entering it as arguments of
     every step, once a call of a layer on fake tensors shows that each
     layer returns them as it got them (else, and with a key/value cache
-    among the arguments, each call runs its layer, with a
-    `LayerByLayerWarning`). The loop's later calls must get what the scan
-    returned; a loop that hands on something else raises.
+    that holds tokens, each call runs its layer, with a
+    `LayerByLayerWarning`; an empty one the scan fills). The loop's later
+    calls must get what the scan returned; a loop that hands on something
+    else raises.
 
     Not supported, and refused with an error that says so: layers of one kind
     that are not alike (a setting changed on one layer: the scan runs the

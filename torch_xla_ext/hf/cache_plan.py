@@ -28,8 +28,9 @@ and the stack runs its plan as one scan, or the layers one by one.
   materialize as a copy). The prefill's scan fills the empty cache; each
   decoding step's scan, under `torch.no_grad()`, writes only the new
   positions, in place.
-* An empty `EncoderDecoderCache` (an encoder-decoder model's decoder: BART's
-  and Whisper's in a prompt's prefill, Whisper's in training): the scan
+* An empty `EncoderDecoderCache` (an encoder-decoder model's decoder: BART's,
+  Whisper's and T5's in a prompt's prefill, Whisper's and T5's in training;
+  for T5's blocks after the first, empty from slot `first` on): the scan
   records each layer's self-attention and cross-attention keys and values,
   and fills both caches after the loop, detached, marking the cross-attention
   ones computed, as the layers' own updates leave it. Its decoding steps run
@@ -57,8 +58,9 @@ from transformers.cache_utils import (
 
 from torch_xla_ext.class_swaps import original_class
 from torch_xla_ext.hf.caches import (
-    advance, appended, appended_encoder_decoder, extend, fill_encoder_decoder, fill_stacked, hold_stacked, keeps_all,
-    keys_and_values_per_position, reads_one_stack, stacked_buffers, written_in_place)
+    advance, appended, appended_encoder_decoder, extend, fill_encoder_decoder, fill_stacked,
+    hold_stacked, keeps_all, keys_and_values_per_position, reads_one_stack, stacked_buffers,
+    written_in_place)
 from torch_xla_ext.layer_stack.running import Recording, device_reason
 
 
@@ -128,7 +130,7 @@ class CachePlan:
         """Leaves the cache as the layers' own updates of `new_tokens` tokens
         would have, from what the scan recorded."""
         if self.encoder_decoder:
-            fill_encoder_decoder(self.cache, recorded)
+            fill_encoder_decoder(self.cache, recorded, self.first)
         elif self.in_place:
             if self.held:
                 advance(self.cache, new_tokens)
@@ -169,9 +171,10 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
     if cache is None:
         return CACHE_REASON
     if isinstance(cache, EncoderDecoderCache):
-        if period is None and all(starts_empty(part) for part in
-                                  (cache.self_attention_cache, cache.cross_attention_cache)):
-            return CachePlan(cache, parameter, in_place=False, encoder_decoder=True)
+        if period is None and holds_nothing(cache, first, num_layers):
+            return CachePlan(cache, parameter, in_place=False, first=first, encoder_decoder=True)
+        return CACHE_REASON
+    if first and period is None:  # the stacked layers after a first one (T5's)
         return CACHE_REASON
     if period is not None:
         if _holds_nothing(cache, first, first + num_layers):
@@ -238,6 +241,15 @@ def _holds_nothing(cache, start: int, stop: int) -> bool:
     return (len(layers) >= stop
             and all(original_class(layer) in _APPENDED_LAYERS for layer in layers[start:stop])
             and not any(getattr(layer, "is_initialized", True) for layer in layers[start:stop]))
+
+
+def holds_nothing(cache, first: int, num_layers: int) -> bool:
+    """Whether `cache` (a DynamicCache, or an EncoderDecoderCache of two)
+    holds nothing yet in the slots of layers `first`, ..., `first +
+    num_layers - 1`: those layers see no earlier token."""
+    parts = ((cache.self_attention_cache, cache.cross_attention_cache)
+             if isinstance(cache, EncoderDecoderCache) else (cache,))
+    return all(_holds_nothing(part, first, first + num_layers) for part in parts)
 
 
 def starts_empty(cache) -> bool:

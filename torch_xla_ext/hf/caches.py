@@ -4,9 +4,9 @@ runs how): the stand-in cache each traced layer call gets, which records the
 keys and values it puts in (`appended`: a DynamicCache, or an empty
 StaticCache, extended or filled after the loop; `keys_and_values_per_position`:
 a group of layers' empty DynamicCache; `appended_encoder_decoder`: an empty
-EncoderDecoderCache, filled after the loop by `fill_encoder_decoder`) or writes a StaticCache's stacked
-buffers inside the loop (`written_in_place`), and a cache held as two stacked
-buffers, its layers reading their slices (a StaticCache: `fill_stacked`; a
+EncoderDecoderCache, filled after the loop by `fill_encoder_decoder`) or
+writes a StaticCache's stacked buffers inside the loop (`written_in_place`),
+and a cache held as two stacked buffers, its layers reading their slices (a StaticCache: `fill_stacked`; a
 DynamicCache that keeps all it gets: `hold_stacked`; either:
 `stacked_buffers`)."""
 from __future__ import annotations
@@ -137,6 +137,9 @@ class _RecordingEncoderDecoderCache(EncoderDecoderCache):
         self.cross_attention_cache = _AppendingCache()
         self.is_updated = _NoneComputedYet()
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # it starts empty (T5's attention reads this before updating it)
+
 
 class _NoneComputedYet:
     """The stand-in's `is_updated`: the cache starts empty, so no layer's
@@ -169,16 +172,17 @@ def appended_encoder_decoder(parameter: str) -> Recording:
                      lambda given: _recorded_encoder_decoder(given[parameter]))
 
 
-def fill_encoder_decoder(cache, recorded: tuple) -> None:
-    """Leaves an empty EncoderDecoderCache as the layers' own updates would:
-    each layer's self-attention keys and values, and its cross-attention ones
-    (marked as computed, so that decoding steps read them) if recorded."""
+def fill_encoder_decoder(cache, recorded: tuple, first: int = 0) -> None:
+    """Leaves an EncoderDecoderCache empty from layer `first` on as the
+    layers' own updates would: each layer's self-attention keys and values,
+    and its cross-attention ones (marked as computed, so that decoding steps
+    read them) if recorded."""
     parts = (cache.self_attention_cache, cache.cross_attention_cache)
     for part, (keys, values) in zip(parts, (recorded[i:i + 2] for i in range(0, len(recorded), 2))):
         for index in range(keys.shape[0]):
-            extend(part, index, keys[index], values[index])
+            extend(part, first + index, keys[index], values[index])
             if part is cache.cross_attention_cache:
-                cache.is_updated[index] = True
+                cache.is_updated[first + index] = True
 
 
 def extend(cache, layer_index: int, keys: torch.Tensor, values: torch.Tensor) -> None:

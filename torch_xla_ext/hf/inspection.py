@@ -184,7 +184,8 @@ def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[LoopShape, str |
 
     def located(statement: ast.stmt) -> tuple[str, str]:
         line = first_line + statement.lineno - 1
-        return f"{forward.__code__.co_filename}:{line}", source.splitlines()[statement.lineno - 1].strip()
+        text = source.splitlines()[statement.lineno - 1].strip()
+        return f"{forward.__code__.co_filename}:{line}", text
 
     if extra:
         line, text = located(extra[0])

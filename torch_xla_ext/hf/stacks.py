@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from torch_xla_ext.hf import checkpointing
-from torch_xla_ext.hf.cache_plan import CachePlan, plan_cache_call, starts_empty
+from torch_xla_ext.hf.cache_plan import (
+    CACHE_REASON, CachePlan, holds_nothing, plan_cache_call, starts_empty)
 from torch_xla_ext.hf.caches import is_cache
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
 from torch_xla_ext.layer_stack import LayerStack, optimizer_state
@@ -108,6 +109,9 @@ class StackedLayers(LayerStack):
         self.__dict__["_given_per_layer_attributes"] = tuple(sorted(per_layer))
         self.model_config = config
         self.recorded_outputs = tuple(recorded_outputs)
+        # The slot of its first layer in the model's key/value cache: 1 for a
+        # StackedAfterFirst's layers after the first.
+        self.first_cache_layer = 0
         if config is not None and self._template is not None:
             _share_config(self._template, layers[0], config)
         # Mixture-of-experts modules, whose implementation decides whether a scan can run them.
@@ -201,7 +205,7 @@ class StackedLayers(LayerStack):
         gradients = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             tensor.requires_grad for tensor in self.parameters()))
         plan = plan_cache_call(cache, parameter, len(self), hidden_states.shape[-2],
-                               hidden_states.device, gradients)
+                               hidden_states.device, gradients, first=self.first_cache_layer)
         if isinstance(plan, CachePlan):
             without_cache = {name: value for name, value in keywords.items() if name != parameter}
             try:
@@ -237,6 +241,9 @@ class StackedLayerKinds(GroupedLayers):
         super().__init__(layers, kinds, **options)
         self.model_config = config
         self.recorded_outputs = tuple(recorded_outputs)
+        # The slot of its first layer in the model's key/value cache: 1 for a
+        # StackedAfterFirst's layers after the first.
+        self.first_cache_layer = 0
         if config is not None:
             for segment, stack in zip(self.plan, self.segments):
                 _share_config(stack._template,
@@ -296,7 +303,9 @@ class StackedAfterFirst(nn.Module):
     the others return that again, after checking that they get that hidden
     state and the second call's very arguments (what the loop hands back).
     Where a layer returns a value it computes, or the call holds a
-    key/value cache, each call runs its layer, with a LayerByLayerWarning.
+    key/value cache that holds tokens in the slots of layers 1, ..., N-1,
+    each call runs its layer, with a LayerByLayerWarning; an empty one the
+    scan fills (`cache_plan`, from slot 1 on).
 
     Like the other stacks: `len()`, `layers[i]` (layer 0 itself, the
     others holding views of their slices), iteration outside the loop,
@@ -311,6 +320,7 @@ class StackedAfterFirst(nn.Module):
         layers = list(layers)
         self.add_module("0", layers[0])
         self.rest = StackedLayers(layers[1:], config, recorded_outputs, **options)
+        self.rest.first_cache_layer = 1
         # The calls of the model's loop to layers 1, ..., N-1; the second runs them.
         self._calls = KindCalls([None] * len(self.rest), first=1) if len(self.rest) else None
         self._given = None  # what layer 0 returned: the hidden state of the next call
@@ -400,11 +410,20 @@ class StackedAfterFirst(nn.Module):
         """Layers 1, ..., N-1 as one scan: what the last one returns; None,
         with a LayerByLayerWarning, when each call is to run its layer."""
         stack = self.rest
-        found = handed_on(stack._template, stack._stacked_tensors(), hidden_states, args, kwargs)
+        if any(is_cache(value) and not holds_nothing(value, 1, len(stack))
+               for value in kwargs.values()):
+            warn_layer_by_layer(len(stack), f"the layers after the first: {CACHE_REASON}",
+                                stacklevel=4)
+            return None
+        # An empty key/value cache among the arguments is filled by each layer, never handed
+        # on: the layers return what they would without it.
+        without_cache = {name: value for name, value in kwargs.items() if not is_cache(value)}
+        found = handed_on(stack._template, stack._stacked_tensors(), hidden_states, args,
+                          without_cache)
         if isinstance(found, str):
             warn_layer_by_layer(len(stack), f"the layers after the first: {found}", stacklevel=4)
             return None
-        return returned(found, stack(hidden_states, *args, **kwargs), args, kwargs)
+        return returned(found, stack(hidden_states, *args, **kwargs), args, without_cache)
 
 
 def _hidden_of(output):
