@@ -213,9 +213,25 @@ class HandsBack(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("recomputed", [False, True])
-def test_a_loop_that_hands_back_what_layers_return(device, recomputed):
-    reference = HandsBack(recomputed).to(device)
+class HandsBackUnderASetting(HandsBack):
+    """Hands the bias back under a test of its own settings alone: no guard
+    (such as LayerDrop's) that would run the blocks one by one while it holds."""
+    hands_on = True
+
+    def forward(self, x):
+        bias = None
+        for block in self.blocks:
+            x, returned = block(x, 0.5, bias)
+            if self.hands_on:
+                bias = returned
+        return x
+
+
+@pytest.mark.parametrize("loop, recomputed", [(HandsBack, False), (HandsBack, True),
+                                              (HandsBackUnderASetting, False)],
+                         ids=["hands-back", "recomputed", "under-a-setting"])
+def test_a_loop_that_hands_back_what_layers_return(device, loop, recomputed):
+    reference = loop(recomputed).to(device)
     model = stack_layers(copy.deepcopy(reference))
     assert type(model.blocks) is StackedAfterFirst
     x = torch.randn(2, 4, device=device)

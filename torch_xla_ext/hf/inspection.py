@@ -175,7 +175,10 @@ def layer_loop(owner: nn.Module, name: str, path: str) -> tuple[LoopShape, str |
             f"the form `for layer in self.{name}[: n]` or `for layer in self.{name}`; for "
             f"other models, call a torch_xla_ext.LayerStack from your own forward")
     layer = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) else loop.target
-    guards = [each for each in loop.body if _is_guard(each)]
+    # A statement that only hands values back (under a test of settings, perhaps) is no guard.
+    direct_calls = [each for each in loop.body if _only_calls_the_layer(each, layer)]
+    guards = [each for each in loop.body if _is_guard(each)
+              and not any(_hands_back(each, call) for call in direct_calls)]
     body = [_unless_flag_set(each, loop.body, guards) for each in loop.body if each not in guards]
     calls = [each for each in body if _only_calls_the_layer(each, layer)]
     extra = [each for each in body if len(calls) != 1
