@@ -206,13 +206,13 @@ def _stack(found: LayerList, options: dict) -> nn.Module:
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
         maybe_install_capturing_hooks(found.recorder)
     try:
-        # Kinds that differ only in settings run as one scan; in structure, as a scan per segment.
-        compared = None if kinds is None else compare_kinds(layers, kinds)
         if found.loop.hands_back:
             # Layer 0 gets other arguments than the rest, which all get the second call's
             # (whatever their kinds): the later calls are checked to pass the same.
-            stack = StackedAfterFirst(layers, found.config, recorded, **options)
-        elif compared is None or compared.structure is None:
+            return StackedAfterFirst(layers, found.config, recorded, **options)
+        # Kinds that differ only in settings run as one scan; in structure, as a scan per segment.
+        compared = None if kinds is None else compare_kinds(layers, kinds)
+        if compared is None or compared.structure is None:
             stack = StackedLayers(layers, found.config, recorded, kinds=kinds, **options)
         elif found.loop.iterated:
             raise ValueError(

@@ -6,9 +6,9 @@ StaticCache, extended or filled after the loop; `keys_and_values_per_position`:
 a group of layers' empty DynamicCache; `appended_encoder_decoder`: an empty
 EncoderDecoderCache, filled after the loop by `fill_encoder_decoder`) or
 writes a StaticCache's stacked buffers inside the loop (`written_in_place`),
-and a cache held as two stacked buffers, its layers reading their slices (a StaticCache: `fill_stacked`; a
-DynamicCache that keeps all it gets: `hold_stacked`; either:
-`stacked_buffers`)."""
+and a cache held as two stacked buffers, its layers reading their slices
+(a StaticCache: `fill_stacked`; a DynamicCache that keeps all it gets:
+`hold_stacked`; either: `stacked_buffers`)."""
 from __future__ import annotations
 
 import functools
@@ -177,12 +177,12 @@ def fill_encoder_decoder(cache, recorded: tuple, first: int = 0) -> None:
     layers' own updates would: each layer's self-attention keys and values,
     and its cross-attention ones (marked as computed, so that decoding steps
     read them) if recorded."""
-    parts = (cache.self_attention_cache, cache.cross_attention_cache)
-    for part, (keys, values) in zip(parts, (recorded[i:i + 2] for i in range(0, len(recorded), 2))):
-        for index in range(keys.shape[0]):
-            extend(part, first + index, keys[index], values[index])
-            if part is cache.cross_attention_cache:
-                cache.is_updated[first + index] = True
+    keys, values, *cross = recorded
+    for index in range(keys.shape[0]):
+        extend(cache.self_attention_cache, first + index, keys[index], values[index])
+        if cross:
+            extend(cache.cross_attention_cache, first + index, cross[0][index], cross[1][index])
+            cache.is_updated[first + index] = True
 
 
 def extend(cache, layer_index: int, keys: torch.Tensor, values: torch.Tensor) -> None:

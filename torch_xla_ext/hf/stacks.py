@@ -241,9 +241,6 @@ class StackedLayerKinds(GroupedLayers):
         super().__init__(layers, kinds, **options)
         self.model_config = config
         self.recorded_outputs = tuple(recorded_outputs)
-        # The slot of its first layer in the model's key/value cache: 1 for a
-        # StackedAfterFirst's layers after the first.
-        self.first_cache_layer = 0
         if config is not None:
             for segment, stack in zip(self.plan, self.segments):
                 _share_config(stack._template,
@@ -410,7 +407,7 @@ class StackedAfterFirst(nn.Module):
         """Layers 1, ..., N-1 as one scan: what the last one returns; None,
         with a LayerByLayerWarning, when each call is to run its layer."""
         stack = self.rest
-        if any(is_cache(value) and not holds_nothing(value, 1, len(stack))
+        if any(is_cache(value) and not holds_nothing(value, stack.first_cache_layer, len(stack))
                for value in kwargs.values()):
             warn_layer_by_layer(len(stack), f"the layers after the first: {CACHE_REASON}",
                                 stacklevel=4)
@@ -491,9 +488,13 @@ class LoopGuard:
     text: str  # the statement's first line
     test: str
 
+    @functools.cached_property
+    def _code(self):
+        return compile(self.test, self.line, "eval")
+
     def reason(self, owner: nn.Module) -> str | None:
-        code = compile(self.test, self.line, "eval")
-        if not eval(code, {"__builtins__": {}}, {"self": owner}):
+        """Why the layers run one by one in this forward of `owner`, or None."""
+        if not eval(self._code, {"__builtins__": {}}, {"self": owner}):
             return None
         return (f"{self.where} loops over its layers under `{self.text}` ({self.line}), "
                 f"which holds, so that the loop may skip layers or do more between two (LayerDrop "

@@ -186,7 +186,7 @@ def _setting_difference_of(index: int, reference: LayerLayout, other: LayerLayou
     return None
 
 
-def layout_difference(index: int, reference: LayerLayout, other: LayerLayout,
+def _layout_difference(index: int, reference: LayerLayout, other: LayerLayout,
                       per_layer_attributes: frozenset[str]) -> tuple[type[Exception], str] | None:
     """What layer `index` does otherwise than layer 0, in structure or in a
     setting's value (see `structure_difference`), or None."""
@@ -199,7 +199,7 @@ def layout_difference(index: int, reference: LayerLayout, other: LayerLayout,
 
 def layers_difference(layers: list[nn.Module], per_layer_attributes: frozenset[str]
                       ) -> tuple[type[Exception], str] | None:
-    """The first difference of a layer from layer 0 (see `layout_difference`),
+    """The first difference of a layer from layer 0 (see `_layout_difference`),
     or None when the layers are alike and can be stacked."""
     return _first_difference([layout_of(layer, index) for index, layer in enumerate(layers)],
                              per_layer_attributes)
@@ -207,7 +207,7 @@ def layers_difference(layers: list[nn.Module], per_layer_attributes: frozenset[s
 
 def _first_difference(layouts: list[LayerLayout], per_layer_attributes: frozenset[str]
                       ) -> tuple[type[Exception], str] | None:
-    return next(filter(None, (layout_difference(index, layouts[0], other, per_layer_attributes)
+    return next(filter(None, (_layout_difference(index, layouts[0], other, per_layer_attributes)
                               for index, other in enumerate(layouts[1:], start=1))), None)
 
 
