@@ -170,6 +170,32 @@ def test_save_everything_recomputes_what_elementwise_ops_make_from_kept_values()
     assert_gives_the_loops_gradients(step, policies.save_everything, init, xs)
 
 
+class ExpertsStep(nn.Module):
+    """Each row goes through the expert a router picks from the carry, whose
+    weight is gathered for the row, and is weighted by the router's score
+    (transformers' batched_mm experts): the backward reads the gathered
+    weights [4, 8, 8]."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 3)
+        self.experts = nn.Parameter(torch.randn(3, 8, 8) / 3)
+
+    def forward(self, c, x):
+        score, expert = self.router(c).softmax(-1).max(-1)
+        rows = torch.bmm(self.experts[expert], (c + x).unsqueeze(-1)).squeeze(-1)
+        return c + score[:, None] * rows, c.sum()
+
+
+def test_save_everything_gathers_a_weights_rows_again_rather_than_stacking_them():
+    step = ExpertsStep().to(DEV)
+    init, xs = inputs(length=7)
+    stacked = stacked_buffers(tx.lower(step, init, xs, partition_fn=policies.save_everything)
+                              .forward_hlo, 7)
+    assert "f32[7,4,8,8]" not in stacked, stacked
+    assert_gives_the_loops_gradients(step, policies.save_everything, init, xs)
+
+
 def test_a_policy_made_afresh_shares_the_trace():
     step = Step().to(DEV)
     init, xs = inputs()

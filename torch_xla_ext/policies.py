@@ -9,7 +9,9 @@ backward loop reads it) or the backward step recomputes it from what is kept:
 - `save_everything`: every activation the backward needs (the default; the
   most memory), but a value that elementwise ops make from kept values alone
   (silu(gate) * up from gate and up), which the backward step recomputes as
-  XLA's fusion would in the unrolled loop;
+  XLA's fusion would in the unrolled loop, and rows gathered from the step's
+  inputs by kept indices (each token's experts' weights, gathered from the
+  layer's), which the backward step gathers again;
 - `save_nothing`: only the step's inputs; the backward step recomputes the
   whole forward step (the least memory, one more forward);
 - `save_dots`: matmul and convolution outputs; the cheap ops after them are
@@ -110,8 +112,9 @@ class Policy:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _SaveEverything(Policy):
-    #: values elementwise ops make from kept values are recomputed, not kept
-    recomputes_elementwise = True
+    #: values elementwise ops make from kept values, and rows gathered from
+    #: the step's inputs by kept indices, are recomputed, not kept
+    recomputes_cheap = True
 
     def saves(self, node):
         return True
@@ -259,8 +262,8 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
     saved = _each_value_once(saved)
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
-    if getattr(policy, "recomputes_elementwise", False):
-        saved = _without_elementwise_of_kept(saved)
+    if getattr(policy, "recomputes_cheap", False):
+        saved = _without_gathers_of_inputs(_without_elementwise_of_kept(saved))
     return partitioners._extract_fwd_bwd_modules(joint_module, saved, [],
                                                  num_fwd_outputs=num_fwd_outputs)
 
@@ -366,6 +369,33 @@ def _without_elementwise_of_kept(saved: list) -> list:
                                          for n in node.all_input_nodes):
             recomputed.add(node)
     return [node for node in saved if node not in recomputed]
+
+
+# Ops that read rows of a tensor by index.
+_GATHER_OPS = frozenset([torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default,
+                         torch.ops.aten.gather.default, torch.ops.aten.embedding.default])
+
+
+def _without_gathers_of_inputs(saved: list) -> list:
+    """`saved` without the rows gathered from a step input (a layer weight,
+    which the backward step reads where it is) by kept indices, and with
+    that input: gathering again reads as many bytes as reading the rows back
+    from a stack, where keeping them stacks a copy per step (batched_mm
+    experts gather each token's experts' weights, the step's largest
+    values)."""
+    kept = set(saved)
+    result = []
+    for node in saved:
+        # Read through views, which the backward step redoes at no cost.
+        data, *indices = (map(_view_root, node.all_input_nodes) if node.target in _GATHER_OPS
+                          else (None,))
+        if (data is not None and data.op == "placeholder"
+                and all(index in kept or index.op == "placeholder" for index in indices)):
+            result.extend(input for input in (data, *indices) if input.op == "placeholder")
+        else:
+            result.append(node)
+    order = {n: i for i, n in enumerate(saved[0].graph.nodes)} if saved else {}
+    return sorted(dict.fromkeys(result), key=order.__getitem__)
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
