@@ -106,7 +106,8 @@ def test_64_new_tokens_are_those_of_transformers_generate():
 
 
 def test_one_decoding_graph_serves_any_number_of_new_tokens():
-    model = make_model()
+    # Converted on the device, as a script that moves the model first does.
+    model = tx.stack_layers(make_model(converted=False))
     ids, mask = prompts()
     short = our_tokens(model, ids, mask, 2, max_cache_len=PROMPT + 12)
     before, traces = compilations(), tx.cache_info().misses

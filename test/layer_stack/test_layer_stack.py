@@ -141,6 +141,34 @@ def test_steady_training_step_holds_no_copy_of_the_weights(device):
     assert concatenated_shapes(hlo) & weight_shapes
 
 
+def steps_compilations(model, x, steps=2) -> list[int]:
+    """The graphs each of `steps` training steps (a gradient step on every
+    parameter) compiles."""
+    counts = []
+    for _ in range(steps):
+        before = (met.metric_data("CompileTime") or (0,))[0]
+        model(x).sum().backward()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.sub_(parameter.grad, alpha=1e-2)
+                parameter.grad = None
+        torch_xla.sync()
+        counts.append(met.metric_data("CompileTime")[0] - before)
+    return counts
+
+
+def test_layers_stacked_or_unstacked_on_the_device_compile_their_step_once(device):
+    # Left lazy, the stacking (or the slicing back) would be part of the
+    # first step's graph only, and the second step would compile another.
+    layers = nn.ModuleList(blocks(count=3)).to(device)
+    torch_xla.sync()
+    stack = LayerStack(layers)
+    x = torch.randn(BATCH, SEQ, HIDDEN).to(device)  # data, not a graph that draws it
+    assert steps_compilations(stack, x)[1] == 0
+    unstacked = nn.Sequential(*stack.unstacked())
+    assert steps_compilations(unstacked, x)[1] == 0
+
+
 # ---------------------------------------------------------------------------
 # Checkpoints
 

@@ -8,6 +8,7 @@ import warnings
 from typing import Iterable
 
 import torch
+import torch_xla
 import torch_xla.runtime
 from torch import nn
 
@@ -15,6 +16,7 @@ from torch_xla_ext.layer_stack import optimizer_state, running, sharding
 from torch_xla_ext.layer_stack.alike import (
     check_identical_layers, join, layer_tensors, layout_of)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
+from torch_xla_ext.placeholders import depends_on_placeholder
 from torch_xla_ext.policies import resolve as resolve_policy, save_everything
 from torch_xla_ext.scan import Lowered
 from torch_xla_ext.scan.loop import check_unroll
@@ -34,6 +36,18 @@ def _meta_copy(layer: nn.Module, shared: Iterable) -> nn.Module:
     for buffer in layer.buffers():
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
     return copy.deepcopy(layer, memo)
+
+
+def computed_now(tensors: list[torch.Tensor]) -> None:
+    """Computes the XLA tensors among `tensors` now, in a graph of their own.
+    Left lazy, the stacking (or slicing) of a model already on the device
+    would be part of the next step's graph, which would then differ from
+    every later step's and compile twice, and the tensors it reads would stay
+    alive until then. (Tensors computed from placeholders have no value.)"""
+    lazy = [tensor for tensor in tensors
+            if tensor.device.type == "xla" and not depends_on_placeholder(tensor)]
+    if lazy:
+        torch_xla._XLAC._xla_sync_multi(lazy, devices=[], wait=False)
 
 
 def _state_dict_per_layer(stack: "LayerStack", state_dict, prefix: str,
@@ -150,6 +164,7 @@ class LayerStack(nn.Module):
                                              nn.Parameter(stacked, requires_grad=spec.flag))
                 else:
                     owner.register_buffer(local_name, stacked, persistent=spec.flag)
+        computed_now(list(self._stacked_tensors().values()))
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -193,7 +208,10 @@ class LayerStack(nn.Module):
         """The layers as modules of their own: each with parameters and
         buffers copied from its slices (parameters keep `requires_grad`), as
         the layers were before stacking."""
-        return [self._layer(index, copied=True) for index in range(len(self))]
+        layers = [self._layer(index, copied=True) for index in range(len(self))]
+        computed_now([tensor for layer in layers for tensor in (*layer.parameters(),
+                                                                 *layer.buffers())])
+        return layers
 
     def _layer(self, index, copied: bool) -> nn.Module:
         """Layer `index`, holding views of its slices, or copies of them."""
