@@ -169,6 +169,19 @@ def test_layers_stacked_or_unstacked_on_the_device_compile_their_step_once(devic
     assert steps_compilations(unstacked, x)[1] == 0
 
 
+def test_layers_of_placeholders_stack_into_placeholders_without_running_anything():
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    for layer in layers:
+        layer.weight = nn.Parameter(tx.placeholder((4, 4)))
+        layer.bias = nn.Parameter(tx.placeholder((4,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a sync would discard their stacking, warning
+        stack = LayerStack(layers)
+    with pytest.raises(tx.PlaceholderError):
+        stack.stacked.weight.cpu()
+    assert "while" in stack.lower(tx.placeholder((2, 4))).forward_hlo
+
+
 # ---------------------------------------------------------------------------
 # Checkpoints
 

@@ -77,7 +77,9 @@ class LayerStack(nn.Module):
     dimension, held under `stacked` (`stack.stacked.self_attn.q_proj.weight` is
     `[num_layers, out, in]`); those are its `parameters()`, for optimizers and
     gradient clipping. The original layers are not used afterwards: drop them to
-    free their memory.
+    free their memory. Layers already on an XLA device are stacked there at
+    once, in a small graph of their own, so that the first step's graph is
+    the same as every later step's.
 
     `stack(hidden, *args, **kwargs)` runs the layers in order, each called as
     `layer(hidden, *args, **kwargs)` with the same extra arguments (attention
