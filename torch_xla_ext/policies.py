@@ -340,7 +340,8 @@ def _each_value_once(saved: list) -> list:
     return list(dict.fromkeys(kept))
 
 
-# How many elementwise ops the backward step may redo to get a value from kept ones.
+# How many elementwise ops (besides views) the backward step may redo to get a
+# value from kept ones.
 _ELEMENTWISE_DEPTH = 3
 
 
@@ -350,25 +351,41 @@ def _is_elementwise(node: torch.fx.Node) -> bool:
         and torch.Tag.pointwise in node.target.tags)
 
 
+def _is_view(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "_opname", None) in _VIEW_OPS
+
+
 def _without_elementwise_of_kept(saved: list) -> list:
     """`saved` (in graph order) without the values that a few elementwise ops
-    make from the other kept values alone: the backward step recomputes them
-    in its fusions, where keeping them would stack another activation (SwiGLU's
-    silu(gate) and silu(gate) * up beside gate and up)."""
+    and views make from the other kept values and the step's inputs alone,
+    and with those inputs: the backward step recomputes them in its fusions,
+    where keeping them would stack another activation (SwiGLU's silu(gate)
+    and silu(gate) * up beside gate and up, flattened for the down
+    projection; a norm's output beside its input and scale)."""
     kept = set(saved)
     recomputed: set = set()
+    inputs_read: set = set()
 
-    def from_kept(node, depth) -> bool:
+    def from_kept(node, depth, reads: set) -> bool:
         if node in kept and node not in recomputed:
             return True
-        return (depth > 0 and _is_elementwise(node)
-                and all(from_kept(n, depth - 1) for n in node.all_input_nodes))
+        if node.op == "placeholder":  # a step input: always there
+            reads.add(node)
+            return True
+        # Views and names move no data: they cost no depth.
+        free = _is_view(node) or node.target is NAMED_OP
+        return ((free or depth > 0 and _is_elementwise(node))
+                and all(from_kept(n, depth - (not free), reads) for n in node.all_input_nodes))
 
     for node in saved:
-        if _is_elementwise(node) and all(from_kept(n, _ELEMENTWISE_DEPTH - 1)
-                                         for n in node.all_input_nodes):
+        reads: set = set()
+        if (_is_elementwise(node) or _is_view(node)) and all(
+                from_kept(n, _ELEMENTWISE_DEPTH - 1, reads) for n in node.all_input_nodes):
             recomputed.add(node)
-    return [node for node in saved if node not in recomputed]
+            inputs_read |= reads
+    order = {n: i for i, n in enumerate(saved[0].graph.nodes)} if saved else {}
+    return sorted({*(node for node in saved if node not in recomputed), *inputs_read},
+                  key=order.__getitem__)
 
 
 # Ops that read rows of a tensor by index.
