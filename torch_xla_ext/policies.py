@@ -7,11 +7,12 @@ whether the forward loop stacks it (one slice per step, kept until the
 backward loop reads it) or the backward step recomputes it from what is kept:
 
 - `save_everything`: every activation the backward needs (the default; the
-  most memory), but a value that elementwise ops make from kept values alone
-  (silu(gate) * up from gate and up), which the backward step recomputes as
-  XLA's fusion would in the unrolled loop, and rows gathered from the step's
-  inputs by kept indices (each token's experts' weights, gathered from the
-  layer's), which the backward step gathers again;
+  most memory), but a value that elementwise ops and views make from kept
+  values and the step's inputs alone (silu(gate) * up from gate and up),
+  which the backward step recomputes as XLA's fusion would in the unrolled
+  loop, and rows gathered from the step's inputs by kept indices (each
+  token's experts' weights, gathered from the layer's), which the backward
+  step gathers again;
 - `save_nothing`: only the step's inputs; the backward step recomputes the
   whole forward step (the least memory, one more forward);
 - `save_dots`: matmul and convolution outputs; the cheap ops after them are
@@ -112,8 +113,9 @@ class Policy:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _SaveEverything(Policy):
-    #: values elementwise ops make from kept values, and rows gathered from
-    #: the step's inputs by kept indices, are recomputed, not kept
+    #: values elementwise ops and views make from kept values and the step's
+    #: inputs, and rows gathered from those inputs by kept indices, are
+    #: recomputed, not kept
     recomputes_cheap = True
 
     def saves(self, node):
@@ -259,13 +261,17 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
             saved.append(node)
         else:  # recomputed by the backward step from what it reads
             needed.extend(n for n in node.all_input_nodes if n in forward)
-    saved = _each_value_once(saved)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    saved.sort(key=order.__getitem__)
+    saved = _in_graph_order(_each_value_once(saved))
     if getattr(policy, "recomputes_cheap", False):
         saved = _without_gathers_of_inputs(_without_elementwise_of_kept(saved))
     return partitioners._extract_fwd_bwd_modules(joint_module, saved, [],
                                                  num_fwd_outputs=num_fwd_outputs)
+
+
+def _in_graph_order(nodes: list) -> list:
+    """Each of `nodes` once, in the order of their graph."""
+    order = {node: i for i, node in enumerate(nodes[0].graph.nodes)} if nodes else {}
+    return sorted(dict.fromkeys(nodes), key=order.__getitem__)
 
 
 def _read_names_in_backward(graph: torch.fx.Graph, forward: set) -> None:
@@ -383,9 +389,7 @@ def _without_elementwise_of_kept(saved: list) -> list:
                 from_kept(n, _ELEMENTWISE_DEPTH - 1, reads) for n in node.all_input_nodes):
             recomputed.add(node)
             inputs_read |= reads
-    order = {n: i for i, n in enumerate(saved[0].graph.nodes)} if saved else {}
-    return sorted({*(node for node in saved if node not in recomputed), *inputs_read},
-                  key=order.__getitem__)
+    return _in_graph_order([*(node for node in saved if node not in recomputed), *inputs_read])
 
 
 # Ops that read rows of a tensor by index.
@@ -403,16 +407,15 @@ def _without_gathers_of_inputs(saved: list) -> list:
     kept = set(saved)
     result = []
     for node in saved:
-        # Read through views, which the backward step redoes at no cost.
-        data, *indices = (map(_view_root, node.all_input_nodes) if node.target in _GATHER_OPS
-                          else (None,))
-        if (data is not None and data.op == "placeholder"
-                and all(index in kept or index.op == "placeholder" for index in indices)):
-            result.extend(input for input in (data, *indices) if input.op == "placeholder")
-        else:
-            result.append(node)
-    order = {n: i for i, n in enumerate(saved[0].graph.nodes)} if saved else {}
-    return sorted(dict.fromkeys(result), key=order.__getitem__)
+        if node.target in _GATHER_OPS:
+            # Through views, which the backward step redoes at no cost.
+            data, *indices = map(_view_root, node.all_input_nodes)
+            if data.op == "placeholder" and all(index in kept or index.op == "placeholder"
+                                                for index in indices):
+                result.extend(each for each in (data, *indices) if each.op == "placeholder")
+                continue
+        result.append(node)
+    return _in_graph_order(result)
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:

@@ -38,7 +38,7 @@ def _meta_copy(layer: nn.Module, shared: Iterable) -> nn.Module:
     return copy.deepcopy(layer, memo)
 
 
-def computed_now(tensors: list[torch.Tensor]) -> None:
+def _computed_now(tensors: list[torch.Tensor]) -> None:
     """Computes the XLA tensors among `tensors` now, in a graph of their own.
     Left lazy, the stacking (or slicing) of a model already on the device
     would be part of the next step's graph, which would then differ from
@@ -166,7 +166,7 @@ class LayerStack(nn.Module):
                                              nn.Parameter(stacked, requires_grad=spec.flag))
                 else:
                     owner.register_buffer(local_name, stacked, persistent=spec.flag)
-        computed_now(list(self._stacked_tensors().values()))
+        _computed_now(list(self._stacked_tensors().values()))
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -211,7 +211,7 @@ class LayerStack(nn.Module):
         buffers copied from its slices (parameters keep `requires_grad`), as
         the layers were before stacking."""
         layers = [self._layer(index, copied=True) for index in range(len(self))]
-        computed_now([tensor for layer in layers for tensor in (*layer.parameters(),
+        _computed_now([tensor for layer in layers for tensor in (*layer.parameters(),
                                                                  *layer.buffers())])
         return layers
 
