@@ -10,6 +10,7 @@ import pytest
 import torch_xla
 
 from benchmark_scripts import forked_workers, worker_figures  # noqa: F401 (a fixture)
+from support import supports
 import bench_hf
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
@@ -33,6 +34,7 @@ def test_every_mode_trains_the_same_steps(scenario_server):
 
 
 # Families whose LoRA targets are not the default q_proj and v_proj.
+@supports("LoRA", ["gpt2", "bert"])
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 def test_lora_on_other_families_trains_the_same_steps_converted(scenario_server, family):
     figures = {mode: worker_figures(scenario_server, "bench_hf.py", "--mode", mode, "--layers",
@@ -52,6 +54,7 @@ def tiny_args(**settings) -> argparse.Namespace:
     return argparse.Namespace(**{**options, "lora": False, **settings})
 
 
+@supports("training", NEW_FAMILIES)
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_moe_and_encoder_families_train_the_same_steps_as_one_scan(scenario_server, family):
     # Trained converted with recomputation (the forward and backward of plain
