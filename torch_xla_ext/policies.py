@@ -263,7 +263,7 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
             needed.extend(n for n in node.all_input_nodes if n in forward)
     saved = _in_graph_order(_each_value_once(saved))
     if getattr(policy, "recomputes_cheap", False):
-        saved = _without_gathers_of_inputs(_without_elementwise_of_kept(saved))
+        saved = _without_elementwise_of_kept(saved)
     return partitioners._extract_fwd_bwd_modules(joint_module, saved, [],
                                                  num_fwd_outputs=num_fwd_outputs)
 
@@ -361,16 +361,33 @@ def _is_view(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "_opname", None) in _VIEW_OPS
 
 
+# Ops that read rows of a tensor by index.
+_GATHER_OPS = frozenset([torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default,
+                         torch.ops.aten.gather.default, torch.ops.aten.embedding.default])
+
+
+def _is_gather_of_input(node: torch.fx.Node) -> bool:
+    """Rows gathered from a step input (a layer weight, through views):
+    gathering them again reads as many bytes as reading them back from a
+    stack (batched_mm experts gather each token's experts' weights, the
+    step's largest values)."""
+    return node.target in _GATHER_OPS and _view_root(node.all_input_nodes[0]).op == "placeholder"
+
+
 def _without_elementwise_of_kept(saved: list) -> list:
-    """`saved` (in graph order) without the values that a few elementwise ops
-    and views make from the other kept values and the step's inputs alone,
-    and with those inputs: the backward step recomputes them in its fusions,
-    where keeping them would stack another activation (SwiGLU's silu(gate)
-    and silu(gate) * up beside gate and up, flattened for the down
-    projection; a norm's output beside its input and scale)."""
+    """`saved` (in graph order) without the values that a few elementwise ops,
+    views and gathers of the step's inputs make from the other kept values
+    and the step's inputs alone, and with those inputs: the backward step
+    recomputes them in its fusions, where keeping them would stack another
+    activation (SwiGLU's silu(gate) and silu(gate) * up beside gate and up,
+    flattened for the down projection; a norm's output beside its input and
+    scale; each token's experts' weights beside the routing indices)."""
     kept = set(saved)
     recomputed: set = set()
     inputs_read: set = set()
+
+    def cheap(node) -> bool:
+        return _is_elementwise(node) or _is_gather_of_input(node)
 
     def from_kept(node, depth, reads: set) -> bool:
         if node in kept and node not in recomputed:
@@ -380,42 +397,16 @@ def _without_elementwise_of_kept(saved: list) -> list:
             return True
         # Views and names move no data: they cost no depth.
         free = _is_view(node) or node.target is NAMED_OP
-        return ((free or depth > 0 and _is_elementwise(node))
+        return ((free or depth > 0 and cheap(node))
                 and all(from_kept(n, depth - (not free), reads) for n in node.all_input_nodes))
 
     for node in saved:
         reads: set = set()
-        if (_is_elementwise(node) or _is_view(node)) and all(
+        if (cheap(node) or _is_view(node)) and all(
                 from_kept(n, _ELEMENTWISE_DEPTH - 1, reads) for n in node.all_input_nodes):
             recomputed.add(node)
             inputs_read |= reads
     return _in_graph_order([*(node for node in saved if node not in recomputed), *inputs_read])
-
-
-# Ops that read rows of a tensor by index.
-_GATHER_OPS = frozenset([torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default,
-                         torch.ops.aten.gather.default, torch.ops.aten.embedding.default])
-
-
-def _without_gathers_of_inputs(saved: list) -> list:
-    """`saved` without the rows gathered from a step input (a layer weight,
-    which the backward step reads where it is) by kept indices, and with
-    that input: gathering again reads as many bytes as reading the rows back
-    from a stack, where keeping them stacks a copy per step (batched_mm
-    experts gather each token's experts' weights, the step's largest
-    values)."""
-    kept = set(saved)
-    result = []
-    for node in saved:
-        if node.target in _GATHER_OPS:
-            # Through views, which the backward step redoes at no cost.
-            data, *indices = map(_view_root, node.all_input_nodes)
-            if data.op == "placeholder" and all(index in kept or index.op == "placeholder"
-                                                for index in indices):
-                result.extend(each for each in (data, *indices) if each.op == "placeholder")
-                continue
-        result.append(node)
-    return _in_graph_order(result)
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
