@@ -17,7 +17,8 @@ from torch import nn
 
 import torch_xla_ext as tx
 from support import supports
-from optimized_hlo import callees, computations, stacked_results_in_loops, while_loops
+from optimized_hlo import (
+    callees, computations, entry_computation, stacked_results_in_loops, while_loops)
 from reference import host_copies
 from tolerances import LOGGED_LOSSES, TRAINING, close
 from torch_xla_ext.hf import StackedLayers, cache_plan, stack_layers, unstack_layers
@@ -674,6 +675,12 @@ def test_a_decoding_step_writes_only_the_new_positions_of_the_stacked_cache(run_
             if opcode == "fusion":
                 fused, = callees(line)
                 assert " scatter(" in found[fused][-1], found[fused]
+        # The step copies its keys and values into the loop once each, as the
+        # unconverted step copies its own; it does not also copy them back out
+        # into their input buffers.
+        whole_copies = [line for line in entry_computation(step)
+                        if re.search(rf"= {re.escape(cache_shape)}\S* copy\(", line)]
+        assert len(whole_copies) <= 2, whole_copies
 
 
 # ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Callable, Hashable
 
 import torch
+import torch_xla
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
@@ -123,11 +124,27 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
             is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
         for tensor, final in zip(state, final_state):
             if final is not tensor:  # a read-only state leaves the loop as itself
-                tensor.copy_(final)
+                _take_final_state(tensor, final)
         _replay_hooks(layers, calls)
         return last_hidden, recorded
 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
+
+
+def _take_final_state(tensor: torch.Tensor, final: torch.Tensor) -> None:
+    """Leaves `tensor` (a state of the loop, such as a stacked key/value
+    cache) holding `final`, what the loop left. It takes `final` as its own
+    data rather than copying it in place: torch_xla makes a tensor written in
+    place reuse its input buffer for the graph's output, and XLA then copies
+    the whole state into the loop and back out of it again (two copies of
+    the cache at every call, where a new output buffer needs one). A tensor
+    whose writes must reach another (a view), that gradients flow through, or
+    that carries a sharding annotation is written in place."""
+    if (tensor._is_view() or tensor.requires_grad or final.requires_grad
+            or torch_xla._XLAC._get_xla_sharding_spec(tensor)):
+        tensor.copy_(final)
+    else:
+        tensor.data = final
 
 
 def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -> Lowered:
