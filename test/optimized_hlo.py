@@ -24,11 +24,11 @@ def computations(hlo: str) -> dict[str, list[str]]:
     return found
 
 
-
 def entry_computation(hlo: str) -> list[str]:
     """The instruction lines of the module's entry computation."""
     entry, = re.findall(r"^ENTRY %([\w.\-]+) ", hlo, re.MULTILINE)
     return computations(hlo)[entry]
+
 
 def callees(instruction: str) -> list[str]:
     names = []
