@@ -54,11 +54,6 @@ WORKLOAD_OPTIONS = ("steps", "hidden", "heads", "seq", "batch", "intermediate")
 BLOCKS = ("ours", "fused_qkv_sdpa", "llama")
 
 
-def unroll_counts(text: str) -> list[int]:
-    """argparse type of --unroll: comma-separated layers per loop iteration, each 1 or more."""
-    return list(dict.fromkeys(harness.positive_int(part) for part in text.split(",")))
-
-
 def scan_run(unroll: int) -> str:
     """The name of mode scan's run with `unroll` layers per loop iteration."""
     return "scan" if unroll == 1 else f"scan unroll={unroll}"
@@ -218,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", default=BLOCKS[0],
                         help=f"comma-separated layer kinds, each measured apart: "
                              f"{', '.join(BLOCKS)} (default {BLOCKS[0]})")
-    parser.add_argument("--unroll", type=unroll_counts, default=[1],
+    parser.add_argument("--unroll", type=harness.positive_ints, default=[1],
                         help="comma-separated layers per iteration of mode scan's loops "
                              "(LayerStack's unroll), each measured as a run of its own; ratios "
                              "over the loop are printed side by side (default 1; one int in "

@@ -87,7 +87,7 @@ def main(argv=None):
     parser = harness.benchmark_parser(__file__, __doc__)
     parser.add_argument("--layers", type=harness.positive_int, default=16)
     parser.add_argument("--hidden", type=harness.positive_int, default=1024)
-    parser.add_argument("--rows", default="1,8,384",
+    parser.add_argument("--rows", type=harness.positive_ints, default=[1, 8, 384],
                         help="comma-separated numbers of rows, one measurement each")
     parser.add_argument("--repeats", type=harness.positive_int, default=15)
     args = parser.parse_args(argv)
@@ -102,7 +102,7 @@ def main(argv=None):
           f"median of {args.repeats} executions")
     rows = [["rows", "loop ms", "scan ms", "scan unroll ms", "scan / loop",
              "scan unroll / loop", "max abs diff"], None]
-    for count in (harness.positive_int(part) for part in args.rows.split(",")):
+    for count in args.rows:
         modes = passes(stacked, separate, count, device)
         ms = median_times(modes, args.repeats)
         rows.append([str(count), f"{ms['loop']:.2f}", f"{ms['scan']:.2f}",

@@ -231,6 +231,12 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """argparse type of comma-separated counts, each a whole number of at
+    least 1; a count given twice is measured once."""
+    return list(dict.fromkeys(positive_int(part) for part in text.split(",")))
+
+
 def add_rounds_option(parser: argparse.ArgumentParser) -> None:
     """--rounds: how many times every (mode, L) runs, round after round."""
     parser.add_argument("--rounds", type=positive_int, default=1,
