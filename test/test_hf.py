@@ -572,14 +572,19 @@ def test_a_static_cache_keeps_its_api_over_stacked_buffers(device):
             for _ in range(2):  # the second time over the cache after reset()
                 step_mask, step_ids = mask, ids
                 logits = []
-                for _ in range(3):
+                for step in range(3):
                     logits.append(which(step_ids, attention_mask=step_mask,
                                         past_key_values=cache).logits)
+                    if step == 0:
+                        # Held over the next steps, a layer's keys show their writes, as
+                        # the unconverted layer's own tensor does.
+                        held_keys = cache.layers[1].keys
                     step_ids = logits[-1][:, -1:].argmax(-1)
                     step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
                 layers = [t for layer in cache.layers for t in (layer.keys, layer.values)]
                 # Copies: reset() zeroes the cache's tensors in place.
-                outputs.append([t.clone() for t in (cache.get_seq_length(), *logits, *layers)])
+                outputs.append([t.clone() for t in (cache.get_seq_length(), *logits, *layers,
+                                                    held_keys)])
                 cache.reset()
             outputs.append([*(layer.keys for layer in cache.layers), cache.get_seq_length()])
         results.append(host_copies([t for group in outputs for t in group]))
