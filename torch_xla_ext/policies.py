@@ -263,7 +263,7 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
             needed.extend(n for n in node.all_input_nodes if n in forward)
     saved = _in_graph_order(_each_value_once(saved))
     if getattr(policy, "recomputes_cheap", False):
-        saved = _without_elementwise_of_kept(saved)
+        saved = _without_cheaply_recomputed(saved)
     return partitioners._extract_fwd_bwd_modules(joint_module, saved, [],
                                                  num_fwd_outputs=num_fwd_outputs)
 
@@ -346,9 +346,9 @@ def _each_value_once(saved: list) -> list:
     return list(dict.fromkeys(kept))
 
 
-# How many elementwise ops (besides views) the backward step may redo to get a
-# value from kept ones.
-_ELEMENTWISE_DEPTH = 3
+# How many cheap ops (elementwise ops, gathers of step inputs; views are free)
+# the backward step may redo to get a value from kept ones.
+_CHEAP_OP_DEPTH = 3
 
 
 def _is_elementwise(node: torch.fx.Node) -> bool:
@@ -374,7 +374,7 @@ def _is_gather_of_input(node: torch.fx.Node) -> bool:
     return node.target in _GATHER_OPS and _view_root(node.all_input_nodes[0]).op == "placeholder"
 
 
-def _without_elementwise_of_kept(saved: list) -> list:
+def _without_cheaply_recomputed(saved: list) -> list:
     """`saved` (in graph order) without the values that a few elementwise ops,
     views and gathers of the step's inputs make from the other kept values
     and the step's inputs alone, and with those inputs: the backward step
@@ -403,7 +403,7 @@ def _without_elementwise_of_kept(saved: list) -> list:
     for node in saved:
         reads: set = set()
         if (cheap(node) or _is_view(node)) and all(
-                from_kept(n, _ELEMENTWISE_DEPTH - 1, reads) for n in node.all_input_nodes):
+                from_kept(n, _CHEAP_OP_DEPTH - 1, reads) for n in node.all_input_nodes):
             recomputed.add(node)
             inputs_read |= reads
     return _in_graph_order([*(node for node in saved if node not in recomputed), *inputs_read])
