@@ -127,6 +127,18 @@ def test_one_decoding_graph_serves_any_number_of_new_tokens():
     assert first <= 5 and compilations() - before == first
 
 
+def test_a_prompt_made_on_the_device_and_not_run_yet_compiles_nothing_on_a_later_call():
+    device = torch_xla.device()
+    ids = torch.randint(1, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    # Pending when generate starts: a prompt and a mask computed on the device.
+    ids, mask = ids.to(device) + 0, torch.ones(2, PROMPT, dtype=torch.long, device=device)
+    model = make_model()
+    first = our_tokens(model, ids, mask, 3)
+    before = compilations()
+    assert our_tokens(model, ids, mask, 3) == first
+    assert compilations() == before
+
+
 def test_a_row_gets_padding_after_its_end_token_and_generation_stops_when_all_end():
     model = make_model()
     ids, mask = prompts()

@@ -66,11 +66,16 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *,
             f"generate: the prompt ({prompt} tokens) and max_new_tokens={max_new_tokens} need "
             f"{prompt + max_new_tokens} cache positions, more than max_cache_len={max_cache_len}; "
             f"raise max_cache_len or lower max_new_tokens")
-    attention_mask = _check_attention_mask(attention_mask, input_ids)
     choose = _TokenChoice(model, do_sample, temperature, top_k, top_p)
-    stop = _Stop(model, eos_token_id, pad_token_id, batch, input_ids.device)
-
     device = input_ids.device
+    # What the caller left pending (a prompt made on the device, say) runs as
+    # a graph of its own, before this call makes any tensor: inside the
+    # prefill's graph it would make that graph differ between a first call and
+    # the later ones, which would compile it again.
+    _sync(device, keep_draws=choose.do_sample)
+    attention_mask = _check_attention_mask(attention_mask, input_ids)
+    stop = _Stop(model, eos_token_id, pad_token_id, batch, device)
+
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     # The mask over every cache position: the prompt's, then ones up to the
     # token being fed. One shape for every step.
@@ -89,7 +94,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         for chosen in range(1, max_new_tokens + 1):
             token = stop.apply(choose(logits))
             sequences.index_copy_(1, (fed + 1).reshape(1), token[:, None].to(sequences.dtype))
-            _end_step(device, keep_draws=choose.do_sample)
+            _sync(device, keep_draws=choose.do_sample)
             if chosen == max_new_tokens or stop.all_ended():
                 break
             position, fed = position + 1, fed + 1
@@ -153,11 +158,12 @@ class _TokenChoice:
         return torch.multinomial(logits.softmax(dim=-1), num_samples=1)[:, 0]
 
 
-def _end_step(device, keep_draws: bool) -> None:
-    """Cuts the step's graph (the prefill's, then the one every decoding step
-    runs). transformers never syncs, so its draws follow one seed sequence; a
-    sync starts a new one, so with `keep_draws` the state after the step's
-    draw is put back after it, and the next draw is its next."""
+def _sync(device, keep_draws: bool) -> None:
+    """Cuts the graph of what is pending (before the prefill, then the
+    prefill's, then the one every decoding step runs). transformers never
+    syncs, so its draws follow one seed sequence; a sync starts a new one, so
+    with `keep_draws` the state before the sync is put back after it, and the
+    next draw is the one that would have followed."""
     state = xm.get_rng_state(device) if keep_draws else None
     torch_xla.sync()
     if state is not None:
