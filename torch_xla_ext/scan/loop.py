@@ -204,7 +204,8 @@ class Loop:
             # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
             seeds = torch.randint(0, 2**62, (length,), dtype=torch.int64)
             operands.append(seeds.to(sliced[0].device))
-        results = _XLAC._xla_user_computation(f"xla::{self.name}", operands, computation)
+        # Reversed: see `_build`.
+        results = _XLAC._xla_user_computation(f"xla::{self.name}", operands[::-1], computation)
         return results[:len(self.carry_avals)], results[len(self.carry_avals):]
 
     def computation(self, length: int, reverse: bool, unroll):
@@ -226,7 +227,15 @@ class Loop:
                   + [_xla_shape(a.shape, a.dtype) for a in self.invariant_avals])
         if self.uses_seed:
             shapes.append(_xla_shape((length,), torch.int64))
-        params = [xb.mkparam(builder, i, shape) for i, shape in enumerate(shapes)]
+        # The operands come in reversed. torch_xla numbers the graph's inputs as
+        # its walk of the graph reaches them, which takes a node's operands last
+        # first; XLA gives each donated input buffer (a tensor the step writes
+        # in place) to the next output of its size, inputs and outputs in order.
+        # Reversed, a loop's inputs are numbered in its operands' order, so a
+        # state written in place (a stacked key/value cache) gets its own
+        # buffer back rather than its neighbour's, which would cost two copies.
+        params = [xb.mkparam(builder, len(shapes) - 1 - i, shape)
+                  for i, shape in enumerate(shapes)]
         n_carry, n_sliced = len(self.carry_avals), len(self.sliced_avals)
         carries, sliced, invariants = split_list(params, [n_carry, n_sliced])
         stacked = _stacked_buffers(builder, length, self.stacked_avals)
