@@ -14,7 +14,6 @@ import weakref
 from typing import Any, Callable, Hashable
 
 import torch
-import torch_xla
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
@@ -25,9 +24,7 @@ from torch_xla_ext.layer_stack.kinds import (
 from torch_xla_ext.layer_stack.per_layer import (
     PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.object_graph import VALUE_TYPES
-from torch_xla_ext.placeholders import placeholder_sources
 from torch_xla_ext.scan import Lowered, lower as lower_scan, scan
-from torch_xla_ext.scan.mutation import write_back
 
 
 class LayerByLayerWarning(UserWarning):
@@ -126,28 +123,11 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
             is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
         for tensor, final in zip(state, final_state):
             if final is not tensor:  # a read-only state leaves the loop as itself
-                _take_final_state(tensor, final)
+                tensor.copy_(final)
         _replay_hooks(layers, calls)
         return last_hidden, recorded
 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
-
-
-def _take_final_state(tensor: torch.Tensor, final: torch.Tensor) -> None:
-    """Leaves `tensor` (a state of the loop, such as a stacked key/value
-    cache) holding `final`, what the loop left. `final` replaces its value
-    (`write_back`, as scan gives back what fn writes) rather than being copied
-    into it: torch_xla makes a tensor written in place reuse its input buffer
-    for the graph's output, and XLA then copies the whole state into the loop
-    and back out of it again (two copies of the cache at every call, where a
-    new output buffer needs one). A state that gradients flow through, or
-    that carries a sharding annotation (which the value it takes would not),
-    is written in place."""
-    if (tensor.requires_grad or final.requires_grad
-            or torch_xla._XLAC._get_xla_sharding_spec(tensor)):
-        tensor.copy_(final)
-    else:
-        write_back([tensor], [final], placeholder_sources(final))
 
 
 def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -> Lowered:
