@@ -197,15 +197,18 @@ def print_table(outcomes, markdown: bool) -> None:
     ], markdown)
 
 
-def print_ratios(rounds: list[dict], layer_counts: list[int], markdown: bool) -> None:
-    """The goal lines, each ratio the median over `rounds` (figures by (mode, L))."""
+def print_ratios(rounds: list[dict], layer_counts: list[int], modes: list[str],
+                 markdown: bool) -> None:
+    """The goal lines of the `modes` run, each ratio the median over `rounds`
+    (figures by (mode, L))."""
     middle = 32 if 32 in layer_counts else max(layer_counts)
     smallest, largest = min(layer_counts), max(layer_counts)
     goals = []
 
     def ratio(label, numerator, denominator, figure, goal):
-        goals.append(harness.goal_over_rounds(label, rounds, numerator, denominator, figure,
-                                              goal))
+        if numerator[0] in modes and denominator[0] in modes:
+            goals.append(harness.goal_over_rounds(label, rounds, numerator, denominator,
+                                                  figure, goal))
 
     print("\nRatios" + (f", median of {len(rounds)} rounds (spread)" if len(rounds) > 1
                         else "") + ":")
@@ -219,10 +222,11 @@ def print_ratios(rounds: list[dict], layer_counts: list[int], markdown: bool) ->
           "token_ms", 1.0)
     ratio(f"prefill stack_layers+tx-generate/tx-generate at L={middle}", ours, unconverted,
           "prefill_ms", 1.0)
-    fraction, spread = harness.median_and_spread(
-        [(figures.get(ours) or {}).get("limit_fraction") for figures in rounds])
-    goals.append(harness.Goal(f"of limit stack_layers+tx-generate at L={middle} (aim 0.8)",
-                              fraction, 0.5, spread, minimum=True))
+    if ours[0] in modes:
+        fraction, spread = harness.median_and_spread(
+            [(figures.get(ours) or {}).get("limit_fraction") for figures in rounds])
+        goals.append(harness.Goal(f"of limit stack_layers+tx-generate at L={middle} (aim 0.8)",
+                                  fraction, 0.5, spread, minimum=True))
     ratio(f"peak RSS stack_layers+tx-generate/hf-generate at L={middle}", ours,
           ("hf-generate", middle), "peak_rss_mib", 1.05)
     print(harness.goal_table(goals, markdown))
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout, args.rounds, "Runs",
         lambda outcomes: print_table(outcomes, args.markdown))
     print_ratios([harness.figures_by_run(outcomes) for outcomes in every_round], layer_counts,
-                 args.markdown)
+                 modes, args.markdown)
     problems = [tokens_problem(outcomes) for outcomes in every_round]
     print("\nTokens: " + ("; ".join(filter(None, problems)) or "every mode gave the same tokens"))
     for outcomes in every_round:

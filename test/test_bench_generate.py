@@ -69,11 +69,11 @@ def test_the_tables_ratios_over_rounds_and_token_check_are_printed(forked_worker
     # machine it can come out below zero, so either sign is a printed ratio.
     assert re.search(r"ms/token stack_layers\+tx-generate/tx-generate at L=2 +-?[\d.]+ .*"
                      r"\(-?[\d.]+--?[\d.]+\)", printed), printed
-    assert "first call stack_layers+hf-generate/hf-generate at L=2" in printed
+    # Only the goals of the modes run: none of hf-generate's.
+    assert "hf-generate" not in printed.split("Ratios, median")[1], printed
     assert re.search(r"roofline ms/token +of limit", printed), printed
     assert re.search(r"of limit stack_layers\+tx-generate at L=2 \(aim 0\.8\) +"
                      r"(n/a|[\d.]+ +goal >= 0\.5 )", printed), printed
-    assert "n/a (missing run)" in printed
     assert "Tokens: every mode gave the same tokens" in printed
 
 
