@@ -244,6 +244,37 @@ def test_no_transfers_beyond_the_for_loop():
     assert scanned <= loop, f"scan made {scanned} transfers, the for loop {loop}"
 
 
+def test_carries_written_back_in_place_keep_their_own_buffers():
+    # A step writing two carries of one size in place (a stacked key/value
+    # cache): torch_xla donates their buffers, and XLA gives each donated
+    # buffer to an output of its size, in the order the graph numbers its
+    # inputs. Each tensor must get its own buffer back, or XLA copies both
+    # into the loop and back out.
+    device = torch_xla.device()
+    keys, values = torch.zeros(4, 8, 8, device=device), torch.zeros(4, 8, 8, device=device)
+    torch_xla.sync()
+
+    def step(carry, i):
+        keys, values = carry
+        row, at = torch.ones(1, 8, 8, device=device), (i.reshape(1),)
+        return (keys.index_put(at, row), values.index_put(at, 2 * row)), None
+
+    def buffers():
+        xm.wait_device_ops()
+        return [torch_xla._XLAC._unsafe_buffer_pointer(t) for t in (keys, values)]
+
+    before = buffers()
+    for _ in range(2):
+        with torch.no_grad():
+            (new_keys, new_values), _ = tx.scan(step, (keys, values),
+                                                torch.arange(4, device=device))
+            keys.copy_(new_keys)
+            values.copy_(new_values)
+        torch_xla.sync()
+        assert buffers() == before
+    assert keys.sum().item() == 4 * 64 and values.sum().item() == 2 * 4 * 64
+
+
 def test_training_steps_compile_once():
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).to(DEV)
