@@ -298,12 +298,16 @@ def chosen_runs(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 def passed_on(args: argparse.Namespace, options: Sequence[str]) -> list[str]:
     """The worker's command-line arguments that give it `options` (attribute
-    names of `args`) as the parent has them; an option that is None is left out."""
+    names of `args`) as the parent has them; an option that is None or False
+    is left out, a flag that is True given alone."""
     arguments = []
     for option in options:
         value = getattr(args, option)
-        if value is not None:
-            arguments += [f"--{option.replace('_', '-')}", str(value)]
+        flag = f"--{option.replace('_', '-')}"
+        if value is True:
+            arguments.append(flag)
+        elif value is not None and value is not False:
+            arguments += [flag, str(value)]
     return arguments
 
 

@@ -226,9 +226,9 @@ def test_goal_lines_of_at_least_a_value():
 
 
 def test_workers_are_given_the_parents_options():
-    args = argparse.Namespace(steps=5, kv_heads=2, intermediate=None)
-    assert harness.passed_on(args, ("steps", "kv_heads", "intermediate")) == [
-        "--steps", "5", "--kv-heads", "2"]
+    args = argparse.Namespace(steps=5, kv_heads=2, intermediate=None, op_times=True, quick=False)
+    assert harness.passed_on(args, ("steps", "kv_heads", "intermediate", "op_times", "quick")) == [
+        "--steps", "5", "--kv-heads", "2", "--op-times"]
 
 
 def layer_and_mode_parser():
@@ -336,3 +336,23 @@ def test_bench_layers_measures_the_scan_at_each_unroll_beside_the_loop(forked_wo
     for line, unroll in zip(lines[heading + 3:heading + 5], ("1", "2")):
         number = r"\d+\.\d{3}"
         assert re.fullmatch(rf"3 +{unroll} +{number} +{number} +{number}", line), line
+
+
+def test_bench_layers_op_times_shows_where_each_runs_step_time_went(forked_workers, capsys):
+    bench_layers.main(["--layers", "2", "--modes", "loop,scan", "--steps", "3", "--hidden", "16",
+                       "--heads", "2", "--seq", "4", "--batch", "1", "--op-times"])
+    lines = capsys.readouterr().out.splitlines()
+    heading = lines.index("Where a training step's time went, block ours, op by op (count and "
+                          "wall ms of each kind of op, per step; last round):")
+    assert lines[heading + 1].split() == ["op", "kind", "loop", "L=2", "n", "loop", "L=2", "ms",
+                                          "scan", "L=2", "n", "scan", "L=2", "ms"]
+    end = next(i for i in range(heading, len(lines)) if lines[i].startswith("all ops (busy)"))
+    rows = {line.rsplit(None, 4)[0]: line.rsplit(None, 4)[1:] for line in lines[heading + 3:end]
+            if not set(line) <= {"-"} and not line.startswith("other kinds")}
+    # The same matrix products in both; only the scan's loops read and write
+    # slices of stacked values.
+    assert rows["dot"][0] == rows["dot"][2] != "0"
+    for kind in ("dynamic-slice_bitcast_fusion", "bitcast_dynamic-update-slice_fusion"):
+        assert rows[kind][0] == "0" and rows[kind][2] != "0", (kind, rows[kind])
+    busy = lines[end].split()[-2:]
+    assert all(float(ms) > 0 for ms in busy)

@@ -395,3 +395,89 @@ def test_peak_rss_follows_an_allocation_after_a_reset():
     block = bytearray(64 * 2**20)  # touched pages count toward RSS
     assert peak_rss_bytes() - before >= 60 * 2**20
     del block
+
+
+# ---------------------------------------------------------------- op times
+
+def op_events(offset: float) -> list[dict]:
+    """One execution as XLA:CPU's runtime traces it, times in microseconds from
+    `offset`: a product, a copy beside it, a kernel split across threads (its
+    `call` wrapper), all inside a while loop; and a runtime event of no op."""
+    def op(name, start, end):
+        return [{"ph": "X", "name": name, "ts": offset + start, "dur": 0.5},
+                {"ph": "X", "name": f"end: {name}", "ts": offset + end, "dur": 0}]
+    return [*op("while.3", 0, 20), *op("dot.1", 0, 10), *op("copy.2", 5, 15),
+            *op("call.4", 16, 18), *op("multiply_fusion.5.clone", 16, 18),
+            {"ph": "X", "name": "ThunkExecutor::Execute", "ts": offset, "dur": 20},
+            {"ph": "M", "name": "thread_name", "args": {"name": "worker"}}]
+
+
+def test_op_times_share_the_busy_time_among_the_ops_running_at_once():
+    from torch_xla_ext.metrics import OpKind, op_times
+    times = op_times(op_events(0) + op_events(100), executions=2)
+    # dot alone for 5 us, beside the copy for 5, the copy alone for 5, the
+    # fusion for 2; while and call only hold ops.
+    assert list(times.kinds) == ["dot", "copy", "multiply_fusion"]
+    assert times.kinds == {
+        "dot": OpKind(count=1, wall_seconds=pytest.approx(7.5e-6), busy_seconds=pytest.approx(10e-6)),
+        "copy": OpKind(count=1, wall_seconds=pytest.approx(7.5e-6), busy_seconds=pytest.approx(10e-6)),
+        "multiply_fusion": OpKind(count=1, wall_seconds=pytest.approx(2e-6),
+                                  busy_seconds=pytest.approx(2e-6))}
+    assert times.busy_seconds == pytest.approx(17e-6)
+
+
+@pytest.mark.parametrize("instruction, kind", [
+    ("dynamic-slice_bitcast_fusion.3.clone", "dynamic-slice_bitcast_fusion"),
+    ("copy.124", "copy"), ("broadcast.106.clone", "broadcast"), ("dot", "dot"),
+    ("wrapped_scatter.2", "wrapped_scatter")])
+def test_op_kind_is_the_instruction_without_its_numbering(instruction, kind):
+    from torch_xla_ext.metrics import op_kind
+    assert op_kind(instruction) == kind
+
+
+def test_op_times_of_a_trace_without_ops_say_where_to_record_one():
+    from torch_xla_ext.metrics import OpTimesError, op_times
+    events = [{"ph": "X", "name": "ThunkExecutor::Execute", "ts": 0, "dur": 20},
+              *op_events(0)[:2]]  # the while loop alone
+    with pytest.raises(OpTimesError, match=r"no op spans .* on PJRT's CPU device"):
+        op_times(events)
+
+
+def test_read_trace_events_reads_the_newest_saved_trace(tmp_path):
+    import gzip
+    from torch_xla_ext.metrics import OpTimesError, read_trace_events
+    with pytest.raises(OpTimesError, match=rf"{tmp_path}: holds no profiler trace"):
+        read_trace_events(str(tmp_path))
+    for name, events in (("old", [{"name": "old"}]), ("new", op_events(0))):
+        folder = tmp_path / "plugins" / "profile" / name
+        folder.mkdir(parents=True)
+        with gzip.open(folder / "host.trace.json.gz", "wt") as file:
+            json.dump({"traceEvents": events}, file)
+        os.utime(folder / "host.trace.json.gz", (1, 1) if name == "old" else None)
+    assert read_trace_events(str(tmp_path)) == op_events(0)
+
+
+def measured_matmul_op_times():
+    """Records two executions of a product plus one on PJRT CPU."""
+    import torch
+    import torch_xla
+    from torch_xla_ext.metrics import measure_op_times
+    a = torch.randn(64, 64, device=torch_xla.device())
+
+    def run():
+        return a @ a + 1
+
+    run()
+    torch_xla.sync()  # compiled before the recording
+    times = measure_op_times(run, executions=2)
+    print(json.dumps({"kinds": {kind: ops.count for kind, ops in times.kinds.items()},
+                      "busy": times.busy_seconds,
+                      "wall": sum(ops.wall_seconds for ops in times.kinds.values())}))
+
+
+def test_measure_op_times_records_the_executions_of_a_graph(run_isolated):
+    result = run_isolated(measured_matmul_op_times)
+    assert result.returncode == 0, result.stderr
+    measured = json.loads(result.stdout.splitlines()[-1])
+    assert measured["kinds"].get("dot") == 1, measured
+    assert measured["busy"] > 0 and measured["wall"] == pytest.approx(measured["busy"])

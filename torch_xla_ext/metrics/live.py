@@ -1,11 +1,15 @@
-"""The figures of the running process, read from torch_xla's own metrics."""
+"""The figures of the running process, read from torch_xla's own metrics and
+profiler."""
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+from typing import Any, Callable
 
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as xla_metrics
 
+from torch_xla_ext.metrics.op_times import OpTimes, op_times, read_trace_events
 from torch_xla_ext.metrics.report import SECONDS, MetricsReport, figures, parse_report
 
 
@@ -31,3 +35,29 @@ def live_report() -> MetricsReport:
 def collect() -> dict[str, int | float]:
     """The headline figures (FIGURE_ROWS) of the current process."""
     return figures(live_report())
+
+
+def measure_op_times(run: Callable[[], Any], executions: int = 1) -> OpTimes:
+    """Calls `run` `executions` times under torch_xla's profiler, each call
+    followed by a sync (which computes what `run` returns, and the tensors it
+    updates) and a wait for the device, and returns where the executions'
+    time went, op by op, per execution (see `metrics.op_times`).
+
+    `run` builds the graph to measure (compile it beforehand: a compilation
+    in the trace is not an op, but it delays them). Op spans are those of
+    XLA:CPU's runtime, PJRT's CPU device."""
+    import torch_xla
+    import torch_xla.debug.profiler as profiler
+
+    xm.wait_device_ops()
+    with tempfile.TemporaryDirectory(prefix="op_times_") as directory:
+        profiler.start_trace(directory)
+        try:
+            for _ in range(executions):
+                held = run()  # torch_xla computes only the tensors held at the sync
+                torch_xla.sync()
+                xm.wait_device_ops()
+                del held
+        finally:
+            profiler.stop_trace()
+        return op_times(read_trace_events(directory), executions)
