@@ -40,6 +40,11 @@ heads, 2 key/value heads, intermediate 512, vocab 1024), then generate
                  decode reaches (- when ms/token, a difference of two
                  timings, is not positive).
 
+With `--op-times` (the tx modes), each run then records two one-token calls
+under torch_xla's profiler, and the script prints where their time went, op
+by op, in the last round (`torch_xla_ext.metrics.op_times`): each kind of
+op's count and its share of the time any op ran, a column per run.
+
 Warm figures are medians of --repeats calls. Every mode must give the same
 tokens (the script fails otherwise). The summary prints the ratios the issue
 asks for at L=32 (the deepest L if there is no 32) and between the
@@ -67,8 +72,10 @@ MODES = ("hf-generate", "stack_layers+hf-generate", "stack_layers+tx-generate", 
 # Seconds one (mode, L) may take: the unconverted model at L=64 compiles a
 # graph of 64 layers for nearly every token.
 DEFAULT_TIMEOUT = 3600
-WORKLOAD_OPTIONS = ("prompt", "new_tokens", "batch", "repeats", "cache",
+WORKLOAD_OPTIONS = ("prompt", "new_tokens", "batch", "repeats", "cache", "op_times",
                     *harness.LLAMA_SIZE_OPTIONS)
+# One-token calls recorded for --op-times.
+OP_TIMES_CALLS = 2
 # The buffer the memory bandwidth is measured with is at least this large, so
 # that the processor's caches hold little of it.
 BANDWIDTH_MIN_BYTES = 256 * 2**20
@@ -159,6 +166,8 @@ def run_worker(args) -> dict:
         figures["prefill_ms"] = 1e3 * statistics.median(one)
         figures["token_ms"] = (1e3 * (statistics.median(whole) - statistics.median(one))
                                / (args.new_tokens - 1))
+        if args.op_times:
+            figures["op_times"] = harness.op_time_figures(lambda: generate(1), OP_TIMES_CALLS)
     figures["peak_rss_mib"] = peak_rss_bytes() / 2**20
     if args.mode.endswith("tx-generate"):
         # After the peak RSS: the copy's buffers are not the decode's memory.
@@ -255,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the cache of the hf-generate modes' generate(): static (the "
                              "default, transformers' advice on XLA) or dynamic (its default); "
                              "torch_xla_ext.generate always uses a static one")
+    harness.add_op_times_option(parser, "two one-token calls (prefill and choice)")
     harness.add_rounds_option(parser)
     harness.add_llama_size_options(parser)
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
@@ -275,8 +285,12 @@ def main(argv: list[str] | None = None) -> None:
         os.path.abspath(__file__), modes, layer_counts,
         harness.passed_on(args, WORKLOAD_OPTIONS), args.timeout, args.rounds, "Runs",
         lambda outcomes: print_table(outcomes, args.markdown))
-    print_ratios([harness.figures_by_run(outcomes) for outcomes in every_round], layer_counts,
-                 modes, args.markdown)
+    rounds = [harness.figures_by_run(outcomes) for outcomes in every_round]
+    print_ratios(rounds, layer_counts, modes, args.markdown)
+    if args.op_times:
+        print("\nWhere a one-token call's time went (the prefill and its choice), op by op "
+              "(count and wall ms of each kind of op, per call; last round):")
+        harness.print_op_times(rounds[-1], args.markdown)
     problems = [tokens_problem(outcomes) for outcomes in every_round]
     print("\nTokens: " + ("; ".join(filter(None, problems)) or "every mode gave the same tokens"))
     for outcomes in every_round:

@@ -59,9 +59,8 @@ DEFAULT_TIMEOUT = 1800
 # The options a worker is given as the parent has them.
 WORKLOAD_OPTIONS = ("steps", "hidden", "heads", "seq", "batch", "intermediate", "op_times")
 BLOCKS = ("ours", "fused_qkv_sdpa", "llama")
-# Training steps recorded for --op-times, and the op kinds listed (the rest are summed).
+# Training steps recorded for --op-times.
 OP_TIMES_STEPS = 2
-OP_KINDS_SHOWN = 14
 
 
 def scan_run(unroll: int) -> str:
@@ -120,14 +119,8 @@ def run_worker(args) -> dict:
     with torch.no_grad():
         forward_times = harness.time_steps(args.steps, lambda: model(batch[0]), run_step)
     steady = slice(WARMUP_STEPS, None)
-    op_times = None
-    if args.op_times:
-        from torch_xla_ext.metrics import measure_op_times
-        recorded = measure_op_times(lambda: training_step(model, batch, optimizer),
-                                    OP_TIMES_STEPS)
-        op_times = {"busy_ms": 1e3 * recorded.busy_seconds,
-                    "kinds": {kind: [ops.count, 1e3 * ops.wall_seconds]
-                              for kind, ops in recorded.kinds.items()}}
+    op_times = (harness.op_time_figures(lambda: training_step(model, batch, optimizer),
+                                        OP_TIMES_STEPS) if args.op_times else None)
     return {
         "op_times": op_times,
         "python_ms": 1e3 * statistics.median(times.build[steady]),
@@ -198,36 +191,6 @@ def print_unroll_ratios(rounds: list[dict[tuple[str, int], dict]], layer_counts:
     print(render_rows(rows, markdown))
 
 
-def print_op_times(figures: dict[tuple[str, int], dict], markdown: bool) -> None:
-    """Per kind of op, each run's count and wall ms in a training step (see
-    --op-times), the kinds that took longest in any run first."""
-    from torch_xla_ext.metrics.table import render_rows
-
-    runs = {run: r["op_times"] for run, r in figures.items() if r.get("op_times")}
-    if not runs:
-        return
-    longest = {}
-    for recorded in runs.values():
-        for kind, (_, wall_ms) in recorded["kinds"].items():
-            longest[kind] = max(longest.get(kind, 0.0), wall_ms)
-    shown = sorted(longest, key=lambda kind: -longest[kind])[:OP_KINDS_SHOWN]
-    rows: list = [["op kind", *(f"{mode} L={layers} {what}" for mode, layers in runs
-                                for what in ("n", "ms"))], None]
-    for kind in shown:
-        cells = []
-        for recorded in runs.values():
-            count, wall_ms = recorded["kinds"].get(kind, (0, 0.0))
-            cells += [f"{count:.0f}", f"{wall_ms:.1f}"]
-        rows.append([kind, *cells])
-    other = [sum(wall_ms for kind, (_, wall_ms) in recorded["kinds"].items()
-                 if kind not in shown) for recorded in runs.values()]
-    rows.append(["other kinds", *(cell for ms in other for cell in ("", f"{ms:.1f}"))])
-    rows.append(None)
-    rows.append(["all ops (busy)", *(cell for recorded in runs.values()
-                                     for cell in ("", f"{recorded['busy_ms']:.1f}"))])
-    print(render_rows(rows, markdown))
-
-
 def print_memory(by_key: dict[tuple[str, int], dict], markdown: bool) -> None:
     """Peak RSS growth over the for loop, as a share of the parameter bytes."""
     from torch_xla_ext.metrics.table import render_rows
@@ -267,9 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(LayerStack's unroll), each measured as a run of its own; ratios "
                              "over the loop are printed side by side (default 1; one int in "
                              "--worker)")
-    parser.add_argument("--op-times", action="store_true",
-                        help="also record two training steps per run under the profiler and "
-                             "print where their time went, op by op (PJRT CPU)")
+    harness.add_op_times_option(parser, "two training steps")
     harness.add_rounds_option(parser)
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
     args = parser.parse_args(argv)
@@ -317,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.op_times:
                 print(f"\nWhere a training step's time went, block {block}, op by op (count "
                       f"and wall ms of each kind of op, per step; last round):")
-                print_op_times(rounds[-1], args.markdown)
+                harness.print_op_times(rounds[-1], args.markdown)
             if unrolled:
                 print(f"\nUnroll (layers per loop iteration), block {block}, over the loop"
                       + (f", median of {args.rounds} rounds (spread)" if args.rounds > 1

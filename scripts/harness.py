@@ -36,6 +36,8 @@ os.environ.setdefault("PJRT_DEVICE", DEFAULT_DEVICE)
 
 RESULT_PREFIX = "benchmark worker result: "
 OUTPUT_TAIL_LINES = 25
+# Kinds of op listed by --op-times (the others are summed).
+OP_KINDS_SHOWN = 14
 OK = "ok"
 # Each worker's status, in its table column and its JSON figures.
 STATUS_KEY = "worker"
@@ -501,6 +503,54 @@ def print_runs_table(outcomes: Mapping[tuple[str, int], Outcome],
             rows.append([mode, str(layers), outcome.status])
         else:
             rows.append([mode, str(layers), *(text(outcome.figures) for _, text in columns)])
+    print(render_rows(rows, markdown))
+
+
+def add_op_times_option(parser: argparse.ArgumentParser, recorded: str) -> None:
+    parser.add_argument("--op-times", action="store_true",
+                        help=f"also record {recorded} per run under torch_xla's profiler and "
+                             "print where their time went, op by op (PJRT CPU)")
+
+
+def op_time_figures(run: Callable[[], Any], executions: int) -> dict:
+    """The worker's side of --op-times: where `executions` calls of `run`
+    (each synced) spent their time, per call (`metrics.measure_op_times`)."""
+    from torch_xla_ext.metrics import measure_op_times
+
+    recorded = measure_op_times(run, executions)
+    return {"busy_ms": 1e3 * recorded.busy_seconds,
+            "kinds": {kind: [ops.count, 1e3 * ops.wall_seconds]
+                      for kind, ops in recorded.kinds.items()}}
+
+
+def print_op_times(figures: Mapping[tuple[str, int], dict], markdown: bool = False) -> None:
+    """Per kind of op, each run's count and wall ms (`op_time_figures`, in
+    figure "op_times"), the kinds that took longest in any run first; the
+    rest summed."""
+    from torch_xla_ext.metrics.table import render_rows
+
+    runs = {run: r["op_times"] for run, r in figures.items() if r.get("op_times")}
+    if not runs:
+        return
+    longest: dict[str, float] = {}
+    for recorded in runs.values():
+        for kind, (_, wall_ms) in recorded["kinds"].items():
+            longest[kind] = max(longest.get(kind, 0.0), wall_ms)
+    shown = sorted(longest, key=lambda kind: -longest[kind])[:OP_KINDS_SHOWN]
+    rows: list = [["op kind", *(f"{mode} L={layers} {what}" for mode, layers in runs
+                                for what in ("n", "ms"))], None]
+    for kind in shown:
+        cells = []
+        for recorded in runs.values():
+            count, wall_ms = recorded["kinds"].get(kind, (0, 0.0))
+            cells += [f"{count:.0f}", f"{wall_ms:.1f}"]
+        rows.append([kind, *cells])
+    other = [sum(wall_ms for kind, (_, wall_ms) in recorded["kinds"].items()
+                 if kind not in shown) for recorded in runs.values()]
+    rows.append(["other kinds", *(cell for ms in other for cell in ("", f"{ms:.1f}"))])
+    rows.append(None)
+    rows.append(["all ops (busy)", *(cell for recorded in runs.values()
+                                     for cell in ("", f"{recorded['busy_ms']:.1f}"))])
     print(render_rows(rows, markdown))
 
 

@@ -53,3 +53,18 @@ def worker_figures(scenario_server, script: str, *arguments: str) -> dict:
                                                  ["--worker", *arguments], 600)
     assert outcome.ok, outcome.failure_report(script)
     return outcome.figures
+
+
+def op_times_rows(lines: list[str], heading: str) -> tuple[dict[str, list[str]], list[str]]:
+    """The table `harness.print_op_times` printed after `heading`: each kind's
+    cells (a count and ms per run), and the busy ms of each run."""
+    start = lines.index(heading)
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("all ops (busy)"))
+    runs = (len(lines[start + 3].split()) - 1) // 2
+    rows = {}
+    for line in lines[start + 3:end]:
+        if set(line) <= {"-"} or line.startswith("other kinds"):
+            continue
+        kind, *cells = line.rsplit(None, 2 * runs)
+        rows[kind] = cells
+    return rows, lines[end].split()[-runs:]

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from benchmark_scripts import forked_workers, worker_figures  # noqa: F401 (a fixture)
+from benchmark_scripts import forked_workers, op_times_rows, worker_figures  # noqa: F401 (a fixture)
 import bench_generate
 from bench_generate import decode_step_bytes
 
@@ -59,7 +59,7 @@ def test_generate_with_the_default_cache_gives_the_same_tokens_compiling_no_more
 
 def test_the_tables_ratios_over_rounds_and_token_check_are_printed(forked_workers, capsys):
     bench_generate.main(["--layers", "2", "--modes", "stack_layers+tx-generate,tx-generate",
-                         "--rounds", "2", *TINY])
+                         "--rounds", "2", "--op-times", *TINY])
     printed = capsys.readouterr().out
     assert printed.count("\nRuns, round ") == 2 and "Runs, round 2 of 2" in printed
     assert len(re.findall(r"^stack_layers\+tx-generate  2 +[\d.]+ +[\d.]+ +\d+ ", printed,
@@ -75,6 +75,15 @@ def test_the_tables_ratios_over_rounds_and_token_check_are_printed(forked_worker
     assert re.search(r"of limit stack_layers\+tx-generate at L=2 \(aim 0\.8\) +"
                      r"(n/a|[\d.]+ +goal >= 0\.5 )", printed), printed
     assert "Tokens: every mode gave the same tokens" in printed
+    # Where a one-token call's time went: the same products; only the
+    # converted model reads its weights as slices of the stacks.
+    rows, busy = op_times_rows(printed.splitlines(), (
+        "Where a one-token call's time went (the prefill and its choice), op by op (count and "
+        "wall ms of each kind of op, per call; last round):"))
+    assert rows["dot"][0] == rows["dot"][2] != "0", rows
+    assert rows["dynamic-slice_bitcast_fusion"][0] != "0", rows
+    assert rows["dynamic-slice_bitcast_fusion"][2] == "0", rows
+    assert all(float(ms) > 0 for ms in busy)
 
 
 def tiny_model(layers: int):

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 import torch_xla_ext.metrics as metrics
-from benchmark_scripts import SCRIPTS, forked_workers  # noqa: F401 (a fixture)
+from benchmark_scripts import SCRIPTS, forked_workers, op_times_rows  # noqa: F401 (a fixture)
 import bench_layers
 import harness
 
@@ -346,13 +346,10 @@ def test_bench_layers_op_times_shows_where_each_runs_step_time_went(forked_worke
                           "wall ms of each kind of op, per step; last round):")
     assert lines[heading + 1].split() == ["op", "kind", "loop", "L=2", "n", "loop", "L=2", "ms",
                                           "scan", "L=2", "n", "scan", "L=2", "ms"]
-    end = next(i for i in range(heading, len(lines)) if lines[i].startswith("all ops (busy)"))
-    rows = {line.rsplit(None, 4)[0]: line.rsplit(None, 4)[1:] for line in lines[heading + 3:end]
-            if not set(line) <= {"-"} and not line.startswith("other kinds")}
+    rows, busy = op_times_rows(lines, lines[heading])
     # The same matrix products in both; only the scan's loops read and write
     # slices of stacked values.
     assert rows["dot"][0] == rows["dot"][2] != "0"
     for kind in ("dynamic-slice_bitcast_fusion", "bitcast_dynamic-update-slice_fusion"):
         assert rows[kind][0] == "0" and rows[kind][2] != "0", (kind, rows[kind])
-    busy = lines[end].split()[-2:]
     assert all(float(ms) > 0 for ms in busy)
