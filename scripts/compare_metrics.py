@@ -4,14 +4,16 @@
   compare_metrics.py [run] [--layers N | --sweep-layers N,N,...] [--hidden H]
                      [--steps S] [--modes MODE,...]
                      [--workload MODULE:FUNCTION | --hf CONFIG]
-                     [--json FILE] [--plot FILE.png] [--timeout SECONDS]
+                     [--json FILE] [--plot FILE.png] [--timeout SECONDS] [--op-times]
 
 runs a training workload (by default a stack of decoder blocks; --hf a
 transformers model, unconverted and converted by stack_layers) once per mode,
 each mode in a fresh process (scripts/harness.py) because torch_xla's metrics
 are global to a process, and prints one table: a column per mode, a row per
 figure, marking the values that differ from the `loop` column by more than
-10%. `run` is the default command.
+10%. `run` is the default command. With --op-times, each mode then records
+two more steps under torch_xla's profiler, and a second table shows where a
+step's time went, op by op (`torch_xla_ext.metrics.op_times`).
 
   compare_metrics.py diff A.txt B.txt
 
@@ -138,6 +140,8 @@ PLOTTED_ROWS = (Row("compile_seconds", "XLA compile time (all steps)", SECONDS),
                 Row("build_seconds", "graph building per step (steady state)", SECONDS))
 
 WORKER_COMMAND = "_worker"
+# Steps recorded under the profiler with --op-times, after the measured ones.
+OP_TIMES_STEPS = 2
 
 WORKLOAD_HELP = """\
 workload contract:
@@ -158,6 +162,9 @@ figures:
   first; HLO parameters are those of the last step's graph (the outputs
   step() returns); peak RSS is the mode's process's.
   --json FILE writes every figure per mode, with a list of per-step figures.
+  --op-times records two more steps per mode under torch_xla's profiler (on
+  PJRT CPU) and prints, per kind of op, how many ran per step and their share
+  of the time any op ran.
 
 transformers models:
   --hf CONFIG measures a training step (forward with labels, the model's
@@ -434,8 +441,10 @@ def run_worker(args: argparse.Namespace) -> None:
                          "to trace with device data")
     # Read after the last figures were taken: it is a device-to-host transfer.
     final_loss = outputs[0].item()
+    op_times = (harness.op_time_figures(lambda: step_outputs(step(), workload_name(args)),
+                                        OP_TIMES_STEPS) if args.op_times else None)
     harness.report_result({**summarize(steps), "peak_rss": peak_rss_bytes(),
-                           "final_loss": final_loss, "steps": steps})
+                           "final_loss": final_loss, "steps": steps, "op_times": op_times})
 
 
 # ---------------------------------------------------------------- parent side
@@ -449,6 +458,8 @@ def run_in_worker(mode: str, layers: int, args: argparse.Namespace) -> harness.O
         arguments += ["--workload", args.workload]
     if args.hf is not None:
         arguments += ["--hf", args.hf]
+    if args.op_times:
+        arguments.append("--op-times")
     return harness.run_worker(os.path.abspath(__file__), arguments, args.timeout)
 
 
@@ -563,6 +574,12 @@ def run_run(args: argparse.Namespace) -> None:
             print()
         print(f"{title}: {layers} layers, hidden {args.hidden}, {args.steps} steps{legend}")
         print(harness.outcome_table(outcomes, RUN_ROWS, baseline, args.markdown), flush=True)
+        if args.op_times:
+            print(f"\nWhere a step's time went, op by op (count and wall ms of each kind of op, "
+                  f"per step, over {OP_TIMES_STEPS} more steps):")
+            harness.print_op_times({(mode, layers): outcome.figures
+                                    for mode, outcome in outcomes.items() if outcome.ok},
+                                   args.markdown)
 
     settings = {"workload": title, "hidden": args.hidden,
                 "steps": args.steps, "modes": args.modes}
@@ -601,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     workload_options.add_argument(
         "--steps", type=step_count, default=DEFAULT_STEPS,
         help=f"training steps per mode, 2 or more (default {DEFAULT_STEPS})")
+    harness.add_op_times_option(workload_options, f"{OP_TIMES_STEPS} more steps")
     model = workload_options.add_mutually_exclusive_group()
     model.add_argument(
         "--workload", metavar="MODULE:FUNCTION",

@@ -16,7 +16,8 @@ import textwrap
 
 import pytest
 
-from benchmark_scripts import REPO, SCRIPTS, forked_run_worker, forked_workers  # noqa: F401
+from benchmark_scripts import (  # noqa: F401 (forked_workers: a fixture)
+    REPO, SCRIPTS, forked_run_worker, forked_workers, op_times_rows)
 import compare_metrics as compare_metrics_script
 import harness
 
@@ -328,7 +329,7 @@ def test_hf_config_json_with_layers_overriding_its_depth(tmp_path, forked_worker
     json_path = tmp_path / "figures.json"
     # The directory stands for its config.json.
     completed = compare_metrics("--hf", tmp_path, "--layers", 2, "--modes", "loop,scan",
-                                "--steps", STEPS, "--json", json_path)
+                                "--steps", STEPS, "--json", json_path, "--op-times")
     assert completed.returncode == 0, completed.stderr
     assert title_and_legend(completed.stdout)[0] == (
         f"transformers llama ({tmp_path / 'config.json'}): 2 layers, hidden 32, {STEPS} steps")
@@ -337,6 +338,16 @@ def test_hf_config_json_with_layers_overriding_its_depth(tmp_path, forked_worker
     assert_converted_is_one_scan_of_the_same_steps(figures["modes"], "scan")
     # Two layers, not the file's six: fewer weights than a six-layer loop would have.
     assert figures["modes"]["loop"]["hlo_parameters"] < 6 * 9
+    # --op-times: the same products in both; only the scan reads slices of stacks.
+    rows, busy = op_times_rows(completed.stdout.splitlines(), (
+        "Where a step's time went, op by op (count and wall ms of each kind of op, per step, "
+        "over 2 more steps):"))
+    assert rows["dot"][0] == rows["dot"][2] != "0", rows
+    assert rows["dynamic-slice_bitcast_fusion"][0] == "0", rows
+    assert rows["dynamic-slice_bitcast_fusion"][2] != "0", rows
+    assert [float(ms) > 0 for ms in busy] == [True, True]
+    scan_ops = figures["modes"]["scan"]["op_times"]["kinds"]
+    assert scan_ops["dot"][0] == figures["modes"]["loop"]["op_times"]["kinds"]["dot"][0]
 
 
 FAMILY_LIST = ("llama, qwen3, gemma2, gemma3, qwen2-window, gpt2, mixtral, qwen3_moe, bert, "
