@@ -520,13 +520,15 @@ def op_time_figures(run: Callable[[], Any], executions: int) -> dict:
     recorded = measure_op_times(run, executions)
     return {"busy_ms": 1e3 * recorded.busy_seconds,
             "kinds": {kind: [ops.count, 1e3 * ops.wall_seconds]
-                      for kind, ops in recorded.kinds.items()}}
+                      for kind, ops in recorded.kinds.items()},
+            "running_ms": {str(n): 1e3 * seconds
+                           for n, seconds in recorded.concurrency.items()}}
 
 
 def print_op_times(figures: Mapping[tuple[str, int], dict], markdown: bool = False) -> None:
     """Per kind of op, each run's count and wall ms (`op_time_figures`, in
     figure "op_times"), the kinds that took longest in any run first; the
-    rest summed."""
+    rest summed. Then the time one op ran alone, and two or more at once."""
     from torch_xla_ext.metrics.table import render_rows
 
     runs = {run: r["op_times"] for run, r in figures.items() if r.get("op_times")}
@@ -551,6 +553,10 @@ def print_op_times(figures: Mapping[tuple[str, int], dict], markdown: bool = Fal
     rows.append(None)
     rows.append(["all ops (busy)", *(cell for recorded in runs.values()
                                      for cell in ("", f"{recorded['busy_ms']:.1f}"))])
+    for label, counts in (("1 op running", lambda n: n == 1),
+                          ("2 or more at once", lambda n: n >= 2)):
+        rows.append([label, *(cell for recorded in runs.values() for cell in (
+            "", f"{sum(ms for n, ms in recorded['running_ms'].items() if counts(int(n))):.1f}"))])
     print(render_rows(rows, markdown))
 
 

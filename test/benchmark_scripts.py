@@ -57,7 +57,8 @@ def worker_figures(scenario_server, script: str, *arguments: str) -> dict:
 
 def op_times_rows(lines: list[str], heading: str) -> tuple[dict[str, list[str]], list[str]]:
     """The table `harness.print_op_times` printed after `heading`: each kind's
-    cells (a count and ms per run), and the busy ms of each run."""
+    cells (a count and ms per run), and the busy ms of each run (checked to
+    be the time one op ran alone plus the time two or more ran at once)."""
     start = lines.index(heading)
     end = next(i for i in range(start, len(lines)) if lines[i].startswith("all ops (busy)"))
     runs = (len(lines[start + 3].split()) - 1) // 2
@@ -67,4 +68,10 @@ def op_times_rows(lines: list[str], heading: str) -> tuple[dict[str, list[str]],
             continue
         kind, *cells = line.rsplit(None, 2 * runs)
         rows[kind] = cells
-    return rows, lines[end].split()[-runs:]
+    busy = lines[end].split()[-runs:]
+    alone, together = (lines[end + offset].rsplit(None, runs) for offset in (1, 2))
+    assert (alone[0], together[0]) == ("1 op running", "2 or more at once")
+    for run in range(runs):
+        parts = float(alone[1 + run]) + float(together[1 + run])
+        assert abs(parts - float(busy[run])) <= 0.11, (busy, alone, together)
+    return rows, busy

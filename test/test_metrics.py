@@ -424,6 +424,8 @@ def test_op_times_share_the_busy_time_among_the_ops_running_at_once():
         "multiply_fusion": OpKind(count=1, wall_seconds=pytest.approx(2e-6),
                                   busy_seconds=pytest.approx(2e-6))}
     assert times.busy_seconds == pytest.approx(17e-6)
+    # Alone: the dot 5 us, the copy 5, the fusion 2; two at once: 5.
+    assert times.concurrency == {1: pytest.approx(12e-6), 2: pytest.approx(5e-6)}
 
 
 @pytest.mark.parametrize("instruction, kind", [

@@ -12,7 +12,8 @@ Each op counts under its kind, the instruction's name without its numbering
 (``dynamic-slice_bitcast_fusion.3.clone`` is a ``dynamic-slice_bitcast_fusion``).
 A kind's *wall* time is its share of the time during which any op ran: an
 instant when two ops run counts half to each, so the kinds' wall times add
-up to the execution's busy time. Control flow (``while``, ``conditional``,
+up to the execution's busy time; how long one op ran alone, and how long two
+or more ran at once, shows how much the runtime could overlap. Control flow (``while``, ``conditional``,
 the ``call`` that wraps a kernel split across threads) only holds other ops,
 which count themselves.
 
@@ -54,10 +55,11 @@ class OpKind:
 
 @dataclasses.dataclass(frozen=True)
 class OpTimes:
-    """Per execution: the time any op ran, and each kind's part of it,
-    largest wall time first."""
+    """Per execution: the time any op ran, each kind's part of it (largest
+    wall time first), and how long exactly n ops ran at once (by n)."""
     busy_seconds: float
     kinds: Mapping[str, OpKind]
+    concurrency: Mapping[int, float]
 
 
 def op_kind(instruction: str) -> str:
@@ -111,26 +113,30 @@ def op_times(events: Iterable[Mapping], executions: int = 1) -> OpTimes:
     for start, end, instruction in spans:
         counts[op_kind(instruction)] += 1
         busy[op_kind(instruction)] += end - start
-    wall = _shared_wall(spans)
+    wall, concurrency = _shared_wall(spans)
     per_execution = 1e-6 / executions  # microseconds to seconds
     kinds = {kind: OpKind(counts[kind] / executions, wall[kind] * per_execution,
                           busy[kind] * per_execution)
              for kind in sorted(counts, key=lambda kind: -wall[kind])}
-    return OpTimes(sum(wall.values()) * per_execution, kinds)
+    return OpTimes(sum(wall.values()) * per_execution, kinds,
+                   {n: concurrency[n] * per_execution for n in sorted(concurrency)})
 
 
-def _shared_wall(spans: list[tuple[float, float, str]]) -> collections.Counter:
-    """Each kind's share of the time any span covers: an interval covered by
-    n spans counts 1/n to the kind of each."""
+def _shared_wall(spans: list[tuple[float, float, str]]
+                 ) -> tuple[collections.Counter, collections.Counter]:
+    """Each kind's share of the time any span covers (an interval covered by
+    n spans counts 1/n to the kind of each), and the time covered by exactly
+    n spans, by n."""
     # At one instant, spans end before others start; empty spans cover nothing.
     lasting = [index for index, (start, end, _) in enumerate(spans) if end > start]
     boundaries = sorted([(spans[index][0], 1, index) for index in lasting]
                         + [(spans[index][1], -1, index) for index in lasting])
-    wall = collections.Counter()
+    wall, concurrency = collections.Counter(), collections.Counter()
     running: set[int] = set()
     previous = None
     for time, change, index in boundaries:
         if running and time > previous:
+            concurrency[len(running)] += time - previous
             share = (time - previous) / len(running)
             for active in running:
                 wall[op_kind(spans[active][2])] += share
@@ -139,4 +145,4 @@ def _shared_wall(spans: list[tuple[float, float, str]]) -> collections.Counter:
             running.add(index)
         else:
             running.discard(index)
-    return wall
+    return wall, concurrency
