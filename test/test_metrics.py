@@ -445,6 +445,13 @@ def test_op_times_of_a_trace_without_ops_say_where_to_record_one():
         op_times(events)
 
 
+@pytest.mark.parametrize("executions", [0, -1, 1.5, True, "2"])
+def test_op_times_refuse_a_count_of_executions_that_is_not_one_or_more(executions):
+    from torch_xla_ext.metrics import op_times
+    with pytest.raises(ValueError, match=rf"executions must be .* 1 or more, got {executions!r}"):
+        op_times(op_events(0), executions)
+
+
 def test_read_trace_events_reads_the_newest_saved_trace(tmp_path):
     import gzip
     from torch_xla_ext.metrics import OpTimesError, read_trace_events
@@ -475,6 +482,13 @@ def measured_matmul_op_times():
     print(json.dumps({"kinds": {kind: ops.count for kind, ops in times.kinds.items()},
                       "busy": times.busy_seconds,
                       "wall": sum(ops.wall_seconds for ops in times.kinds.values())}))
+
+
+def test_measure_op_times_refuses_what_it_cannot_call_before_recording():
+    import torch
+    from torch_xla_ext.metrics import measure_op_times
+    with pytest.raises(TypeError, match=r"run must be a function .* got Tensor"):
+        measure_op_times(torch.ones(2))
 
 
 def test_measure_op_times_records_the_executions_of_a_graph(run_isolated):

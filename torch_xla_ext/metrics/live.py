@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as xla_metrics
 
-from torch_xla_ext.metrics.op_times import OpTimes, op_times, read_trace_events
+from torch_xla_ext.metrics.op_times import OpTimes, check_executions, op_times, read_trace_events
 from torch_xla_ext.metrics.report import SECONDS, MetricsReport, figures, parse_report
 
 
@@ -49,6 +49,10 @@ def measure_op_times(run: Callable[[], Any], executions: int = 1) -> OpTimes:
     import torch_xla
     import torch_xla.debug.profiler as profiler
 
+    if not callable(run):
+        raise TypeError(f"measure_op_times: run must be a function that builds the graph to "
+                        f"measure, got {type(run).__name__} {run!r}")
+    check_executions(executions)
     xm.wait_device_ops()
     with tempfile.TemporaryDirectory(prefix="op_times_") as directory:
         profiler.start_trace(directory)

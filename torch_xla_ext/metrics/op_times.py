@@ -62,6 +62,13 @@ class OpTimes:
     concurrency: Mapping[int, float]
 
 
+def check_executions(executions) -> None:
+    """`executions` as op times take it: a whole number, 1 or more."""
+    if isinstance(executions, bool) or not isinstance(executions, int) or executions < 1:
+        raise ValueError(f"executions must be a whole number of executions, 1 or more, got "
+                         f"{executions!r}")
+
+
 def op_kind(instruction: str) -> str:
     """An HLO instruction's name without its numbering: `copy.124` is a `copy`."""
     return _NUMBERING.sub("", instruction)
@@ -103,6 +110,7 @@ def op_spans(events: Iterable[Mapping]) -> list[tuple[float, float, str]]:
 
 def op_times(events: Iterable[Mapping], executions: int = 1) -> OpTimes:
     """The ops of a trace's events, per execution of `executions` recorded."""
+    check_executions(executions)
     spans = [span for span in op_spans(events) if op_kind(span[2]) not in CONTAINER_KINDS]
     if not spans:
         raise OpTimesError(
