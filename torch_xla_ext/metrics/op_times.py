@@ -114,9 +114,10 @@ def op_times(events: Iterable[Mapping], executions: int = 1) -> OpTimes:
     spans = [span for span in op_spans(events) if op_kind(span[2]) not in CONTAINER_KINDS]
     if not spans:
         raise OpTimesError(
-            "the trace holds no op spans (launch and 'end: ' events of XLA:CPU's runtime): "
-            "record it around an execution on PJRT's CPU device; on a TPU, read the "
-            "profiler's own device trace (TensorBoard's profile plugin)")
+            "the trace holds no op spans (launch and 'end: ' events of XLA:CPU's runtime): no "
+            "op ran while it was recorded (a function that builds no graph, or whose results "
+            "nobody holds), or it was recorded on another device than PJRT's CPU; on a TPU, "
+            "read the profiler's own device trace (TensorBoard's profile plugin)")
     counts, busy = collections.Counter(), collections.Counter()
     for start, end, instruction in spans:
         counts[op_kind(instruction)] += 1
