@@ -1,6 +1,7 @@
 """LayerStack and scan_layers against the plain `for layer in layers` loop."""
 import copy
 import functools
+import gc
 import io
 import re
 import types
@@ -144,6 +145,11 @@ def test_steady_training_step_holds_no_copy_of_the_weights(device):
 def steps_compilations(model, x, steps=2) -> list[int]:
     """The graphs each of `steps` training steps (a gradient step on every
     parameter) compiles."""
+    # Earlier tests of this process may have left lazy tensors alive in
+    # garbage not yet collected: the first step's sync would compute them too,
+    # and its graph would then differ from the second's.
+    gc.collect()
+    torch_xla.sync()
     counts = []
     for _ in range(steps):
         before = (met.metric_data("CompileTime") or (0,))[0]
