@@ -74,8 +74,6 @@ MODES = ("hf-generate", "stack_layers+hf-generate", "stack_layers+tx-generate", 
 DEFAULT_TIMEOUT = 3600
 WORKLOAD_OPTIONS = ("prompt", "new_tokens", "batch", "repeats", "cache", "op_times",
                     *harness.LLAMA_SIZE_OPTIONS)
-# One-token calls recorded for --op-times.
-OP_TIMES_CALLS = 2
 # The buffer the memory bandwidth is measured with is at least this large, so
 # that the processor's caches hold little of it.
 BANDWIDTH_MIN_BYTES = 256 * 2**20
@@ -167,7 +165,7 @@ def run_worker(args) -> dict:
         figures["token_ms"] = (1e3 * (statistics.median(whole) - statistics.median(one))
                                / (args.new_tokens - 1))
         if args.op_times:
-            figures["op_times"] = harness.op_time_figures(lambda: generate(1), OP_TIMES_CALLS)
+            figures["op_times"] = harness.op_time_figures(lambda: generate(1))
     figures["peak_rss_mib"] = peak_rss_bytes() / 2**20
     if args.mode.endswith("tx-generate"):
         # After the peak RSS: the copy's buffers are not the decode's memory.
@@ -264,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the cache of the hf-generate modes' generate(): static (the "
                              "default, transformers' advice on XLA) or dynamic (its default); "
                              "torch_xla_ext.generate always uses a static one")
-    harness.add_op_times_option(parser, "two one-token calls (prefill and choice)")
+    harness.add_op_times_option(parser, "one-token calls (prefill and choice)")
     harness.add_rounds_option(parser)
     harness.add_llama_size_options(parser)
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)

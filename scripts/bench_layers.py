@@ -59,8 +59,6 @@ DEFAULT_TIMEOUT = 1800
 # The options a worker is given as the parent has them.
 WORKLOAD_OPTIONS = ("steps", "hidden", "heads", "seq", "batch", "intermediate", "op_times")
 BLOCKS = ("ours", "fused_qkv_sdpa", "llama")
-# Training steps recorded for --op-times.
-OP_TIMES_STEPS = 2
 
 
 def scan_run(unroll: int) -> str:
@@ -119,8 +117,8 @@ def run_worker(args) -> dict:
     with torch.no_grad():
         forward_times = harness.time_steps(args.steps, lambda: model(batch[0]), run_step)
     steady = slice(WARMUP_STEPS, None)
-    op_times = (harness.op_time_figures(lambda: training_step(model, batch, optimizer),
-                                        OP_TIMES_STEPS) if args.op_times else None)
+    op_times = (harness.op_time_figures(lambda: training_step(model, batch, optimizer))
+                if args.op_times else None)
     return {
         "op_times": op_times,
         "python_ms": 1e3 * statistics.median(times.build[steady]),
@@ -230,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(LayerStack's unroll), each measured as a run of its own; ratios "
                              "over the loop are printed side by side (default 1; one int in "
                              "--worker)")
-    harness.add_op_times_option(parser, "two training steps")
+    harness.add_op_times_option(parser, "training steps")
     harness.add_rounds_option(parser)
     harness.add_worker_options(parser, DEFAULT_TIMEOUT)
     args = parser.parse_args(argv)

@@ -140,8 +140,6 @@ PLOTTED_ROWS = (Row("compile_seconds", "XLA compile time (all steps)", SECONDS),
                 Row("build_seconds", "graph building per step (steady state)", SECONDS))
 
 WORKER_COMMAND = "_worker"
-# Steps recorded under the profiler with --op-times, after the measured ones.
-OP_TIMES_STEPS = 2
 
 WORKLOAD_HELP = """\
 workload contract:
@@ -441,8 +439,8 @@ def run_worker(args: argparse.Namespace) -> None:
                          "to trace with device data")
     # Read after the last figures were taken: it is a device-to-host transfer.
     final_loss = outputs[0].item()
-    op_times = (harness.op_time_figures(lambda: step_outputs(step(), workload_name(args)),
-                                        OP_TIMES_STEPS) if args.op_times else None)
+    op_times = (harness.op_time_figures(lambda: step_outputs(step(), workload_name(args)))
+                if args.op_times else None)
     harness.report_result({**summarize(steps), "peak_rss": peak_rss_bytes(),
                            "final_loss": final_loss, "steps": steps, "op_times": op_times})
 
@@ -576,7 +574,7 @@ def run_run(args: argparse.Namespace) -> None:
         print(harness.outcome_table(outcomes, RUN_ROWS, baseline, args.markdown), flush=True)
         if args.op_times:
             print(f"\nWhere a step's time went, op by op (count and wall ms of each kind of op, "
-                  f"per step, over {OP_TIMES_STEPS} more steps):")
+                  f"per step, over {harness.OP_TIMES_EXECUTIONS} more steps):")
             harness.print_op_times({(mode, layers): outcome.figures
                                     for mode, outcome in outcomes.items() if outcome.ok},
                                    args.markdown)
@@ -618,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     workload_options.add_argument(
         "--steps", type=step_count, default=DEFAULT_STEPS,
         help=f"training steps per mode, 2 or more (default {DEFAULT_STEPS})")
-    harness.add_op_times_option(workload_options, f"{OP_TIMES_STEPS} more steps")
+    harness.add_op_times_option(workload_options, "steps")
     model = workload_options.add_mutually_exclusive_group()
     model.add_argument(
         "--workload", metavar="MODULE:FUNCTION",

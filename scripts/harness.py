@@ -36,7 +36,9 @@ os.environ.setdefault("PJRT_DEVICE", DEFAULT_DEVICE)
 
 RESULT_PREFIX = "benchmark worker result: "
 OUTPUT_TAIL_LINES = 25
-# Kinds of op listed by --op-times (the others are summed).
+# Executions each run records for --op-times, and the kinds of op listed (the
+# others are summed).
+OP_TIMES_EXECUTIONS = 2
 OP_KINDS_SHOWN = 14
 OK = "ok"
 # Each worker's status, in its table column and its JSON figures.
@@ -507,17 +509,19 @@ def print_runs_table(outcomes: Mapping[tuple[str, int], Outcome],
 
 
 def add_op_times_option(parser: argparse.ArgumentParser, recorded: str) -> None:
+    """--op-times, which records OP_TIMES_EXECUTIONS more `recorded` (a plural)."""
     parser.add_argument("--op-times", action="store_true",
-                        help=f"also record {recorded} per run under torch_xla's profiler and "
-                             "print where their time went, op by op (PJRT CPU)")
+                        help=f"also record {OP_TIMES_EXECUTIONS} more {recorded} per run "
+                             "under torch_xla's profiler and print where their time went, op "
+                             "by op (PJRT CPU)")
 
 
-def op_time_figures(run: Callable[[], Any], executions: int) -> dict:
-    """The worker's side of --op-times: where `executions` calls of `run`
-    (each synced) spent their time, per call (`metrics.measure_op_times`)."""
+def op_time_figures(run: Callable[[], Any]) -> dict:
+    """The worker's side of --op-times: where OP_TIMES_EXECUTIONS calls of
+    `run` (each synced) spent their time, per call (`metrics.measure_op_times`)."""
     from torch_xla_ext.metrics import measure_op_times
 
-    recorded = measure_op_times(run, executions)
+    recorded = measure_op_times(run, OP_TIMES_EXECUTIONS)
     return {"busy_ms": 1e3 * recorded.busy_seconds,
             "kinds": {kind: [ops.count, 1e3 * ops.wall_seconds]
                       for kind, ops in recorded.kinds.items()},

@@ -418,11 +418,11 @@ def test_op_times_share_the_busy_time_among_the_ops_running_at_once():
     # dot alone for 5 us, beside the copy for 5, the copy alone for 5, the
     # fusion for 2; while and call only hold ops.
     assert list(times.kinds) == ["dot", "copy", "multiply_fusion"]
-    assert times.kinds == {
-        "dot": OpKind(count=1, wall_seconds=pytest.approx(7.5e-6), busy_seconds=pytest.approx(10e-6)),
-        "copy": OpKind(count=1, wall_seconds=pytest.approx(7.5e-6), busy_seconds=pytest.approx(10e-6)),
-        "multiply_fusion": OpKind(count=1, wall_seconds=pytest.approx(2e-6),
-                                  busy_seconds=pytest.approx(2e-6))}
+    def kind(wall, busy):
+        return OpKind(count=1, wall_seconds=pytest.approx(wall), busy_seconds=pytest.approx(busy))
+
+    assert times.kinds == {"dot": kind(7.5e-6, 10e-6), "copy": kind(7.5e-6, 10e-6),
+                           "multiply_fusion": kind(2e-6, 2e-6)}
     assert times.busy_seconds == pytest.approx(17e-6)
     # Alone: the dot 5 us, the copy 5, the fusion 2; two at once: 5.
     assert times.concurrency == {1: pytest.approx(12e-6), 2: pytest.approx(5e-6)}

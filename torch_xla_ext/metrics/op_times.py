@@ -9,13 +9,14 @@ thread pool after its launch returns, so the launch event alone would miss
 it). Pairing the two gives each op's span.
 
 Each op counts under its kind, the instruction's name without its numbering
-(``dynamic-slice_bitcast_fusion.3.clone`` is a ``dynamic-slice_bitcast_fusion``).
-A kind's *wall* time is its share of the time during which any op ran: an
-instant when two ops run counts half to each, so the kinds' wall times add
-up to the execution's busy time; how long one op ran alone, and how long two
-or more ran at once, shows how much the runtime could overlap. Control flow (``while``, ``conditional``,
-the ``call`` that wraps a kernel split across threads) only holds other ops,
-which count themselves.
+(``dynamic-slice_bitcast_fusion.3.clone`` is a
+``dynamic-slice_bitcast_fusion``). A kind's *wall* time is its share of the
+time during which any op ran: an instant when two ops run counts half to each,
+so the kinds' wall times add up to the execution's busy time; how long one op
+ran alone, and how long two or more ran at once, shows how much the runtime
+could overlap. Control flow (``while``, ``conditional``, the ``call`` that
+wraps a kernel split across threads) only holds other ops, which count
+themselves.
 
 Reading a trace needs neither torch nor torch_xla (``op_times``,
 ``read_trace_events``), so a trace saved elsewhere can be read anywhere;
@@ -111,7 +112,8 @@ def op_spans(events: Iterable[Mapping]) -> list[tuple[float, float, str]]:
 def op_times(events: Iterable[Mapping], executions: int = 1) -> OpTimes:
     """The ops of a trace's events, per execution of `executions` recorded."""
     check_executions(executions)
-    spans = [span for span in op_spans(events) if op_kind(span[2]) not in CONTAINER_KINDS]
+    spans = [(start, end, op_kind(instruction)) for start, end, instruction in op_spans(events)
+             if op_kind(instruction) not in CONTAINER_KINDS]
     if not spans:
         raise OpTimesError(
             "the trace holds no op spans (launch and 'end: ' events of XLA:CPU's runtime): no "
@@ -119,9 +121,9 @@ def op_times(events: Iterable[Mapping], executions: int = 1) -> OpTimes:
             "nobody holds), or it was recorded on another device than PJRT's CPU; on a TPU, "
             "read the profiler's own device trace (TensorBoard's profile plugin)")
     counts, busy = collections.Counter(), collections.Counter()
-    for start, end, instruction in spans:
-        counts[op_kind(instruction)] += 1
-        busy[op_kind(instruction)] += end - start
+    for start, end, kind in spans:
+        counts[kind] += 1
+        busy[kind] += end - start
     wall, concurrency = _shared_wall(spans)
     per_execution = 1e-6 / executions  # microseconds to seconds
     kinds = {kind: OpKind(counts[kind] / executions, wall[kind] * per_execution,
@@ -133,9 +135,9 @@ def op_times(events: Iterable[Mapping], executions: int = 1) -> OpTimes:
 
 def _shared_wall(spans: list[tuple[float, float, str]]
                  ) -> tuple[collections.Counter, collections.Counter]:
-    """Each kind's share of the time any span covers (an interval covered by
-    n spans counts 1/n to the kind of each), and the time covered by exactly
-    n spans, by n."""
+    """Each kind's share of the time any (start, end, kind) span covers (an
+    interval covered by n spans counts 1/n to the kind of each), and the time
+    covered by exactly n spans, by n."""
     # At one instant, spans end before others start; empty spans cover nothing.
     lasting = [index for index, (start, end, _) in enumerate(spans) if end > start]
     boundaries = sorted([(spans[index][0], 1, index) for index in lasting]
@@ -148,7 +150,7 @@ def _shared_wall(spans: list[tuple[float, float, str]]
             concurrency[len(running)] += time - previous
             share = (time - previous) / len(running)
             for active in running:
-                wall[op_kind(spans[active][2])] += share
+                wall[spans[active][2]] += share
         previous = time
         if change > 0:
             running.add(index)
