@@ -208,3 +208,18 @@ def label(parent, step: Step) -> str:
         return f"attribute {key!r}"
     return {"partial.func": "function of the partial", "method.func": "function of the method",
             "method.self": "self of the method", "deref": "referent of the weak reference"}[kind]
+
+
+def tensors_in(root, limit: int = _SEARCH_LIMIT) -> list[torch.Tensor]:
+    """The tensors `root` holds, at any depth (at most `limit` objects visited)."""
+    found, queue, seen = [], collections.deque([root]), {id(root)}
+    while queue and len(seen) < limit:
+        obj = queue.popleft()
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            continue
+        for _, child in children(obj):
+            if id(child) not in seen:
+                seen.add(id(child))
+                queue.append(child)
+    return found

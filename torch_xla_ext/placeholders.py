@@ -406,6 +406,8 @@ def data_read_reason(op: torch._ops.OpOverload) -> str | None:
         return "its output's shape depends on the data"
     if op.name() in HOST_READING_XLA_KERNELS:
         return _HOST_READING_REASON
+    if not torch._C._dispatch_has_kernel(op.name()):
+        return None  # not a dispatcher op (prim::device reads a tensor's metadata only)
     if not any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
                for key in _DEVICE_KERNEL_KEYS):
         return "torch_xla has no XLA kernel for it and runs it on the CPU, which reads the data"

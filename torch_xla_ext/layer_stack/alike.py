@@ -129,17 +129,27 @@ def _setting_difference(index: int, name: str, where: tuple, reference, other,
         f"computation does not read it.")
 
 
-def names_its_module(index: int, owner_path: str, reference, other) -> bool:
+def names_its_module(index: int, owner_path: str, reference, other,
+                     reference_index: int = 0) -> bool:
     """Whether two strings are the dotted names in the model of submodule
-    `owner_path` of layer 0 and of layer `index` ('model.layers.0.self_attn.q_proj'
-    and 'model.layers.3.self_attn.q_proj': peft keeps one in each adapted module),
-    which tell the modules apart rather than configure them."""
+    `owner_path` of layer `reference_index` and of layer `index`
+    ('model.layers.0.self_attn.q_proj' and 'model.layers.3.self_attn.q_proj':
+    peft keeps one in each adapted module), which tell the modules apart
+    rather than configure them."""
     if not (isinstance(reference, Constant) and isinstance(other, Constant)
             and reference.kind is other.kind is str):
         return False
-    in_layer_0, in_layer = (f"{layer}.{owner_path}".rstrip(".") for layer in (0, index))
-    prefix = reference.value[:-len(in_layer_0)]
-    return reference.value.endswith("." + in_layer_0) and other.value == prefix + in_layer
+    in_reference, in_layer = (f"{layer}.{owner_path}".rstrip(".")
+                              for layer in (reference_index, index))
+    prefix = reference.value[:-len(in_reference)]
+    return reference.value.endswith("." + in_reference) and other.value == prefix + in_layer
+
+
+def structure_key(layout: LayerLayout) -> tuple:
+    """What `structure_difference` compares, as one hashable value: layers
+    with equal keys can be stacked together."""
+    return (tuple(layout.modules.items()), tuple(layout.tensors.items()),
+            tuple(layout.settings))
 
 
 def structure_difference(index: int, reference: LayerLayout, other: LayerLayout
@@ -220,32 +230,38 @@ def _naming_settings(index: int, reference: LayerLayout, other: LayerLayout,
             and any(True for _ in differences(form, other.settings[name]))}
 
 
-def check_identical_layers(layers: list, per_layer_attributes: frozenset[str]
-                           ) -> tuple[LayerLayout, dict[str, tuple]]:
-    """Layer 0's layout, after checking that every layer shares it, and the
+def check_identical_layers(layers: list, per_layer_attributes: frozenset[str],
+                           any_setting: bool = False
+                           ) -> tuple[LayerLayout, dict[str, tuple], frozenset[str]]:
+    """Layer 0's layout, after checking that every layer shares it; the
     settings kept per layer: 'path.attribute' -> each layer's value, for the
     per-layer attributes that differ and for the settings that differ only in
-    naming their module (which are per-layer attributes too: a trace that
-    reads one runs layer by layer)."""
+    naming their module; and which of those are watched (all of them: a
+    trace that reads one runs layer by layer). With `any_setting`, the layers
+    need only share layer 0's structure: every setting that differs is kept
+    per layer, the others unwatched (layers' kinds: see `stacked_list`)."""
     for index, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
             raise TypeError(f"Layer {index} is a {type(layer).__name__}, not an nn.Module; "
                             f"pass a list or nn.ModuleList of layers.")
     layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
     reference = layouts[0]
-    difference = _first_difference(layouts, per_layer_attributes)
+    difference = (next(filter(None, (structure_difference(index, reference, other)
+                                     for index, other in enumerate(layouts[1:], start=1))), None)
+                  if any_setting else _first_difference(layouts, per_layer_attributes))
     if difference is not None:
         error, message = difference
         raise error(message)
     naming = set().union(*(_naming_settings(index, reference, other, per_layer_attributes)
                            for index, other in enumerate(layouts[1:], start=1)))
-    per_layer_values = {
-        name: tuple(each.values[name] for each in layouts)
-        for name, form in reference.settings.items()
-        if name in naming or (name.rpartition(".")[2] in per_layer_attributes
-                              and any(each.settings[name] != form for each in layouts))
-    }
-    return reference, per_layer_values
+    differing = {name for name, form in reference.settings.items()
+                 if any(each.settings[name] != form for each in layouts)}
+    watched = frozenset(name for name in differing
+                        if name in naming or name.rpartition(".")[2] in per_layer_attributes)
+    per_layer_values = {name: tuple(each.values[name] for each in layouts)
+                        for name in reference.settings
+                        if name in watched or (any_setting and name in differing)}
+    return reference, per_layer_values, watched
 
 
 def layer_tensors(layer: nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor]:

@@ -39,7 +39,7 @@ def scan_layers(layers: Iterable[nn.Module], input_data, partition_fn=save_every
     layers = list(layers)
     if not layers:
         return input_data
-    layout, per_layer_values = check_identical_layers(layers, frozenset(per_layer_attributes))
+    layout, per_layer_values, _ = check_identical_layers(layers, frozenset(per_layer_attributes))
     per_layer = [layer_tensors(layer, layout.tensors) for layer in layers]
     stacked = {name: torch.stack([tensors[name] for tensors in per_layer])
                for name in layout.tensors}

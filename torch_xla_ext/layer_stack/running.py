@@ -80,6 +80,16 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
     `kinds.PerLayerChoice` among them gives each layer its own variant: the
     variants, tensors of one shape and dtype, ride along stacked, and each
     step picks its layer's."""
+    outcome = attempt(layers, hidden, args, kwargs)
+    if isinstance(outcome, str):
+        return run_layer_by_layer(layers.layer_at, layers.num_layers, hidden, args, kwargs,
+                                  layers.drop_in, outcome)
+    return outcome
+
+
+def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
+    """`run`'s scan: the last hidden state, or why one scan cannot stand for
+    the loop (a str), before anything ran."""
     def scanned(step, init, xs):
         (last_hidden, _), (_, calls) = scan(step, init, xs, partition_fn=layers.partition_fn,
                                             is_fn_pure=layers.is_layer_pure,
@@ -90,13 +100,11 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
     reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
                                 if isinstance(leaf, torch.Tensor))), None)
     if reason is not None:
-        return run_layer_by_layer(layers.layer_at, layers.num_layers, hidden, args, kwargs,
-                                  layers.drop_in, reason)
+        return reason
     try:
         return _through_scan(layers, hidden, args, kwargs, scanned)
-    except Unscannable as reason:
-        return run_layer_by_layer(layers.layer_at, layers.num_layers, hidden, args, kwargs,
-                                  layers.drop_in, str(reason))
+    except Unscannable as unscannable:
+        return str(unscannable)
 
 
 def device_reason(device: torch.device) -> str | None:

@@ -12,9 +12,9 @@ import torch_xla
 import torch_xla.runtime
 from torch import nn
 
-from torch_xla_ext.layer_stack import optimizer_state, running, sharding
-from torch_xla_ext.layer_stack.alike import (
-    check_identical_layers, join, layer_tensors, layout_of)
+from torch_xla_ext.layer_stack import names, optimizer_state, running, sharding
+from torch_xla_ext.layer_stack.alike import check_identical_layers, layer_tensors, layout_of
+from torch_xla_ext.layer_stack.segments import Segment
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.placeholders import depends_on_placeholder
 from torch_xla_ext.policies import resolve as resolve_policy, save_everything
@@ -48,25 +48,6 @@ def _computed_now(tensors: list[torch.Tensor]) -> None:
             if tensor.device.type == "xla" and not depends_on_placeholder(tensor)]
     if lazy:
         torch_xla._XLAC._xla_sync_multi(lazy, devices=[], wait=False)
-
-
-def _state_dict_per_layer(stack: "LayerStack", state_dict, prefix: str,
-                          local_metadata) -> None:
-    """state_dict post-hook: replaces the stacked entries by per-layer ones."""
-    storage_prefix = prefix + "stacked."
-    stacked = {key[len(storage_prefix):]: state_dict.pop(key)
-               for key in list(state_dict) if key.startswith(storage_prefix)}
-    for index in range(len(stack)):
-        for name, tensor in stacked.items():
-            state_dict[f"{prefix}{index}.{name}"] = tensor[index]
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None and stack._template is not None:
-        for key in [key for key in metadata
-                    if key == storage_prefix[:-1] or key.startswith(storage_prefix)]:
-            del metadata[key]
-        for index in range(len(stack)):
-            for path, module in stack._template.named_modules():
-                metadata[join(f"{prefix}{index}", path)] = {"version": module._version}
 
 
 class LayerStack(nn.Module):
@@ -139,19 +120,24 @@ class LayerStack(nn.Module):
                 DeprecationWarning, stacklevel=2)
         self.per_layer_attributes = frozenset(per_layer_attributes) | ignored_attributes
         self.num_layers = len(layers)
-        # 'path.attribute' -> each layer's value, for the per-layer attributes that differ.
+        # 'path.attribute' -> each layer's value, for the per-layer attributes that differ
+        # (and, for a stack that keeps differing settings, the settings that differ).
         self.per_layer_values: dict[str, tuple] = {}
+        # Those whose reads a trace watches: the per-layer attributes.
+        self.watched_paths: frozenset[str] = frozenset()
         self.stacked = _StackedTensors()
         # The layer whose code runs each step; kept out of _modules so that it is
         # no part of parameters(), state_dict() or .to().
         self.__dict__["_template"] = None
-        self.register_state_dict_post_hook(_state_dict_per_layer)
-        optimizer_state.track(self)
+        if self.owns_names:
+            self.register_state_dict_post_hook(_saved_per_layer)
+            self.register_load_state_dict_pre_hook(_loaded_per_layer)
+            optimizer_state.track(self)
         sharding.teach_fsdp_v2()
         if not layers:
             return
-        layout, self.per_layer_values = check_identical_layers(layers,
-                                                                 self.per_layer_attributes)
+        layout, self.per_layer_values, self.watched_paths = check_identical_layers(
+            layers, self.per_layer_attributes, any_setting=self.keeps_differing_settings)
         _check_no_shared_parameters(layers)
         self.__dict__["_template"] = _meta_copy(layers[0], layout.shared)
         self.training = layers[0].training
@@ -168,21 +154,40 @@ class LayerStack(nn.Module):
                     owner.register_buffer(local_name, stacked, persistent=spec.flag)
         _computed_now(list(self._stacked_tensors().values()))
 
+    # Whether the stack's state_dict() names the layers' tensors itself (not
+    # when another stack holding it does: `stacked_list.StackedList`).
+    owns_names = True
+    # Whether the layers need only be alike in structure, each keeping its own
+    # value of every setting that differs (a StackedList's segments: their
+    # runs and kinds are planned per call).
+    keeps_differing_settings = False
+
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        optimizer_state.track(self)  # a copy, or unpickled
+        if self.owns_names:
+            optimizer_state.track(self)  # a copy, or unpickled
         sharding.teach_fsdp_v2()
+
+    @property
+    def template(self) -> nn.Module | None:
+        """The layer whose code runs for every layer, on each layer's tensors
+        (None for an empty stack); its tensors are meta tensors."""
+        return self._template
+
+    @property
+    def names(self) -> names.NameMap:
+        """Its stored names and the layers' own (`names.NameMap`)."""
+        if self._template is None:
+            return names.NameMap(())
+        return names.NameMap([names.part_of("stacked.", Segment(0, 1, len(self)),
+                                            self._template, stacked=True)])
 
     def layer_parameters(self) -> list[tuple[str, int, str]]:
         """The layers' parameters in the order of the layer list's
         `parameters()`, each as (the name of its stacked parameter in the
         stack, its layer, its name in the layer list): for optimizer state
         dicts in the unconverted layout (`optimizer_state`)."""
-        if self._template is None:
-            return []
-        names = [name for name, _ in self._template.named_parameters()]
-        return [(f"stacked.{name}", index, f"{index}.{name}")
-                for index in range(len(self)) for name in names]
+        return self.names.parameters()
 
     def _storage(self, path: str) -> _StackedTensors:
         """The `_StackedTensors` for submodule `path`, created on first use."""
@@ -204,18 +209,18 @@ class LayerStack(nn.Module):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(len(self))[index]]
-        return self._layer(index, copied=False)
+        return self.layer(index)
 
     def unstacked(self) -> list[nn.Module]:
         """The layers as modules of their own: each with parameters and
         buffers copied from its slices (parameters keep `requires_grad`), as
         the layers were before stacking."""
-        layers = [self._layer(index, copied=True) for index in range(len(self))]
+        layers = [self.layer(index, copied=True) for index in range(len(self))]
         _computed_now([tensor for layer in layers for tensor in (*layer.parameters(),
                                                                  *layer.buffers())])
         return layers
 
-    def _layer(self, index, copied: bool) -> nn.Module:
+    def layer(self, index: int, copied: bool = False) -> nn.Module:
         """Layer `index`, holding views of its slices, or copies of them."""
         index = operator.index(index)
         if not -len(self) <= index < len(self):
@@ -247,7 +252,7 @@ class LayerStack(nn.Module):
     def forward(self, hidden, *args, **kwargs):
         if self._template is None:
             return hidden
-        return running.run(self._layers(), hidden, args, kwargs)
+        return running.run(self.runner(), hidden, args, kwargs)
 
     def lower(self, hidden, *args, device_kind: str | None = None, **kwargs) -> Lowered:
         """Stages `self(hidden, *args, **kwargs)` without running it: the HLO of
@@ -259,55 +264,46 @@ class LayerStack(nn.Module):
             raise ValueError("lower: an empty LayerStack runs no scan")
         if device_kind is None:
             device_kind = torch_xla.runtime.device_type()
-        return running.lower(self._layers(), hidden, args, kwargs, device_kind)
+        return running.lower(self.runner(), hidden, args, kwargs, device_kind)
 
     def stack_options(self) -> dict:
         """The options this stack was made with, to make another alike."""
         return dict(partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
                     unroll=self.unroll, per_layer_attributes=tuple(sorted(self.per_layer_attributes)))
 
-    def _layers(self) -> running.Layers:
+    def runner(self, first: int = 0, count: int | None = None, template: nn.Module | None = None,
+               kind_layers=None) -> running.Layers:
+        """Layers `first`, ..., `first + count - 1` (default: all) as the
+        runners take them, run by `template` (default: the stack's own; a
+        copy with other settings, for layers of another kind), with
+        `kind_layers` (see `running.Layers`)."""
+        count = len(self) - first if count is None else count
+        tensors = self._stacked_tensors()
+        if (first, count) != (0, len(self)):
+            tensors = {name: tensor[first:first + count] for name, tensor in tensors.items()}
+        template = self._template if template is None else template
         return running.Layers(
-            self._template, layout_of(self._template, 0), self._stacked_tensors(),
-            per_layer_paths=tuple(self.per_layer_values), layer_at=self.__getitem__,
-            num_layers=len(self), drop_in=False, partition_fn=self.partition_fn,
-            is_layer_pure=self.is_layer_pure, unroll=self.unroll)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
-                              missing_keys, unexpected_keys, error_msgs):
-        # Gathers the per-layer entries into one stacked entry per tensor, which
-        # the `stacked` submodules then load; what is absent or the wrong shape is
-        # reported under its per-layer name and keeps the current value.
-        # The stacked state_dict lists the persistent tensors only, as checkpoints do.
-        for name, current in self.stacked.state_dict(keep_vars=True).items():
-            slices = []
-            for index in range(len(self)):
-                key = f"{prefix}{index}.{name}"
-                loaded = state_dict.pop(key, None)
-                if loaded is None:
-                    if strict:
-                        missing_keys.append(key)
-                elif loaded.shape != current.shape[1:]:
-                    error_msgs.append(
-                        f"size mismatch for {key}: copying a param with shape {loaded.shape} from "
-                        f"checkpoint, the shape in current model is {current.shape[1:]}.")
-                    loaded = None
-                slices.append(loaded)
-            found = next((loaded for loaded in slices if loaded is not None), None)
-            if found is None:
-                stacked = current.detach()
-            else:
-                stacked = torch.stack([
-                    current[index].detach().to(found) if loaded is None else loaded
-                    for index, loaded in enumerate(slices)
-                ])
-            state_dict[f"{prefix}stacked.{name}"] = stacked
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                      missing_keys, unexpected_keys, error_msgs)
+            template, layout_of(template, 0), tensors,
+            per_layer_paths=tuple(sorted(self.watched_paths)),
+            layer_at=lambda index: self.layer(first + index), num_layers=count, drop_in=False,
+            partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
+            unroll=self.unroll, kind_layers=kind_layers)
 
     def extra_repr(self) -> str:
         layer_type = type(self._template).__name__ if self._template is not None else "-"
         return f"num_layers={len(self)}, layer={layer_type}"
+
+
+def _saved_per_layer(stack: LayerStack, state_dict, prefix: str, local_metadata) -> None:
+    names.save_per_layer(stack.names, state_dict, prefix)
+    names.per_layer_metadata(stack.names, state_dict, prefix)
+
+
+def _loaded_per_layer(stack: LayerStack, state_dict, prefix: str, local_metadata, strict,
+                      missing_keys, unexpected_keys, error_msgs) -> None:
+    current = dict(stack.stacked.state_dict(prefix="stacked.", keep_vars=True))
+    names.load_per_layer(stack.names, current, state_dict, prefix, strict, missing_keys,
+                         error_msgs)
 
 
 def _check_no_shared_parameters(layers: list) -> None:

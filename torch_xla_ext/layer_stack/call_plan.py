@@ -1,0 +1,224 @@
+"""How a forward's calls of its stacked layers run: the call plan.
+
+`plan_calls` reads what the dry run recorded (`dry_run.CallRecord`) and
+decides, once per kind of call, how each layer's call runs, as data
+(`CallPlan`): the called layers split into `Run`s, each
+
+* a scan (`how == "scan"`): consecutive layers of one segment (or whole
+  groups of a repeating pattern), each called on what the one before
+  returned, with arguments that are the same objects in every call
+  (`shared`) or that differ between layers (`chosen`: tensors, each layer
+  given its own, which the scan takes stacked); it runs when the call of
+  its `trigger` layer comes, the one by which every argument has been seen;
+* a layer that runs as itself (`itself`): a run of one layer;
+* layers run one by one (`one by one`), as the unconverted loop does, with
+  the reason, which a `LayerByLayerWarning` gives.
+
+A run ends where the loop does more than hand a layer's output to the next
+layer (it changes it, or passes other arguments of another form), and where
+the stored segments end. The whole call runs one by one when the dry run
+did not complete, read a tensor's value while looping (which layers run
+could then change from call to call), or called the layers out of order.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from torch import Tensor
+
+from torch_xla_ext.layer_stack.dry_run import CallRecord, RecordedCall
+from torch_xla_ext.layer_stack.kinds import same_leaf
+
+__all__ = ["CallPlan", "Leaf", "Run", "plan_calls"]
+
+SCAN, ITSELF, ONE_BY_ONE = "scan", "itself", "one by one"
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """How a run's calls give one leaf of their arguments: the same object
+    in every call (`shared`), the hidden state each layer gets from the one
+    before (`carried`), or a tensor per layer (`chosen`: layer i of the run
+    gets variant `choice[i]`, the variants numbered by their first call)."""
+    kind: str
+    choice: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Layers start, ..., stop - 1 of the list (see the module docstring)."""
+    start: int
+    stop: int
+    segment: int  # the stored segment they are in
+    how: str
+    reason: str | None = None  # why one by one
+    period: int = 1  # layers per scan step
+    trigger: int = 0  # the layer whose call runs the scan
+    # Per position in a step: how each argument leaf is given (a scan only).
+    leaves: tuple[tuple[Leaf, ...], ...] = ()
+    # Per position: which output leaves the forward uses beyond handing them on.
+    kept: tuple[tuple[int, ...], ...] = ()
+    # Per position: the form of a layer's output, and where each of its leaves comes from.
+    outputs: tuple[tuple, ...] = ()
+
+    def __str__(self) -> str:
+        return f"layers {self.start}-{self.stop - 1}" if self.stop - self.start > 1 \
+            else f"layer {self.start}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+    """How one kind of call of one stacked list runs."""
+    runs: tuple[Run, ...]
+    reason: str | None = None  # why every layer runs one by one
+
+    def run_of(self, index: int) -> Run | None:
+        return next((run for run in self.runs if run.start <= index < run.stop), None)
+
+
+def plan_calls(stack, calls: list[RecordedCall], record: CallRecord) -> CallPlan:
+    """The plan of the calls the dry run recorded for `stack` (a
+    `StackedList`) in `record`."""
+    if record.failure is not None:
+        return CallPlan((), record.failure)
+    if record.read is not None:
+        return CallPlan((), (
+            f"the forward reads a tensor's value while it loops over the layers "
+            f"({record.read}), so which layers run, or how, can change from call to call, "
+            f"which one scan cannot follow (LayerDrop while training skips layers at random: "
+            f"set the config's layerdrop to 0.0)"))
+    indices = [call.index for call in calls]
+    if not indices:
+        return CallPlan(())
+    if indices != list(range(indices[0], indices[0] + len(indices))):
+        return CallPlan((), f"the forward calls the layers {indices}, not each once in order")
+    runs = []
+    for number, segment in enumerate(stack.plan):
+        start, stop = max(segment.start, indices[0]), min(segment.stop, indices[-1] + 1)
+        if start < stop:
+            runs += _runs(stack, number, segment, calls[start - indices[0]:stop - indices[0]],
+                          record)
+    return CallPlan(tuple(runs))
+
+
+def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRecord) -> list:
+    """The runs of the calls of one stored segment's layers: a run ends
+    where a call does not continue it (`_continues`); a segment of groups
+    of several layers is one run of whole groups, or runs one by one."""
+    period = segment.period
+    first, last = calls[0].index, calls[-1].index + 1
+    if segment.single:
+        return [Run(first, last, number, ITSELF)]
+    if period > 1:
+        if (first - segment.start) % period or (last - first) % period:
+            return [Run(first, last, number, ONE_BY_ONE,
+                        f"{segment} run as one scan over groups of {period} layers, and the "
+                        f"forward calls layers {first}-{last - 1}, not whole groups")]
+        if not all(_continues(calls[offset - period], calls[offset - 1], calls[offset])
+                   for offset in range(period, len(calls))):
+            return [Run(first, last, number, ONE_BY_ONE,
+                        f"{segment} run as one scan over groups of {period} layers, and the "
+                        f"forward calls the groups otherwise than alike, each on what the one "
+                        f"before returned")]
+        return [_run(calls, number, period, record)]
+    runs, begin = [], 0
+    for offset in range(1, len(calls) + 1):
+        if offset == len(calls) or not _continues(calls[begin], calls[offset - 1],
+                                                  calls[offset]):
+            runs.append(_run(calls[begin:offset], number, 1, record))
+            begin = offset
+    return runs
+
+
+def _continues(reference: RecordedCall, before: RecordedCall, call: RecordedCall) -> bool:
+    """Whether `call` can be a later step of the scan whose first call at
+    its position was `reference`: called alike (the same arguments' form,
+    the same objects but for tensors, the same form of output) on what the
+    call `before` it returned."""
+    return (call.spec == reference.spec and call.output_spec == reference.output_spec
+            and call.sources == reference.sources and _carries(before, call)
+            and all(isinstance(leaf, Tensor) or same_leaf(leaf, first)
+                    for leaf, first in zip(call.leaves[1:], reference.leaves[1:])))
+
+
+def _carries(before: RecordedCall, call: RecordedCall) -> bool:
+    """Whether `call`'s hidden state (its first argument) is what `before`
+    returned first, a value it computed."""
+    return (bool(call.leaves) and bool(before.outputs) and before.sources[0].kind == "computed"
+            and call.leaves[0] is before.outputs[0])
+
+
+def _run(calls: list[RecordedCall], number: int, period: int, record: CallRecord) -> Run:
+    first, last = calls[0].index, calls[-1].index + 1
+    if len(calls) == 1:
+        return Run(first, last, number, ITSELF)
+    reason = _unscannable(calls, period)
+    if reason is not None:
+        return Run(first, last, number, ONE_BY_ONE, reason)
+    leaves = tuple(_leaves(calls[position::period]) for position in range(period))
+    # The last layer's hidden state is the scan's result; any other output
+    # the forward uses, it takes from what the scan stacks per layer.
+    kept = tuple(tuple(sorted({leaf for call in calls[position::period]
+                               for leaf, output in enumerate(call.outputs)
+                               if id(output) in record.used
+                               and (leaf or call is not calls[-1])}))
+                 for position in range(period))
+    outputs = tuple((call.output_spec, call.sources) for call in calls[:period])
+    # The call by which every variant of every chosen argument has been given.
+    trigger = first + max([period - 1] + [
+        leaf.choice.index(variant) * period + position
+        for position, position_leaves in enumerate(leaves)
+        for leaf in position_leaves if leaf.kind == "chosen" for variant in set(leaf.choice)])
+    if any(kept) and trigger > first:
+        return Run(first, last, number, ONE_BY_ONE,
+                   "the forward keeps each layer's output, and the layers' arguments are only "
+                   "all known at a later layer's call")
+    if period > 1 and any(leaf.kind == "chosen" for each in leaves for leaf in each):
+        return Run(first, last, number, ONE_BY_ONE,
+                   "the groups of layers get arguments that differ from group to group")
+    return Run(first, last, number, SCAN, None, period, trigger, leaves, kept, outputs)
+
+
+def _unscannable(calls: list[RecordedCall], period: int) -> str | None:
+    """Why the run's calls cannot be one scan, or None."""
+    for call in calls[:period]:
+        if not call.leaves or not isinstance(call.leaves[0], Tensor):
+            return (f"layer {call.index} is called without a tensor as its first argument, "
+                    f"which a scan carries from layer to layer")
+        kinds = [source.kind for source in call.sources]
+        if kinds[:1] != ["computed"]:
+            return (f"layer {call.index} gives back no tensor of its own as its first value, "
+                    f"which a scan carries to the next layer")
+        if "object" in kinds:
+            what = call.sources[kinds.index("object")].value
+            return (f"layer {call.index} gives back a {what} it makes, which a scan "
+                    f"cannot carry or stack")
+    for call in calls[period:]:
+        for position, leaf in enumerate(call.leaves[1:], start=1):
+            if any(leaf is output for output in _previous_outputs(calls, call)[1:]):
+                return (f"layer {call.index} gets, as its argument leaf {position}, a value "
+                        f"the layer before it computed besides its hidden state, and a scan "
+                        f"carries the hidden state only")
+    return None
+
+
+def _previous_outputs(calls: list[RecordedCall], call: RecordedCall) -> list:
+    before = next(each for each in calls if each.index == call.index - 1)
+    return before.outputs
+
+
+def _leaves(calls: list[RecordedCall]) -> tuple[Leaf, ...]:
+    """How the calls at one position of a run give each argument leaf."""
+    plans = [Leaf("carried")]
+    for position in range(1, len(calls[0].leaves)):
+        variants, choice = [], []
+        for call in calls:
+            leaf = call.leaves[position]
+            number = next((number for number, variant in enumerate(variants)
+                           if same_leaf(leaf, variant)), None)
+            if number is None:
+                number = len(variants)
+                variants.append(leaf)
+            choice.append(number)
+        plans.append(Leaf("shared") if len(variants) == 1 else Leaf("chosen", tuple(choice)))
+    return tuple(plans)

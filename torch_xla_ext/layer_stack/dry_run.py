@@ -1,0 +1,231 @@
+"""What an owner's forward does with its stacked layers, found by running it
+once with the layers replaced by recorders: the dry run.
+
+The forward runs on the call's own inputs, so that everything it does
+around the loop (embeddings, masks, rotary tables, caches it makes) is what
+the real call does; only the layers do not run. Each layer call is
+recorded (what the layer gets) and answered with what the layer would give
+back: its output's structure, found by running the layer once per kind of
+call on fake tensors (no data); values it hands back unchanged are the
+very arguments it got, and values it computes are placeholders (tensors
+with a shape and no data), so that using one's value raises
+`PlaceholderError` instead of computing anything.
+
+Meanwhile a torch function mode watches the forward between the layer
+calls: which placeholders it uses other than by handing them to a layer
+(an op on them, or returning them: the owner keeps per-layer outputs), and
+whether it reads a tensor's value while looping (which layers run, or how
+often, can then change from call to call: LayerDrop). The random number
+generators are put back afterwards, so the real call draws what it would
+have drawn. `CallRecord` is what the dry run found; `call_plan` reads it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from torch_xla_ext.layer_stack.hooks import hooks_held
+from torch_xla_ext.layer_stack.loops import driving
+from torch_xla_ext.object_graph import VALUE_TYPES, tensors_in
+from torch_xla_ext.placeholders import placeholder
+from torch_xla_ext.scan.loop import xla_rng_kept
+
+__all__ = ["CallRecord", "RecordedCall", "Source", "record_calls"]
+
+# Functions that read a tensor's value on the host.
+_VALUE_READS = frozenset([
+    torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+    torch.Tensor.__index__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy,
+    torch.Tensor.is_nonzero, torch.is_nonzero, torch.equal, torch.Tensor.equal,
+    torch.allclose, torch.Tensor.allclose])
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a value a layer gives back comes from: `argument` (the very
+    argument leaf `value` of the call), `constant` (`value` itself),
+    `computed` (a tensor of shape and dtype `value`), or `object` (another
+    object the layer made, of type name `value`)."""
+    kind: str
+    value: Any
+
+
+@dataclasses.dataclass
+class RecordedCall:
+    """One layer call of the dry run: what the layer got and gave back."""
+    index: int
+    leaves: list  # of (args, kwargs), as the forward passed them
+    spec: TreeSpec
+    sources: tuple[Source, ...]  # of the output's leaves
+    output_spec: TreeSpec
+    outputs: list  # the output's leaves, as the recorder gave them
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """What the dry run of one forward found, per stacked list (by name)."""
+    calls: dict[str, list[RecordedCall]]
+    used: set[int]  # ids of computed outputs the forward used other than by handing them on
+    outputs: set[int] = dataclasses.field(default_factory=set)  # ids of all computed outputs
+    read: str | None = None  # where the forward read a tensor's value while looping
+    failure: str | None = None  # why the dry run did not complete
+
+
+def record_calls(owner: nn.Module, stacks: dict[str, nn.Module], args: tuple,
+                 kwargs: dict) -> CallRecord:
+    """Runs `owner.forward(*args, **kwargs)` with the layers of `stacks` (its
+    lists, by name) recorded (see the module docstring)."""
+    record = CallRecord({name: [] for name in stacks}, set())
+    recorders = {name: _Recorder(stack, record.calls[name], record.outputs)
+                 for name, stack in stacks.items()}
+    watch = _Watch(recorders.values(), record)
+    tensors = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+    cpu_state = torch.get_rng_state()
+    try:
+        with xla_rng_kept(tensors + [param for stack in stacks.values()
+                                     for param in stack.parameters()][:1]):
+            entries = [driving(stack, recorders[name]) for name, stack in stacks.items()]
+            for entry in entries:
+                entry.__enter__()
+            try:
+                with watch:
+                    result = owner.forward(*args, **kwargs)
+            finally:
+                for entry in entries:
+                    entry.__exit__(None, None, None)
+    except Exception as error:  # the dry run is a probe: what stopped it is its finding
+        record.failure = _failure(owner, error)
+        return record
+    finally:
+        torch.set_rng_state(cpu_state)
+    record.used |= {id(leaf) for leaf in tree_flatten(result)[0] if id(leaf) in record.outputs}
+    return record
+
+
+def _failure(owner: nn.Module, error: Exception) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    where = next((f"{frame.filename}:{frame.lineno}" for frame in reversed(frames)
+                  if "/torch_xla_ext/" not in frame.filename), "")
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return (f"{type(owner).__qualname__}.forward, run once with its layers recorded on "
+            f"stand-ins, raised {type(error).__name__} at {where}: {first_line}")
+
+
+class _Recorder:
+    """The dry run's driver of one stacked list's loop."""
+
+    def __init__(self, stack: nn.Module, calls: list, outputs: set):
+        self.stack = stack
+        self.calls = calls
+        self.outputs = outputs  # ids of the computed outputs of every list's calls
+        self.inside = False  # a layer's fake run is under way
+        self._found: dict[tuple, tuple] = {}  # per kind of call: (sources, output spec)
+
+    def call(self, index: int, args: tuple, kwargs: dict):
+        leaves, spec = tree_flatten((args, kwargs))
+        self.inside = True
+        try:
+            sources, output_spec = self._sources(index, leaves, spec)
+        finally:
+            self.inside = False
+        outputs = [leaves[source.value] if source.kind == "argument"
+                   else source.value if source.kind == "constant"
+                   else placeholder(*source.value) if source.kind == "computed"
+                   else None for source in sources]
+        self.calls.append(RecordedCall(index, leaves, spec, sources, output_spec, outputs))
+        self.outputs.update(id(each) for each, source in zip(outputs, sources)
+                            if source.kind == "computed")
+        return tree_unflatten(outputs, output_spec)
+
+    def _sources(self, index: int, leaves: list, spec: TreeSpec) -> tuple:
+        key = (self.stack.call_kind(index), spec, tuple(_leaf_key(leaf) for leaf in leaves))
+        if key not in self._found:
+            self._found[key] = _fake_run(self.stack.layer(index), leaves, spec)
+        return self._found[key]
+
+
+def _leaf_key(leaf) -> tuple:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
+    if isinstance(leaf, VALUE_TYPES):
+        return (type(leaf), leaf)
+    return (type(leaf), id(leaf))
+
+
+def _fake_run(layer: nn.Module, leaves: list, spec: TreeSpec) -> tuple:
+    """(the sources of the output's leaves, the output's spec) of `layer`
+    called on fakes of `leaves` (objects holding tensors copied, holding
+    fakes), its weights fakes too and its forward hooks held."""
+    mode = FakeTensorMode()
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        with mode:
+            made = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+        return made.requires_grad_(tensor.requires_grad and tensor.dtype.is_floating_point)
+
+    given = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            given.append(fake(leaf))
+        elif isinstance(leaf, VALUE_TYPES):
+            given.append(leaf)
+        else:
+            given.append(copy.deepcopy(leaf, {id(t): fake(t) for t in tensors_in(leaf)}))
+    weights = {name: fake(tensor) for name, tensor in
+               (*layer.named_parameters(remove_duplicate=False),
+                *layer.named_buffers(remove_duplicate=False))}
+    args, kwargs = tree_unflatten(given, spec)
+    with mode, hooks_held(layer):
+        output = torch.func.functional_call(layer, weights, args, kwargs, strict=True)
+    positions = {id(each): position for position, each in enumerate(given)
+                 if not isinstance(each, VALUE_TYPES)}
+    output_leaves, output_spec = tree_flatten(output)
+    sources = []
+    for leaf in output_leaves:
+        if id(leaf) in positions:
+            sources.append(Source("argument", positions[id(leaf)]))
+        elif isinstance(leaf, VALUE_TYPES):
+            sources.append(Source("constant", leaf))
+        elif isinstance(leaf, torch.Tensor):
+            sources.append(Source("computed", (tuple(leaf.shape), leaf.dtype)))
+        else:
+            sources.append(Source("object", type(leaf).__name__))
+    return tuple(sources), output_spec
+
+
+class _Watch(TorchFunctionMode):
+    """Watches the forward between layer calls (see the module docstring)."""
+
+    def __init__(self, recorders, record: CallRecord):
+        super().__init__()
+        self.recorders = list(recorders)
+        self.record = record
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not any(recorder.inside for recorder in self.recorders):
+            leaves = tree_flatten((args, kwargs))[0]
+            self.record.used |= {id(leaf) for leaf in leaves if id(leaf) in self.record.outputs}
+            if func in _VALUE_READS and self.record.read is None and self._looping():
+                self.record.read = _user_line()
+        return func(*args, **kwargs)
+
+    def _looping(self) -> bool:
+        """Whether a list's loop is under way: some, not all, of its layers called."""
+        return any(0 < len(recorder.calls) < len(recorder.stack) for recorder in self.recorders)
+
+
+def _user_line() -> str:
+    """'file:line: `code`' of the innermost frame outside torch and this package."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/torch/" not in frame.filename and "/torch_xla_ext/" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
+    return "an unknown line"

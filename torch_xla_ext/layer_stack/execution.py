@@ -1,0 +1,174 @@
+"""Running a forward's layer calls as its call plan says.
+
+An `Execution` is the driver of one forward's loop over one stacked list
+(`loops`). Each `LayerCall` comes to it in order. A layer that runs as
+itself, or one by one, runs at its call. The calls of a scan are checked
+against the plan (each gets what the call before returned, the same
+objects as the first call where the plan shares them, a tensor per layer
+where it chooses them) and recorded; at the call of the run's trigger the
+scan runs (`StackedList.scan_run`), and each call returns what its layer
+would: its hidden state (the scan's result at the last layer, or a
+placeholder that the next call hands on), the arguments it hands back, its
+constants, and the per-layer values the forward keeps, from what the scan
+stacked.
+
+If the scan cannot run (the run's reason, a `LayerByLayerWarning`), the
+layers recorded so far run one by one at the trigger, and the later ones
+at their calls: the results are the loop's either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torch_xla_ext.layer_stack.call_plan import SCAN, CallPlan, Run
+from torch_xla_ext.layer_stack.kinds import PerLayerChoice, same_leaf
+from torch_xla_ext.layer_stack.running import warn_layer_by_layer
+from torch_xla_ext.placeholders import placeholder
+
+__all__ = ["Execution", "ScanResult"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanResult:
+    """What a run's scan gives: the last layer's hidden state, and the
+    per-layer values the forward keeps, `(position, output leaf) -> [groups, ...]`."""
+    hidden: Any
+    kept: dict
+
+
+@dataclasses.dataclass
+class _RunState:
+    calls: list = dataclasses.field(default_factory=list)  # (leaves, spec) of each call so far
+    returned: Any = None  # the hidden state the last call returned, which the next must get
+    result: ScanResult | None = None
+    one_by_one: bool = False  # the scan could not run: each layer runs at its call
+
+
+class Execution:
+    """The driver of one forward's loop over `stack` (a `StackedList`), as `plan` says."""
+
+    def __init__(self, stack, plan: CallPlan):
+        self.stack = stack
+        self.plan = plan
+        self.states: dict[int, _RunState] = {}  # by run start
+        self.warned: set = set()  # the runs (None: the whole call) warned of
+
+    def call(self, index: int, args: tuple, kwargs: dict):
+        run = self.plan.run_of(index)
+        if run is None or run.how != SCAN:
+            reason = self.plan.reason if run is None else run.reason
+            if reason is not None and run not in self.warned:
+                self.warned.add(run)
+                count = run.stop - run.start if run else len(self.stack)
+                warn_layer_by_layer(count, reason, stacklevel=6)
+            return self.stack.layer(index)(*args, **kwargs)
+        state = self.states.setdefault(run.start, _RunState())
+        if state.one_by_one:
+            return self._finish(run, index, self.stack.layer(index)(*args, **kwargs))
+        leaves, spec = tree_flatten((args, kwargs))
+        self._check(run, state, index, leaves, spec)
+        state.calls.append((leaves, spec))
+        if index == run.trigger:
+            outcome = self.stack.scan_run(run, *self._scan_call(run, state))
+            if isinstance(outcome, str):
+                warn_layer_by_layer(run.stop - run.start, outcome, stacklevel=6)
+                state.one_by_one = True
+                return self._finish(run, index, self._recorded_one_by_one(run, state))
+            state.result = outcome
+        return self._finish(run, index, self._output(run, state, index, leaves))
+
+    def _finish(self, run: Run, index: int, output):
+        state = self.states[run.start]
+        state.returned = output[0] if isinstance(output, tuple) else output
+        if index == run.stop - 1:
+            del self.states[run.start]  # its tensors are not kept past the loop
+        return output
+
+    def _check(self, run: Run, state: _RunState, index: int, leaves: list, spec) -> None:
+        """Raises unless call `index` is what the plan says it is."""
+        offset = index - run.start
+        if offset != len(state.calls):
+            raise RuntimeError(
+                f"layer {index} is called out of order: {run} run as one scan, and the calls "
+                f"so far were of layers {run.start}-{run.start + len(state.calls) - 1}; call "
+                f"the layers in order.")
+        if offset and leaves[0] is not state.returned:
+            raise RuntimeError(
+                f"layer {index} got another hidden state than layer {index - 1} returned: "
+                f"{run} run as one scan, each layer on what the one before returned; call "
+                f"them in order, each on what the previous one returned, with nothing "
+                f"between them.")
+        position, group = offset % run.period, offset // run.period
+        if offset < run.period:
+            return
+        reference_leaves, reference_spec = state.calls[position]
+        if spec != reference_spec:
+            raise ValueError(f"layer {index} is called with arguments of another form than "
+                             f"layer {run.start + position}: {run} run as one scan.")
+        for number, plan in enumerate(run.leaves[position][1:], start=1):
+            first = (0 if plan.kind == "shared"
+                     else plan.choice.index(plan.choice[group]) if plan.kind == "chosen"
+                     else None)
+            if first is None or first == group:
+                continue
+            expected = state.calls[first * run.period + position][0][number]
+            if not same_leaf(leaves[number], expected):
+                raise ValueError(
+                    f"layer {index} is called with another argument (leaf {number} of its "
+                    f"arguments) than layer {run.start + first * run.period + position}, which "
+                    f"the loop gave the same one when this kind of call was planned: {run} run "
+                    f"as one scan, each layer given what the plan says. Pass the layers the "
+                    f"same argument objects as before, or run this model unconverted.")
+
+    def _scan_call(self, run: Run, state: _RunState) -> tuple:
+        """(hidden, args, kwargs) of the scan: the first call's, with a
+        PerLayerChoice where the plan chooses an argument per layer; for a
+        run of groups, the first group's calls by position."""
+        calls = []
+        for position in range(run.period):
+            leaves, spec = state.calls[position]
+            merged = list(leaves)
+            for number, plan in enumerate(run.leaves[position][1:], start=1):
+                if plan.kind == "chosen":
+                    variants = tuple(state.calls[plan.choice.index(variant) * run.period
+                                                 + position][0][number]
+                                     for variant in range(max(plan.choice) + 1))
+                    merged[number] = PerLayerChoice(variants, plan.choice)
+            args, kwargs = tree_unflatten(merged, spec)
+            calls.append((args[1:], kwargs))
+        hidden = state.calls[0][0][0]
+        if run.period == 1:
+            return hidden, calls[0][0], calls[0][1]
+        return hidden, (), {"calls": tuple(calls)}
+
+    def _recorded_one_by_one(self, run: Run, state: _RunState):
+        """Runs the layers whose calls were recorded, one by one, each on what
+        the one before returned; the output of the last."""
+        hidden = state.calls[0][0][0]
+        for offset, (leaves, spec) in enumerate(state.calls):
+            args, kwargs = tree_unflatten([hidden, *leaves[1:]], spec)
+            output = self.stack.layer(run.start + offset)(*args, **kwargs)
+            hidden = output[0] if isinstance(output, tuple) else output
+        return output
+
+    def _output(self, run: Run, state: _RunState, index: int, leaves: list):
+        """What layer `index`'s call returns (see the module docstring)."""
+        offset = index - run.start
+        position, group = offset % run.period, offset // run.period
+        spec, sources = run.outputs[position]
+        result, values = state.result, []
+        for number, source in enumerate(sources):
+            if source.kind == "argument":
+                values.append(leaves[source.value])
+            elif source.kind == "constant":
+                values.append(source.value)
+            elif number == 0 and index == run.stop - 1:
+                values.append(result.hidden)
+            elif result is not None and number in run.kept[position]:
+                values.append(result.kept[position, number][group])
+            else:
+                values.append(placeholder(*source.value))
+        return tree_unflatten(values, spec)

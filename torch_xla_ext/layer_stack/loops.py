@@ -1,0 +1,134 @@
+"""The loop of a module's forward over its stacked layer lists.
+
+A module that holds a `StackedList` (its owner) loops over it in its
+forward, `for layer in self.layers[: n]` or `for block in self.h`, calling
+each layer. `drive_loops(owner, names)` puts hooks on the owner: while its
+forward runs, slicing or iterating the lists gives `LayerCall`s, callables
+that stand for the layers (and read as them: `call.attention_type` is the
+layer's), and each call goes to the driver of that forward, which decides
+what runs (`execution.Execution` of a call plan, or the dry run's recorder,
+`dry_run`). Anywhere else (user code, peft, a forward called past its
+hooks), the lists give the layers as modules.
+
+The drivers of the forwards running in a thread are kept innermost last:
+a forward called inside another's loop (a layer holding an owner of its
+own) has its own.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable, Protocol
+
+from torch import nn
+
+__all__ = ["Driver", "LayerCall", "active_driver", "drive_loops", "driving", "loop_names",
+           "undrive_loops"]
+
+
+class Driver(Protocol):
+    """What runs the calls of one forward's loop over one stacked list."""
+
+    def call(self, index: int, args: tuple, kwargs: dict): ...
+
+
+class _Active(threading.local):
+    def __init__(self):
+        self.drivers: list[tuple[int, Driver]] = []  # (id of the list, its driver)
+
+
+_ACTIVE = _Active()
+
+
+def active_driver(stack: nn.Module) -> Driver | None:
+    """The driver of the innermost running forward that loops over `stack`."""
+    return next((driver for stack_id, driver in reversed(_ACTIVE.drivers)
+                 if stack_id == id(stack)), None)
+
+
+class driving:
+    """Context manager: while it is open, `stack`'s loop calls go to `driver`."""
+
+    def __init__(self, stack: nn.Module, driver: Driver):
+        self.entry = (id(stack), driver)
+
+    def __enter__(self):
+        _ACTIVE.drivers.append(self.entry)
+        return self.entry[1]
+
+    def __exit__(self, *exc):
+        _ACTIVE.drivers.remove(self.entry)
+
+
+class LayerCall:
+    """Layer `index` of a stacked list in its owner's loop: calling it is
+    that layer's call, which the driver runs; reading an attribute reads the
+    layer's (`stack.layer(index)`, built at the first read)."""
+    __slots__ = ("_driver", "_index", "_layer_at", "_layer")
+
+    def __init__(self, driver: Driver, index: int, layer_at: Callable[[int], nn.Module]):
+        self._driver, self._index, self._layer_at, self._layer = driver, index, layer_at, None
+
+    def __call__(self, *args, **kwargs):
+        return self._driver.call(self._index, args, kwargs)
+
+    def __getattr__(self, name: str):
+        if self._layer is None:
+            self._layer = self._layer_at(self._index)
+        return getattr(self._layer, name)
+
+    def __repr__(self) -> str:
+        return f"<call of layer {self._index} in its owner's loop>"
+
+
+class _OwnerHooks:
+    """The hooks on an owner: `enter` (a forward pre-hook) asks `start` for
+    the drivers of this forward's loops and opens them; `leave` closes them,
+    even when the forward raises."""
+
+    def __init__(self, names: tuple[str, ...], start: Callable):
+        self.names = names
+        self.start = start
+        self.open: list[list[driving]] = []
+
+    def enter(self, owner: nn.Module, args: tuple, kwargs: dict):
+        entries = [driving(owner._modules[name], driver)
+                   for name, driver in self.start(owner, self.names, args, kwargs).items()]
+        for entry in entries:
+            entry.__enter__()
+        self.open.append(entries)
+
+    def leave(self, owner: nn.Module, args: tuple, kwargs: dict, output):
+        if self.open:  # an earlier pre-hook may have raised before `enter` ran
+            for entry in self.open.pop():
+                entry.__exit__(None, None, None)
+
+
+def drive_loops(owner: nn.Module, names: Iterable[str], start: Callable) -> None:
+    """Hooks `owner` so that its forward's loops over its lists `names` are
+    driven: `start(owner, names, args, kwargs)` gives, at each forward, a
+    driver per list name (none: the lists give modules in that forward).
+    Replaces hooks an earlier call put there."""
+    undrive_loops(owner)
+    hooks = _OwnerHooks(tuple(names), start)
+    owner.register_forward_pre_hook(hooks.enter, with_kwargs=True)
+    owner.register_forward_hook(hooks.leave, with_kwargs=True, always_call=True)
+
+
+def undrive_loops(owner: nn.Module) -> None:
+    """Removes the hooks `drive_loops` put on `owner`, if any."""
+    for registry in (owner._forward_pre_hooks, owner._forward_hooks):
+        for key, hook in list(registry.items()):
+            if isinstance(getattr(hook, "__self__", None), _OwnerHooks):
+                del registry[key]
+                owner._forward_pre_hooks_with_kwargs.pop(key, None)
+                owner._forward_hooks_with_kwargs.pop(key, None)
+                owner._forward_hooks_always_called.pop(key, None)
+
+
+def loop_names(owner: nn.Module) -> tuple[str, ...]:
+    """The names of the lists whose loops `drive_loops` drives in `owner`."""
+    for hook in owner._forward_pre_hooks.values():
+        hooks = getattr(hook, "__self__", None)
+        if isinstance(hooks, _OwnerHooks):
+            return hooks.names
+    return ()

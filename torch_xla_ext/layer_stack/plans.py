@@ -1,0 +1,70 @@
+"""The call plans of an owner's forward, one per kind of call.
+
+`OwnerPlans.start` is what `loops.drive_loops` asks at each forward of an
+owner: the driver of each of its stacked lists' loops, an `Execution` of
+the plan for this kind of call. A kind of call is what the plan can depend
+on: the forward's arguments' form, the tensors' shapes and dtypes, the
+constants, the classes of other objects, the owner's mode and settings,
+and whether gradients are computed. A kind met for the first time is
+planned from a dry run (`dry_run`, `call_plan`); later calls of that kind
+reuse the plan, whose every call is checked as it runs (`execution`).
+Layers away from an XLA device are planned to run one by one, with no dry
+run: the scan is an XLA loop.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from torch_xla_ext.layer_stack.call_plan import CallPlan, plan_calls
+from torch_xla_ext.layer_stack.dry_run import record_calls
+from torch_xla_ext.layer_stack.execution import Execution
+from torch_xla_ext.layer_stack.running import device_reason
+from torch_xla_ext.object_graph import VALUE_TYPES
+
+__all__ = ["OwnerPlans"]
+
+
+class OwnerPlans:
+    """The plans of one owner's forward, by kind of call."""
+
+    def __init__(self):
+        self.plans: dict[tuple, dict[str, CallPlan]] = {}
+
+    def start(self, owner: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict
+              ) -> dict[str, Execution]:
+        stacks = {name: owner._modules[name] for name in names}
+        device = next((tensor.device for stack in stacks.values()
+                       for tensor in stack.parameters()), None)
+        reason = None if device is None else device_reason(device)
+        if reason is not None:
+            return {name: Execution(stack, CallPlan((), reason)) for name, stack in stacks.items()}
+        key = _kind_of_call(owner, args, kwargs)
+        if key not in self.plans:
+            record = record_calls(owner, stacks, args, kwargs)
+            self.plans[key] = {name: plan_calls(stack, record.calls[name], record)
+                               for name, stack in stacks.items()}
+        return {name: Execution(stacks[name], plan) for name, plan in self.plans[key].items()}
+
+
+def _kind_of_call(owner: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = tree_flatten((args, kwargs))
+    return (spec, tuple(_leaf_kind(leaf) for leaf in leaves), owner.training,
+            torch.is_grad_enabled(), _settings(owner), _settings(getattr(owner, "config", None)))
+
+
+def _leaf_kind(leaf) -> tuple:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+    if isinstance(leaf, VALUE_TYPES):
+        return (type(leaf), leaf)
+    return (type(leaf),)
+
+
+def _settings(obj) -> tuple:
+    """The plain values among `obj`'s attributes (a module's flags, a config's settings)."""
+    if obj is None or not hasattr(obj, "__dict__"):
+        return ()
+    return tuple((name, value) for name, value in vars(obj).items()
+                 if isinstance(value, VALUE_TYPES))

@@ -1,0 +1,291 @@
+"""`StackedList`: a list of layers of any structure, stacked in segments.
+
+The layers are split by their structure (submodules, tensors, setting
+names) into the segments of `segments.plan_segments`: each run of layers
+alike, and each pattern that repeats, is a `LayerStack` over its groups
+(`segments.s.stacked...`, `[groups, ...]`); a layer alike to none of its
+neighbours is held as itself (`segments.s...`). Settings may differ between
+the layers of a segment (each layer keeps its own); which layers one trace
+can run is decided per call (`call_plan`).
+
+It looks like the `nn.ModuleList` it replaced: `len`, `stack[i]` (layer i,
+whose tensors are views of its slices), iteration, and `state_dict()` /
+`load_state_dict()` with per-layer names (`names.NameMap`, the one map,
+which optimizer state dicts use too); `unstacked()` gives the layers back.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+import weakref
+from typing import Hashable, Iterable, Sequence
+
+from torch import nn
+
+from torch_xla_ext.layer_stack import names as names_of, optimizer_state, running
+from torch_xla_ext.layer_stack.execution import ScanResult
+from torch_xla_ext.layer_stack.alike import layout_of, names_its_module, structure_key
+from torch_xla_ext.layer_stack.forms import differences
+from torch_xla_ext.layer_stack.loops import LayerCall, active_driver
+from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
+from torch_xla_ext.layer_stack.segments import Segment, plan_segments
+from torch_xla_ext.layer_stack.stack import LayerStack
+
+__all__ = ["LayerGroup", "SegmentStack", "StackedList"]
+
+# Per segment template, its copies with the settings of other kinds of layers.
+_KIND_TEMPLATES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
+class LayerGroup(nn.Module):
+    """Consecutive layers run in order, each with its own arguments: the
+    "layer" that a segment of a repeating pattern scans per step."""
+
+    def __init__(self, layers: Iterable[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, hidden, calls: Sequence[tuple[tuple, dict]]):
+        """`calls[j]` is layer j's (args, kwargs) after the hidden state; each
+        layer's output (its first value, for a tuple) is the next one's input."""
+        for layer, (args, kwargs) in zip(self.layers, calls):
+            output = layer(hidden, *args, **kwargs)
+            hidden = output[0] if isinstance(output, tuple) else output
+        return hidden
+
+
+class SegmentStack(LayerStack):
+    """The stack of one segment of a `StackedList`, which names its tensors;
+    its layers need only be alike in structure."""
+    owns_names = False
+    keeps_differing_settings = True
+
+
+class StackedList(nn.Module):
+    """Layers of any structure, stacked per segment (see the module docstring).
+
+    Args:
+      layers: the layers, in order.
+      options: passed to each segment's `LayerStack` (`partition_fn`,
+        `is_layer_pure`, `unroll`, `per_layer_attributes`).
+    """
+
+    def __init__(self, layers: Iterable[nn.Module], **options):
+        super().__init__()
+        layers = list(layers)
+        for index, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"Layer {index} is a {type(layer).__name__}, not an nn.Module; "
+                                f"pass a list or nn.ModuleList of layers.")
+        self.options = options
+        layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
+        self.plan = plan_segments([structure_key(layout) for layout in layouts])
+        self.segments = nn.ModuleList()
+        for segment in self.plan:
+            members = layers[segment.start:segment.stop]
+            if segment.single:
+                self.segments.append(members[0])
+                continue
+            if segment.period > 1:
+                members = [LayerGroup(members[first:first + segment.period])
+                           for first in range(0, len(members), segment.period)]
+            try:
+                self.segments.append(SegmentStack(members, **options))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{segment}: {error}") from error
+        per_layer = frozenset(options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES))
+        self.kinds = _kinds(layouts, per_layer)
+        self.register_state_dict_post_hook(_saved_per_layer)
+        self.register_load_state_dict_pre_hook(_loaded_per_layer)
+        optimizer_state.track(self, inner=self.stacks())
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        optimizer_state.track(self, inner=self.stacks())  # a copy, or unpickled
+
+    def stacks(self) -> list[LayerStack]:
+        """The segments' stacks (not the layers held as themselves)."""
+        return [each for each in self.segments if isinstance(each, SegmentStack)]
+
+    @property
+    def names(self) -> names_of.NameMap:
+        """The stored names and the layers' own (`names.NameMap`)."""
+        return names_of.NameMap(
+            names_of.part_of(f"segments.{number}.stacked.", segment, stored.template, True)
+            if isinstance(stored, SegmentStack)
+            else names_of.part_of(f"segments.{number}.", segment, stored, False)
+            for number, (segment, stored) in enumerate(zip(self.plan, self.segments)))
+
+    def layer_parameters(self) -> list[tuple[str, int | None, str]]:
+        """As `LayerStack.layer_parameters`: for optimizer state dicts."""
+        return self.names.parameters()
+
+    def stack_options(self) -> dict:
+        """The options the segments' stacks were made with."""
+        return dict(self.options)
+
+    def __len__(self) -> int:
+        return self.plan[-1].stop if self.plan else 0
+
+    def place(self, index: int) -> tuple[int, int, int]:
+        """(segment number, group, position) of layer `index`."""
+        for number, segment in enumerate(self.plan):
+            if index < segment.stop:
+                return (number, *segment.place(index))
+        raise IndexError(f"Layer index {index} is out of range for {len(self)} layers.")
+
+    def call_kind(self, index: int) -> tuple[int, int, int]:
+        """What layer `index`'s calls compute, as far as the stack knows: its
+        (segment number, position in a group, kind); layers of one call kind
+        run the same code with the same settings."""
+        number, _, position = self.place(index)
+        return number, position, self.kinds[index]
+
+    def layer(self, index: int, copied: bool = False) -> nn.Module:
+        """Layer `index` as a module: holding views of its slices of the
+        stacked tensors, or copies of them; a layer held as itself is itself."""
+        index = operator.index(index)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"Layer index {index} is out of range for {len(self)} layers.")
+        number, group, position = self.place(index % len(self))
+        stored = self.segments[number]
+        if not isinstance(stored, SegmentStack):
+            return stored
+        layer = stored.layer(group, copied)
+        return layer.layers[position] if self.plan[number].period > 1 else layer
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._in_loop(each) for each in range(len(self))[index]]
+        return self.layer(index)
+
+    def __iter__(self):
+        return (self._in_loop(index) for index in range(len(self)))
+
+    def _in_loop(self, index: int):
+        """Layer `index` as its owner's forward loop gets it: a `LayerCall`
+        that its driver runs; anywhere else, the layer as a module."""
+        driver = active_driver(self)
+        return self.layer(index) if driver is None else LayerCall(driver, index, self.layer)
+
+    def unstacked(self) -> list[nn.Module]:
+        """The layers as modules of their own, their tensors copied from the
+        stacked ones (`LayerStack.unstacked`)."""
+        layers = []
+        for segment, stored in zip(self.plan, self.segments):
+            if not isinstance(stored, SegmentStack):
+                layers.append(stored)
+            elif segment.period > 1:
+                layers += [layer for group in stored.unstacked() for layer in group.layers]
+            else:
+                layers += stored.unstacked()
+        return layers
+
+    def scan_run(self, run, hidden, args: tuple, kwargs: dict):
+        """Runs `run` (a `call_plan.Run` of its layers) as one scan on
+        `hidden`, each layer called with `args`/`kwargs` (a PerLayerChoice
+        giving each layer its own; for a segment of groups, `calls`, each
+        position's): an `execution.ScanResult`, or why it cannot (a str),
+        before anything ran. A subclass may run calls with arguments a scan
+        cannot take as they are (a key/value cache) otherwise."""
+        if any(run.kept):
+            return ("the forward keeps each layer's output (as a model collecting hidden states "
+                    "in its own loop does), which the scan does not stack")
+        layers = self.runner(run)
+        if isinstance(layers, str):
+            return layers
+        outcome = running.attempt(layers, hidden, args, kwargs)
+        return outcome if isinstance(outcome, str) else ScanResult(outcome, {})
+
+    def runner(self, run) -> running.Layers | str:
+        """The layers of `run` as the runners take them, run by a template of
+        the kind of the run's first layer (each group's positions by theirs);
+        runs of layers of several kinds carry each kind's template, to prove
+        that one trace stands for them all. Or why they cannot share one
+        scan (a str)."""
+        segment, stack = self.plan[run.segment], self.segments[run.segment]
+        kinds = self.kinds[run.start:run.stop]
+        period = segment.period
+        if period > 1 and any(kind != kinds[index % period] for index, kind in enumerate(kinds)):
+            return (f"the groups of {segment} differ in the settings of the layers at the "
+                    f"same position")
+        order = list(dict.fromkeys(kinds))
+        kind_layers = None
+        if period == 1 and len(order) > 1:
+            firsts = [run.start + kinds.index(kind) for kind in order]
+            kind_layers = lambda: tuple(self._template_for(index) for index in firsts)
+        return stack.runner((run.start - segment.start) // period,
+                            (run.stop - run.start) // period, self._template_for(run.start),
+                            kind_layers)
+
+    def _template_for(self, index: int) -> nn.Module:
+        """The template that runs layer `index`'s code with its settings: its
+        segment's own when the layer is of the kind of the segment's first
+        layer, else a copy with the layer's settings (kept, so that its
+        scans' traces are kept too)."""
+        number, group, _ = self.place(index)
+        segment, stack = self.plan[number], self.segments[number]
+        first = index - (index - segment.start) % segment.period
+        if all(self.kinds[first + position] == self.kinds[segment.start + position]
+               for position in range(segment.period)):
+            return stack.template
+        copies = _KIND_TEMPLATES.setdefault(stack.template, {})
+        kinds = tuple(self.kinds[first:first + segment.period])
+        if kinds not in copies:
+            template = copy.deepcopy(stack.template)
+            for path, values in stack.per_layer_values.items():
+                owner_path, _, name = path.rpartition(".")
+                setattr(template.get_submodule(owner_path), name, values[group])
+            copies[kinds] = template
+        return copies[kinds]
+
+    def extra_repr(self) -> str:
+        return f"num_layers={len(self)}, segments={[str(each) for each in self.plan]}"
+
+
+def _kinds(layouts: list, per_layer_attributes: frozenset[str]) -> tuple[int, ...]:
+    """Each layer's kind: layers whose settings are equal, but for the
+    per-layer attributes and strings naming their own module, are of one kind
+    (numbered in order of their first layer)."""
+    kinds, firsts = [], []
+    for index, layout in enumerate(layouts):
+        kind = next((number for number, first in enumerate(firsts)
+                     if _same_settings(layouts[first], first, layout, index,
+                                       per_layer_attributes)), None)
+        if kind is None:
+            kind = len(firsts)
+            firsts.append(index)
+        kinds.append(kind)
+    return tuple(kinds)
+
+
+def _same_settings(reference, reference_index: int, layout, index: int,
+                   per_layer_attributes: frozenset[str]) -> bool:
+    if structure_key(reference) != structure_key(layout):
+        return False
+    for name, form in reference.settings.items():
+        owner_path, _, attribute = name.rpartition(".")
+        if attribute in per_layer_attributes:
+            continue
+        if any(not names_its_module(index, owner_path, *difference[1:], reference_index)
+               for difference in differences(form, layout.settings[name])):
+            return False
+    return True
+
+
+def _saved_per_layer(stack: StackedList, state_dict, prefix: str, local_metadata) -> None:
+    names = stack.names
+    names_of.save_per_layer(names, state_dict, prefix)
+    names_of.per_layer_metadata(names, state_dict, prefix)
+
+
+def _loaded_per_layer(stack: StackedList, state_dict, prefix: str, local_metadata, strict,
+                      missing_keys, unexpected_keys, error_msgs) -> None:
+    current = {}
+    for number, stored in enumerate(stack.segments):
+        inner = stored.stacked if isinstance(stored, SegmentStack) else stored
+        where = f"segments.{number}.stacked." if isinstance(stored, SegmentStack) \
+            else f"segments.{number}."
+        current.update(inner.state_dict(prefix=where, keep_vars=True))
+    names_of.load_per_layer(stack.names, current, state_dict, prefix, strict, missing_keys,
+                            error_msgs)
