@@ -26,23 +26,18 @@ layers).
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 from torch import nn
 
 from torch_xla_ext.hf import adapters, fsdp
-from torch_xla_ext.hf.inspection import (
+from torch_xla_ext.hf.discovery import (
     LayerList, Unstackable, UnstackedLayersWarning, layer_list, layer_list_paths,
     recorded_outputs, submodule)
-from torch_xla_ext.hf.stacks import (
-    STACKS, StackedAfterFirst, StackedLayerKinds, StackedLayers, hook_forward_loop,
-    unhook_forward_loop)
-from torch_xla_ext.layer_stack.kinds import compare_kinds
-from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
+from torch_xla_ext.hf.stacks import StackedLayers
+from torch_xla_ext.layer_stack import OwnerPlans, drive_loops, loop_names, undrive_loops
 
-__all__ = ["StackedAfterFirst", "StackedLayerKinds", "StackedLayers", "UnstackedLayersWarning",
-           "stack_layers", "unstack_layers"]
+__all__ = ["StackedLayers", "UnstackedLayersWarning", "stack_layers", "unstack_layers"]
 
 
 def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Module:
@@ -174,100 +169,71 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
-    adapters.teach_peft()
+    adapters.teach_peft(stack_layers, unstack_layers)
     fsdp.teach_class_lookup()
-    per_layer = options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES)
-    found = [layer_list(model, each, per_layer) for each in
+    found = [layer_list(model, each) for each in
              (layer_list_paths(model) if path is None else [path])]
-    for unstackable in (each for each in found if isinstance(each, Unstackable)):
+    stacks, refused = [], []
+    for each in found:
+        if isinstance(each, LayerList):
+            try:
+                stacks.append((each, _stack(each, options)))
+            except (TypeError, ValueError) as error:
+                refused.append(Unstackable(each.path, str(error), type(error)))
+        elif each is not None:
+            refused.append(each)
+    for unstackable in refused:
         message = (f"stack_layers: cannot stack the layers at {unstackable.path!r}: "
                    f"{unstackable.reason}")
-        if path is not None or all(isinstance(each, Unstackable) for each in found):
+        if path is not None or not stacks:
             raise unstackable.error(f"{message}; the model is unchanged.")
         warnings.warn(f"{message}; they stay as they were, and the model's other layer lists "
                       f"are stacked.", UnstackedLayersWarning, stacklevel=2)
     # Every stack is made before any is put in place: a refusal leaves the model unchanged.
-    stacks = [(each, _stack(each, options)) for each in found if isinstance(each, LayerList)]
+    owners = {}
     for each, stack in stacks:
         setattr(each.owner, each.name, stack)
-        if each.loop.iterated:
-            hook_forward_loop(each.owner, each.name, each.loop.guards)
+        owners.setdefault(id(each.owner), (each.owner, []))[1].append(each.name)
+    for owner, names in owners.values():
+        drive_loops(owner, (*loop_names(owner), *names), OwnerPlans().start)
     return model
 
 
-def _stack(found: LayerList, options: dict) -> nn.Module:
+def _stack(found: LayerList, options: dict) -> StackedLayers:
     """The stack that stands for the layer list `found`."""
-    layers, kinds, owner, path = found.layers, found.kinds, found.owner, found.path
     recorded = recorded_outputs(found.recorder)
     if recorded:
         # transformers puts these hooks on the layers at the first call that asks for
-        # per-layer outputs; a stack replays its template's (a copy of layer 0) after
+        # per-layer outputs; a stack replays its template's (a copy of a layer) after
         # each scan, so they must be on the layers before it copies them.
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
         maybe_install_capturing_hooks(found.recorder)
-    try:
-        if found.loop.hands_back:
-            # Layer 0 gets other arguments than the rest, which all get the second call's
-            # (whatever their kinds): the later calls are checked to pass the same.
-            return StackedAfterFirst(layers, found.config, recorded, **options)
-        # Kinds that differ only in settings run as one scan; in structure, as a scan per segment.
-        compared = None if kinds is None else compare_kinds(layers, kinds)
-        if compared is None or compared.structure is None:
-            stack = StackedLayers(layers, found.config, recorded, kinds=kinds, **options)
-        elif found.loop.iterated:
-            raise ValueError(
-                f"the layers are of several kinds (config.layer_types: {sorted(set(kinds))}) "
-                f"that differ in more than their settings ({compared.structure}), and "
-                f"{type(owner).__qualname__}.forward iterates over them (`for layer in "
-                f"self.{found.name}`); such layers run as scans over groups of their pattern "
-                f"only under a loop over a slice `self.{found.name}[: n]`")
-        else:
-            stack = StackedLayerKinds(layers, kinds, found.config, recorded, **options)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"stack_layers: cannot stack the layers at {path!r}: {error}") from error
-    return stack
+    return StackedLayers(found.layers, found.config, recorded, **options)
 
 
 def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
     """Undoes `stack_layers` in place; returns `model`.
 
-    Each `StackedLayers`, `StackedLayerKinds` or `StackedAfterFirst` of the
-    model (only the one at `path`, if given) becomes an `nn.ModuleList` of its layers, each holding
-    parameters and buffers of its own, copied from its slices of the stacked
-    ones (which are dropped). For code that must find each layer among the
-    model's modules; `stack_layers(model)` stacks them again."""
+    Each `StackedLayers` of the model (only the one at `path`, if given)
+    becomes an `nn.ModuleList` of its layers, each holding parameters and
+    buffers of its own, copied from its slices of the stacked ones (which
+    are dropped). For code that must find each layer among the model's
+    modules; `stack_layers(model)` stacks them again."""
     for each in stacked_paths(model) if path is None else [path]:
         stack = submodule(model, each)
-        if not isinstance(stack, STACKS):
+        if not isinstance(stack, StackedLayers):
             raise TypeError(f"unstack_layers: {each!r} is a {type(stack).__name__}, not the "
-                            f"StackedLayers or StackedLayerKinds that stack_layers made; pass "
-                            f"the path of that.")
+                            f"StackedLayers that stack_layers made; pass the path of that.")
         parent_path, _, name = each.rpartition(".")
         parent = model.get_submodule(parent_path)
-        unhook_forward_loop(parent, name)
         setattr(parent, name, nn.ModuleList(stack.unstacked()).train(stack.training))
+        names = tuple(other for other in loop_names(parent) if other != name)
+        undrive_loops(parent)
+        if names:
+            drive_loops(parent, names, OwnerPlans().start)
     return model
 
 
-@contextlib.contextmanager
-def layers_as_modules(model: nn.Module):
-    """While the block runs, each StackedLayers of the model is replaced by an
-    `nn.ModuleList` of its layers `stack[i]`, whose tensors are views of the
-    stacked ones (no copies): for code that reads each layer as a module of
-    the model, such as peft's save_pretrained."""
-    stacks = [(model.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2],
-               model.get_submodule(path)) for path in stacked_paths(model)]
-    for parent, name, stack in stacks:
-        # By index: a slice of all the layers of a StackedLayers is the stack itself.
-        setattr(parent, name, nn.ModuleList([stack[index] for index in range(len(stack))]))
-    try:
-        yield
-    finally:
-        for parent, name, stack in stacks:
-            setattr(parent, name, stack)
-
-
 def stacked_paths(model: nn.Module) -> list[str]:
-    """The paths of the model's stacks, but those inside another (a StackedAfterFirst's rest)."""
-    paths = [name for name, module in model.named_modules() if isinstance(module, STACKS)]
-    return [path for path in paths if not any(path.startswith(other + ".") for other in paths)]
+    """The paths of the model's stacks."""
+    return [name for name, module in model.named_modules() if isinstance(module, StackedLayers)]

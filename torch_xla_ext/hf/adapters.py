@@ -42,12 +42,19 @@ import functools
 from torch import nn
 
 from torch_xla_ext.on_import import when_imported
-from torch_xla_ext.layer_stack import LayerStack
+from torch_xla_ext.layer_stack import LayerStack, StackedList
 
 
-def teach_peft() -> None:
+# stack_layers and unstack_layers, given by the first call of teach_peft.
+_CONVERSION: list = []
+
+
+def teach_peft(stack_layers, unstack_layers) -> None:
     """Wraps peft's whole-model operations (above), once per process, if peft
-    is installed: now if it is imported, else as soon as it is."""
+    is installed: now if it is imported, else as soon as it is. The wrappers
+    convert with `stack_layers` and `unstack_layers`."""
+    if not _CONVERSION:
+        _CONVERSION[:] = [stack_layers, unstack_layers]
     when_imported("peft", _teach)
 
 
@@ -81,8 +88,7 @@ def _on_layer_modules(method):
     """`method` of a PeftModel, run with its stacks' layers as modules."""
     @functools.wraps(method)
     def wrapper(peft_model, *args, **kwargs):
-        from torch_xla_ext.hf import layers_as_modules
-        with layers_as_modules(peft_model):
+        with _layers_as_modules(peft_model):
             return method(peft_model, *args, **kwargs)
     return wrapper
 
@@ -102,17 +108,33 @@ def _templates_as_modules(model: nn.Module):
     the stack (`<stack>.template`), for peft to change its settings; after
     it, each stacked tensor takes the `requires_grad` of its template tensor."""
     stacks = [module for module in model.modules()
-              if isinstance(module, LayerStack) and module._template is not None]
+              if isinstance(module, LayerStack) and module.template is not None]
     for stack in stacks:
-        stack._modules["template"] = stack._template
+        stack._modules["template"] = stack.template
     try:
         yield
     finally:
         for stack in stacks:
             del stack._modules["template"]
-            in_template = dict(stack._template.named_parameters())
+            in_template = dict(stack.template.named_parameters())
             for name, param in stack.stacked.named_parameters():
                 param.requires_grad_(in_template[name].requires_grad)
+
+
+@contextlib.contextmanager
+def _layers_as_modules(model: nn.Module):
+    """While the block runs, each stacked list of the model is an
+    `nn.ModuleList` of its layers as modules, whose tensors are views of the
+    stacked ones (no copies): for peft reading each layer as a module."""
+    stacks = [(model.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2], module)
+              for path, module in model.named_modules() if isinstance(module, StackedList)]
+    for parent, name, stack in stacks:
+        setattr(parent, name, nn.ModuleList([stack.layer(index) for index in range(len(stack))]))
+    try:
+        yield
+    finally:
+        for parent, name, stack in stacks:
+            setattr(parent, name, stack)
 
 
 @contextlib.contextmanager
@@ -120,8 +142,9 @@ def _unstacked(model: nn.Module):
     """Unstacks the model's stacks for the block (which may replace modules in
     the layers: peft's adapters), then stacks the layers again, at the same
     paths and with the same options, whatever the block did or raised."""
-    from torch_xla_ext.hf import stack_layers, stacked_paths, unstack_layers
-    stacks = [(path, model.get_submodule(path).stack_options()) for path in stacked_paths(model)]
+    stack_layers, unstack_layers = _CONVERSION
+    stacks = [(path, module.stack_options()) for path, module in model.named_modules()
+              if isinstance(module, StackedList)]
     for path, _ in stacks:
         unstack_layers(model, path)
     try:

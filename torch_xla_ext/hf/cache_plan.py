@@ -61,7 +61,7 @@ from torch_xla_ext.hf.caches import (
     advance, appended, appended_encoder_decoder, extend, fill_encoder_decoder, fill_stacked,
     hold_stacked, keeps_all, keys_and_values_per_position, reads_one_stack, stacked_buffers,
     written_in_place)
-from torch_xla_ext.layer_stack.running import Recording, device_reason
+from torch_xla_ext.layer_stack import Recording, device_reason
 
 
 # Why a call with a cache runs the layers one by one (`LayerByLayerWarning`).
@@ -174,9 +174,8 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
         if period is None and holds_nothing(cache, first, num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, encoder_decoder=True)
         return CACHE_REASON
-    if first and period is None:  # the stacked layers after a first one (T5's)
-        return CACHE_REASON
-    if period is not None:
+    if period is not None or first or num_layers != len(getattr(cache, "layers", ())):
+        # Some of the cache's layers (a run among others), or groups of layers.
         if _holds_nothing(cache, first, first + num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, period=period)
         return CACHE_REASON

@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, EncoderDecoderCa
 
 from torch_xla_ext.class_swaps import (lookalike_subclass, original_class, reduce_as_original,
                                        swap_back, swap_in)
-from torch_xla_ext.layer_stack.running import Recording
+from torch_xla_ext.layer_stack import Recording
 
 
 class _AppendingCache:

@@ -36,7 +36,7 @@ import torch.utils.checkpoint
 import torch_xla.utils.checkpoint
 from torch import nn
 
-from torch_xla_ext.layer_stack.running import Layers
+from torch_xla_ext.layer_stack import Layers
 from torch_xla_ext.policies import save_nothing
 
 # Checkpoint functions that recompute what they wrap and do nothing else.

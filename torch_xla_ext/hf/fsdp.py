@@ -40,8 +40,8 @@ def _teach() -> None:
     # submodule it visits, a stack among them, passes here.
     @functools.wraps(lookup)
     def get_module_class_from_name(module, name):
-        if isinstance(module, LayerStack) and module._template is not None:
-            found = lookup(module._template, name)
+        if isinstance(module, LayerStack) and module.template is not None:
+            found = lookup(module.template, name)
             if found is not None:
                 warnings.warn(
                     f"{name} is found among stacked layers ({type(module).__name__} of "

@@ -53,8 +53,21 @@ of kinds that differ in more: a `LayerStack` per segment of their pattern),
 loaded in the unconverted layout, so they move between the two), `sharding`
 (FSDPv2's sharding of stacked parameters, never along the layer dimension).
 """
-from torch_xla_ext.layer_stack.running import LayerByLayerWarning
-from torch_xla_ext.layer_stack.stack import LayerStack
+from torch_xla_ext.layer_stack.execution import ScanResult
+from torch_xla_ext.layer_stack.kinds import PerLayerChoice, is_choice
 from torch_xla_ext.layer_stack.layer_list import scan_layers
+from torch_xla_ext.layer_stack.loops import drive_loops, loop_names, undrive_loops
+from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
+from torch_xla_ext.layer_stack.plans import OwnerPlans
+from torch_xla_ext.layer_stack.running import (
+    LayerByLayerWarning, Layers, Recording, attempt, attempt_recording, device_reason,
+    warn_layer_by_layer)
+from torch_xla_ext.layer_stack.sharding import ShardingWarning
+from torch_xla_ext.layer_stack.stack import LayerStack
+from torch_xla_ext.layer_stack.stacked_list import LayerGroup, SegmentStack, StackedList
 
-__all__ = ["LayerStack", "LayerByLayerWarning", "scan_layers"]
+__all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "LayerByLayerWarning", "LayerGroup", "LayerStack",
+           "Layers", "OwnerPlans", "PerLayerChoice", "Recording", "ScanResult",
+           "SegmentStack", "ShardingWarning", "StackedList", "attempt", "attempt_recording", "device_reason",
+           "drive_loops", "is_choice", "loop_names", "scan_layers", "undrive_loops",
+           "warn_layer_by_layer"]

@@ -225,9 +225,14 @@ def _naming_settings(index: int, reference: LayerLayout, other: LayerLayout,
                      per_layer_attributes: frozenset[str]) -> set[str]:
     """The settings of layer `index` that differ from layer 0's only in naming
     their module (peft's dotted names)."""
-    return {name for name, form in reference.settings.items()
-            if name.rpartition(".")[2] not in per_layer_attributes
-            and any(True for _ in differences(form, other.settings[name]))}
+    naming = set()
+    for name, form in reference.settings.items():
+        owner_path, _, attribute = name.rpartition(".")
+        found = list(differences(form, other.settings[name]))
+        if attribute not in per_layer_attributes and found and all(
+                names_its_module(index, owner_path, *difference[1:]) for difference in found):
+            naming.add(name)
+    return naming
 
 
 def check_identical_layers(layers: list, per_layer_attributes: frozenset[str],

@@ -203,8 +203,10 @@ def _unscannable(calls: list[RecordedCall], period: int) -> str | None:
 
 
 def _previous_outputs(calls: list[RecordedCall], call: RecordedCall) -> list:
+    """What the call before `call` computed and gave back."""
     before = next(each for each in calls if each.index == call.index - 1)
-    return before.outputs
+    return [output for output, source in zip(before.outputs, before.sources)
+            if source.kind == "computed"]
 
 
 def _leaves(calls: list[RecordedCall]) -> tuple[Leaf, ...]:

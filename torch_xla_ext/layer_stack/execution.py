@@ -64,10 +64,10 @@ class Execution:
                 self.warned.add(run)
                 count = run.stop - run.start if run else len(self.stack)
                 warn_layer_by_layer(count, reason, stacklevel=6)
-            return self.stack.layer(index)(*args, **kwargs)
+            return self.stack.call_layer(index, args, kwargs)
         state = self.states.setdefault(run.start, _RunState())
         if state.one_by_one:
-            return self._finish(run, index, self.stack.layer(index)(*args, **kwargs))
+            return self._finish(run, index, self.stack.call_layer(index, args, kwargs))
         leaves, spec = tree_flatten((args, kwargs))
         self._check(run, state, index, leaves, spec)
         state.calls.append((leaves, spec))
@@ -150,7 +150,7 @@ class Execution:
         hidden = state.calls[0][0][0]
         for offset, (leaves, spec) in enumerate(state.calls):
             args, kwargs = tree_unflatten([hidden, *leaves[1:]], spec)
-            output = self.stack.layer(run.start + offset)(*args, **kwargs)
+            output = self.stack.call_layer(run.start + offset, args, kwargs)
             hidden = output[0] if isinstance(output, tuple) else output
         return output
 

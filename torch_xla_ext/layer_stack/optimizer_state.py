@@ -56,7 +56,7 @@ import torch
 
 _taught = False
 # The stacks alive in this process whose parameters an optimizer may hold;
-# the segments of a `GroupedLayers` are its own, not listed here.
+# the segments of a `StackedList` are its own, not listed here.
 _stacks: "weakref.WeakSet" = weakref.WeakSet()
 
 

@@ -138,6 +138,20 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
 
 
+def attempt_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording,
+                      state: tuple[torch.Tensor, ...] = ()):
+    """`run_recording`, or why one scan cannot stand for the loop (a str),
+    before anything ran (the state unchanged)."""
+    reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
+                                if isinstance(leaf, torch.Tensor))), None)
+    if reason is not None:
+        return reason
+    try:
+        return run_recording(layers, hidden, args, kwargs, recording, state)
+    except Unscannable as unscannable:
+        return str(unscannable)
+
+
 def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -> Lowered:
     """The HLO of the scan that `run` would run, staged for `device_kind`;
     nothing runs. Raises ValueError for a call that would run layer by layer."""

@@ -11,7 +11,7 @@ shard one layer's parameter (along that one's largest dimension), never along
 the layer dimension; its own loop then leaves them, as it shards only what
 has no sharding yet.
 
-A stack (a `LayerStack`, or the `GroupedLayers` of a few) is never a unit of
+A stack (a `LayerStack`, or the `StackedList` of a few) is never a unit of
 its own: it runs its layers as one scan, and its `stacked` holder has no
 forward for a unit to call. torch_xla's size-based policy (transformers'
 `min_num_params`) keeps it whole, as it keeps `nn.ModuleList`s, for the unit
@@ -47,12 +47,12 @@ def _teach() -> None:
     from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
     from torch_xla.experimental import spmd_fully_sharded_data_parallel as fsdp_v2
 
-    from torch_xla_ext.layer_stack.groups import GroupedLayers
+    from torch_xla_ext.layer_stack.stacked_list import StackedList
     from torch_xla_ext.layer_stack.stack import LayerStack
 
     for kept in (size_based_auto_wrap_policy.FORCE_LEAF_MODULES,
                  size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES):
-        kept.update((LayerStack, GroupedLayers))
+        kept.update((LayerStack, StackedList))
 
     wrapper_class = fsdp_v2.SpmdFullyShardedDataParallel
     init = wrapper_class.__init__

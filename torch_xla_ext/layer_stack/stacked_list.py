@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import operator
 import weakref
-from typing import Hashable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from torch import nn
 
@@ -28,7 +28,7 @@ from torch_xla_ext.layer_stack.alike import layout_of, names_its_module, structu
 from torch_xla_ext.layer_stack.forms import differences
 from torch_xla_ext.layer_stack.loops import LayerCall, active_driver
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
-from torch_xla_ext.layer_stack.segments import Segment, plan_segments
+from torch_xla_ext.layer_stack.segments import plan_segments
 from torch_xla_ext.layer_stack.stack import LayerStack
 
 __all__ = ["LayerGroup", "SegmentStack", "StackedList"]
@@ -45,10 +45,15 @@ class LayerGroup(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, hidden, calls: Sequence[tuple[tuple, dict]]):
-        """`calls[j]` is layer j's (args, kwargs) after the hidden state; each
-        layer's output (its first value, for a tuple) is the next one's input."""
-        for layer, (args, kwargs) in zip(self.layers, calls):
+    def forward(self, hidden, calls: Sequence[tuple[tuple, dict]],
+                per_position: Sequence[dict] | None = None):
+        """`calls[j]` is layer j's (args, kwargs) after the hidden state;
+        `per_position[j]`, if given, adds to its kwargs (what a recording hands
+        each layer of the group). Each layer's output (its first value, for a
+        tuple) is the next one's input."""
+        for position, (layer, (args, kwargs)) in enumerate(zip(self.layers, calls)):
+            if per_position is not None:
+                kwargs = {**kwargs, **per_position[position]}
             output = layer(hidden, *args, **kwargs)
             hidden = output[0] if isinstance(output, tuple) else output
         return hidden
@@ -181,6 +186,10 @@ class StackedList(nn.Module):
                 layers += stored.unstacked()
         return layers
 
+    def call_layer(self, index: int, args: tuple, kwargs: dict):
+        """Layer `index`'s call, run by the layer itself (as a module)."""
+        return self.layer(index)(*args, **kwargs)
+
     def scan_run(self, run, hidden, args: tuple, kwargs: dict):
         """Runs `run` (a `call_plan.Run` of its layers) as one scan on
         `hidden`, each layer called with `args`/`kwargs` (a PerLayerChoice
@@ -230,7 +239,10 @@ class StackedList(nn.Module):
                for position in range(segment.period)):
             return stack.template
         copies = _KIND_TEMPLATES.setdefault(stack.template, {})
-        kinds = tuple(self.kinds[first:first + segment.period])
+        # The template's settings are in the key: a copy made before they changed
+        # (peft switching adapters) is stale.
+        kinds = (tuple(self.kinds[first:first + segment.period]),
+                 layout_of(stack.template, 0).trace_key())
         if kinds not in copies:
             template = copy.deepcopy(stack.template)
             for path, values in stack.per_layer_values.items():
