@@ -20,6 +20,7 @@ from support import supports
 from optimized_hlo import (
     callees, computations, entry_computation, stacked_results_in_loops, while_loops)
 from reference import host_copies
+from per_layer import per_layer_grads
 from tolerances import LOGGED_LOSSES, TRAINING, close
 from torch_xla_ext.hf import StackedLayers, cache_plan, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
@@ -47,21 +48,6 @@ def converted_pair(family="llama", layers=4, **config):
     """An unconverted model and a converted copy with the same weights."""
     model = make_model(family, layers, **config)
     return model, stack_layers(copy.deepcopy(model))
-
-
-def per_layer_grads(model) -> dict:
-    """Every gradient under its parameter's unconverted name (frozen parameters have none)."""
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is None:
-            continue
-        if ".stacked." in name:
-            prefix, _, rest = name.partition(".stacked.")
-            for index in range(param.shape[0]):
-                grads[f"{prefix}.{index}.{rest}"] = param.grad[index]
-        else:
-            grads[name] = param.grad
-    return grads
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +212,7 @@ def test_state_dict_and_layers_look_unconverted():
     for key, value in expected.items():
         assert torch.equal(actual[key], value), key
     names = dict(model.named_parameters())
-    assert names["model.layers.stacked.self_attn.q_proj.weight"].shape == (4, 32, 32)
+    assert names["model.layers.segments.0.stacked.self_attn.q_proj.weight"].shape == (4, 32, 32)
     assert sum(p.numel() for p in model.parameters()) == sum(
         p.numel() for p in reference.parameters())
     layer = model.model.layers[3]
@@ -896,7 +882,7 @@ def fsdp_training_step_scenario():
     assert "while" in hlo, "no while loop in the sharded step"
     assert "sharding={devices=[1,4,1]" in hlo, "the stacked weights are not sharded in the step"
     assert "devices=[1,4,1]" in torch_xla._XLAC._get_xla_sharding_spec(
-        model.model.layers.stacked.self_attn.q_proj.weight)
+        model.model.layers.segments[0].stacked.self_attn.q_proj.weight)
     close(loss, reference_loss, TRAINING)
     assert list(state) == list(reference_state)
     close(state, reference_state, TRAINING)

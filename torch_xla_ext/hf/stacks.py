@@ -36,7 +36,7 @@ from torch_xla_ext.hf.cache_plan import CachePlan, plan_cache_call, starts_empty
 from torch_xla_ext.hf.caches import is_cache
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
 from torch_xla_ext.layer_stack import (
-    PerLayerChoice, ScanResult, SegmentStack, StackedList, attempt, attempt_recording, is_choice)
+    PerLayerChoice, SegmentStack, StackedList, attempt, attempt_recording, is_choice, scan_result)
 
 __all__ = ["PER_LAYER_OUTPUTS", "StackedLayers"]
 
@@ -98,8 +98,6 @@ class StackedLayers(StackedList):
         experts = experts_reason(experts_modules(layers.template))
         if experts is not None:
             return experts
-        if any(run.kept):
-            return super().scan_run(run, hidden, args, kwargs)
         calls = kwargs["calls"] if run.period > 1 else ((args, kwargs),)
         layers = dataclasses.replace(
             checkpointing.under_policy(self, layers),
@@ -108,8 +106,7 @@ class StackedLayers(StackedList):
                       for args, kwargs in calls)
         caches = {id(leaf): leaf for leaf in tree_flatten(calls)[0] if is_cache(leaf)}
         if not caches:
-            outcome = attempt(layers, hidden, *_call_of(calls, run.period))
-            return outcome if isinstance(outcome, str) else ScanResult(outcome, {})
+            return scan_result(run, attempt(layers, hidden, *_call_of(calls, run.period)))
         named = [_cache_by_name(layers.template, run.period, hidden, call_args, call_kwargs)
                  for call_args, call_kwargs in calls]
         if len(caches) > 1 or any(found is None for found in named):
@@ -130,9 +127,9 @@ class StackedLayers(StackedList):
                                     plan.recording, state=plan.state)
         if isinstance(outcome, str):
             return outcome
-        last_hidden, recorded = outcome
+        last_hidden, recorded, kept = outcome
         plan.commit(recorded, hidden.shape[-2])
-        return ScanResult(last_hidden, {})
+        return scan_result(run, (last_hidden, kept))
 
 
 def _call_of(calls: tuple, period: int) -> tuple[tuple, dict]:

@@ -64,10 +64,11 @@ from torch_xla_ext.layer_stack.running import (
     warn_layer_by_layer)
 from torch_xla_ext.layer_stack.sharding import ShardingWarning
 from torch_xla_ext.layer_stack.stack import LayerStack
-from torch_xla_ext.layer_stack.stacked_list import LayerGroup, SegmentStack, StackedList
+from torch_xla_ext.layer_stack.stacked_list import (
+    LayerGroup, SegmentStack, StackedList, scan_result)
 
 __all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "LayerByLayerWarning", "LayerGroup", "LayerStack",
            "Layers", "OwnerPlans", "PerLayerChoice", "Recording", "ScanResult",
            "SegmentStack", "ShardingWarning", "StackedList", "attempt", "attempt_recording", "device_reason",
-           "drive_loops", "is_choice", "loop_names", "scan_layers", "undrive_loops",
+           "drive_loops", "is_choice", "loop_names", "scan_layers", "scan_result", "undrive_loops",
            "warn_layer_by_layer"]

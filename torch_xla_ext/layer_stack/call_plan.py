@@ -28,6 +28,7 @@ from torch import Tensor
 
 from torch_xla_ext.layer_stack.dry_run import CallRecord, RecordedCall
 from torch_xla_ext.layer_stack.kinds import same_leaf
+from torch_xla_ext.layer_stack.segments import plan_segments
 
 __all__ = ["CallPlan", "Leaf", "Run", "plan_calls"]
 
@@ -120,14 +121,33 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
                         f"{segment} run as one scan over groups of {period} layers, and the "
                         f"forward calls the groups otherwise than alike, each on what the one "
                         f"before returned")]
+        if any(call.program != calls[offset % period].program
+               for offset, call in enumerate(calls)):
+            return [Run(first, last, number, ONE_BY_ONE,
+                        f"{segment} run as one scan over groups of {period} layers, and the "
+                        f"layers at the same position of two groups compute differently "
+                        f"(their settings differ)")]
         return [_run(calls, number, period, record)]
     runs, begin = [], 0
     for offset in range(1, len(calls) + 1):
         if offset == len(calls) or not _continues(calls[begin], calls[offset - 1],
                                                   calls[offset]):
-            runs.append(_run(calls[begin:offset], number, 1, record))
+            runs += _by_program(calls[begin:offset], number, record)
             begin = offset
     return runs
+
+
+def _by_program(calls: list[RecordedCall], number: int, record: CallRecord) -> list[Run]:
+    """The runs of consecutive calls alike: one scan where the layers compute
+    one program (whatever settings tell their kinds apart), else the
+    segments of their programs' pattern (`segments.plan_segments`): runs of
+    one program, and repeating patterns scanned a group of layers per step."""
+    programs = [call.program for call in calls]
+    if len(set(programs)) == 1:
+        return [_run(calls, number, 1, record)]
+    kinds = [programs.index(program) for program in programs]
+    return [_run(calls[segment.start:segment.stop], number, segment.period, record)
+            for segment in plan_segments(kinds)]
 
 
 def _continues(reference: RecordedCall, before: RecordedCall, call: RecordedCall) -> bool:
@@ -137,8 +157,16 @@ def _continues(reference: RecordedCall, before: RecordedCall, call: RecordedCall
     call `before` it returned."""
     return (call.spec == reference.spec and call.output_spec == reference.output_spec
             and call.sources == reference.sources and _carries(before, call)
-            and all(isinstance(leaf, Tensor) or same_leaf(leaf, first)
+            and all(_may_differ(leaf, first) or same_leaf(leaf, first)
                     for leaf, first in zip(call.leaves[1:], reference.leaves[1:])))
+
+
+def _may_differ(leaf, first) -> bool:
+    """Whether an argument may differ between the layers of a scan: a tensor
+    each (the scan stacks them), or None for some layers and a tensor for
+    others (what None stands for may be a tensor: see `StackedList.scan_run`)."""
+    return (isinstance(leaf, Tensor) or leaf is None) and (isinstance(first, Tensor)
+                                                           or first is None)
 
 
 def _carries(before: RecordedCall, call: RecordedCall) -> bool:

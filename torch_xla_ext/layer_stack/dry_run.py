@@ -21,20 +21,20 @@ have drawn. `CallRecord` is what the dry run found; `call_plan` reads it.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import traceback
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
 from torch_xla_ext.layer_stack.hooks import hooks_held
+from torch_xla_ext.layer_stack.kinds import program_of
 from torch_xla_ext.layer_stack.loops import driving
-from torch_xla_ext.object_graph import VALUE_TYPES, tensors_in
+from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.placeholders import placeholder
 from torch_xla_ext.scan.loop import xla_rng_kept
 
@@ -67,6 +67,9 @@ class RecordedCall:
     sources: tuple[Source, ...]  # of the output's leaves
     output_spec: TreeSpec
     outputs: list  # the output's leaves, as the recorder gave them
+    # What the layer computes (`kinds.program_of`), where its list's layers
+    # are of several kinds, else None.
+    program: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -133,14 +136,19 @@ class _Recorder:
         leaves, spec = tree_flatten((args, kwargs))
         self.inside = True
         try:
-            sources, output_spec = self._sources(index, leaves, spec)
+            sources, output_spec, requires_grad = self._sources(index, leaves, spec)
         finally:
             self.inside = False
+        grads = iter(requires_grad)
         outputs = [leaves[source.value] if source.kind == "argument"
                    else source.value if source.kind == "constant"
-                   else placeholder(*source.value) if source.kind == "computed"
-                   else None for source in sources]
-        self.calls.append(RecordedCall(index, leaves, spec, sources, output_spec, outputs))
+                   else placeholder(*source.value, requires_grad=next(grads))
+                   if source.kind == "computed" else None for source in sources]
+        program = None
+        if len(set(self.stack.kinds)) > 1:
+            program = self._program(index, leaves, spec)
+        self.calls.append(RecordedCall(index, leaves, spec, sources, output_spec, outputs,
+                                       program))
         self.outputs.update(id(each) for each, source in zip(outputs, sources)
                             if source.kind == "computed")
         return tree_unflatten(outputs, output_spec)
@@ -149,6 +157,17 @@ class _Recorder:
         key = (self.stack.call_kind(index), spec, tuple(_leaf_key(leaf) for leaf in leaves))
         if key not in self._found:
             self._found[key] = _fake_run(self.stack.layer(index), leaves, spec)
+        return self._found[key]
+
+    def _program(self, index: int, leaves: list, spec: TreeSpec) -> tuple:
+        key = ("program", self.stack.call_kind(index), spec,
+               tuple(_leaf_key(leaf) for leaf in leaves))
+        if key not in self._found:
+            self.inside = True
+            try:
+                self._found[key] = program_of(self.stack.layer(index), leaves, spec)
+            finally:
+                self.inside = False
         return self._found[key]
 
 
@@ -161,34 +180,19 @@ def _leaf_key(leaf) -> tuple:
 
 
 def _fake_run(layer: nn.Module, leaves: list, spec: TreeSpec) -> tuple:
-    """(the sources of the output's leaves, the output's spec) of `layer`
-    called on fakes of `leaves` (objects holding tensors copied, holding
-    fakes), its weights fakes too and its forward hooks held."""
-    mode = FakeTensorMode()
-
-    def fake(tensor: torch.Tensor) -> torch.Tensor:
-        with mode:
-            made = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
-        return made.requires_grad_(tensor.requires_grad and tensor.dtype.is_floating_point)
-
-    given = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            given.append(fake(leaf))
-        elif isinstance(leaf, VALUE_TYPES):
-            given.append(leaf)
-        else:
-            given.append(copy.deepcopy(leaf, {id(t): fake(t) for t in tensors_in(leaf)}))
-    weights = {name: fake(tensor) for name, tensor in
-               (*layer.named_parameters(remove_duplicate=False),
-                *layer.named_buffers(remove_duplicate=False))}
+    """(the sources of the output's leaves, the output's spec, whether each
+    computed leaf requires grad) of `layer` called on stand-ins of `leaves`
+    (`fakes`), its weights fakes too and its forward hooks held."""
+    mode = fake_mode()
+    given = fake_leaves(mode, leaves)
     args, kwargs = tree_unflatten(given, spec)
     with mode, hooks_held(layer):
-        output = torch.func.functional_call(layer, weights, args, kwargs, strict=True)
+        output = torch.func.functional_call(layer, fake_weights(mode, layer), args, kwargs,
+                                            strict=True)
     positions = {id(each): position for position, each in enumerate(given)
                  if not isinstance(each, VALUE_TYPES)}
     output_leaves, output_spec = tree_flatten(output)
-    sources = []
+    sources, requires_grad = [], []
     for leaf in output_leaves:
         if id(leaf) in positions:
             sources.append(Source("argument", positions[id(leaf)]))
@@ -196,9 +200,10 @@ def _fake_run(layer: nn.Module, leaves: list, spec: TreeSpec) -> tuple:
             sources.append(Source("constant", leaf))
         elif isinstance(leaf, torch.Tensor):
             sources.append(Source("computed", (tuple(leaf.shape), leaf.dtype)))
+            requires_grad.append(leaf.requires_grad)
         else:
             sources.append(Source("object", type(leaf).__name__))
-    return tuple(sources), output_spec
+    return tuple(sources), output_spec, tuple(requires_grad)
 
 
 class _Watch(TorchFunctionMode):
@@ -211,7 +216,9 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not any(recorder.inside for recorder in self.recorders):
+        # Reading a tensor's metadata (`.dtype`, `.shape`: a descriptor's
+        # __get__) uses none of its values.
+        if not any(recorder.inside for recorder in self.recorders) and not _reads_metadata(func):
             leaves = tree_flatten((args, kwargs))[0]
             self.record.used |= {id(leaf) for leaf in leaves if id(leaf) in self.record.outputs}
             if func in _VALUE_READS and self.record.read is None and self._looping():
@@ -221,6 +228,10 @@ class _Watch(TorchFunctionMode):
     def _looping(self) -> bool:
         """Whether a list's loop is under way: some, not all, of its layers called."""
         return any(0 < len(recorder.calls) < len(recorder.stack) for recorder in self.recorders)
+
+
+def _reads_metadata(func) -> bool:
+    return getattr(func, "__name__", None) == "__get__"
 
 
 def _user_line() -> str:

@@ -6,9 +6,9 @@ every layer, each given its kind's arguments.
 * `PerLayerChoice`: an argument that differs between the layers' calls;
   the scan takes each variant once (stacked) and each layer picks its own
   inside the loop (`call_for_layer` gives a layer its call, outside it);
-* `program_difference`: one trace stands for every kind only if the layer
+* `program_of`: one trace stands for every kind only if the layer
   computes the same with each kind's settings. Each kind's layer is traced
-  by `make_fx` on fake CPU tensors (no data) and the graphs and their
+  by `make_fx` on fakes (no data, `fakes`) and the graphs and their
   constants compared: a setting that only reaches code that ignores it
   (transformers' eager and SDPA attention take `sliding_window` and drop it)
   changes nothing.
@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Sequence
+
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import keystr, tree_map
+from torch.utils._pytree import keystr, tree_map, tree_unflatten
 
+from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.object_graph import VALUE_TYPES
 
-__all__ = ["PerLayerChoice", "call_for_layer", "is_choice", "program_difference", "same_leaf"]
+__all__ = ["PerLayerChoice", "call_for_layer", "is_choice", "program_of", "same_leaf"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,49 +73,21 @@ def same_leaf(leaf, reference) -> bool:
                                  and leaf == reference)
 
 
-def program_difference(kind_layers: Sequence[nn.Module], stacked_tensors: dict, hidden,
-                       args: tuple, kwargs: dict, recording=None, state: tuple = ()
-                       ) -> str | None:
-    """Why one trace cannot stand for every kind: None when each kind's layer
-    in `kind_layers`, called as a stack's step calls it (on one slice of
-    `stacked_tensors`, with layer 0's variant of each PerLayerChoice and what
-    `recording` gives a layer), computes the same forward and backward graph
-    with the same constants; else which kind's differs."""
-    args, kwargs = call_for_layer(args, kwargs, 0)
-    graphs = [_graph(layer, stacked_tensors, hidden, args, kwargs, recording, state)
-              for layer in kind_layers]
-    for number, graph in enumerate(graphs[1:], start=1):
-        if graph != graphs[0]:
-            return (f"the layer computes another graph with the settings of its kind "
-                    f"{number} than with those of its kind 0")
-    return None
+def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
+    """What `layer` computes when called with `leaves` (of `tree_flatten((args,
+    kwargs))`, `spec`): the code and constants of its forward, and of its
+    backward to its inputs and weights where they require grad, traced by
+    `make_fx` on fakes. Layers of kinds whose programs are equal can share
+    one scan's trace."""
+    mode = fake_mode()
+    weights = fake_weights(mode, layer)
+    args, kwargs = tree_unflatten(fake_leaves(mode, leaves), spec)
 
-
-def _graph(layer: nn.Module, stacked_tensors: dict, hidden, args: tuple, kwargs: dict,
-           recording, state: tuple) -> tuple:
-    """The code and constants of `layer`'s forward and backward, traced on fakes."""
-    mode = FakeTensorMode()
-
-    def fake(tensor, shape=None):
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
-        with mode:
-            # On the CPU: constants the layer makes then hold their values.
-            made = torch.empty(tensor.shape if shape is None else shape, dtype=tensor.dtype)
-        return made.requires_grad_(tensor.requires_grad and tensor.dtype.is_floating_point)
-
-    weights = {name: fake(tensor, tensor.shape[1:]) for name, tensor in stacked_tensors.items()}
-    inputs = tree_map(fake, (hidden, args, kwargs, state))
-    with mode:
-        # An input, as in the loop's step (a constant made here would be a fake).
-        index = torch.zeros((), dtype=torch.long)
-
-    def forward_and_backward(weights, index, hidden, args, kwargs, state):
-        given = recording.make(index, state) if recording is not None else {}
-        output = torch.func.functional_call(layer, weights, (hidden, *args),
-                                            {**kwargs, **given})
+    def forward_and_backward(weights, args, kwargs):
+        output = torch.func.functional_call(layer, weights, args, kwargs)
         output = output[0] if isinstance(output, tuple) else output
-        differentiable = [each for each in (hidden, *weights.values()) if each.requires_grad]
+        differentiable = [each for each in (args[0], *weights.values())
+                          if isinstance(each, torch.Tensor) and each.requires_grad]
         if not output.requires_grad or not differentiable:
             return output
         return output, torch.autograd.grad(output, differentiable, torch.ones_like(output),
@@ -123,7 +95,7 @@ def _graph(layer: nn.Module, stacked_tensors: dict, hidden, args: tuple, kwargs:
 
     # The layer's forward hooks would see the fakes (a stack replays them after its loop).
     with mode, hooks_held(layer):
-        graph = make_fx(forward_and_backward, tracing_mode="real")(weights, index, *inputs)
+        graph = make_fx(forward_and_backward, tracing_mode="real")(weights, args, kwargs)
     constants = [operator.attrgetter(node.target)(graph)
                  for node in graph.graph.nodes if node.op == "get_attr"]
     return graph.code, tuple((tuple(each.shape), each.dtype, each.tolist())

@@ -20,7 +20,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from torch_xla_ext.layer_stack.alike import LayerLayout
 from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
 from torch_xla_ext.layer_stack.kinds import (
-    argument_path, call_for_layer, is_choice, program_difference)
+    argument_path, call_for_layer, is_choice)
 from torch_xla_ext.layer_stack.per_layer import (
     PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -47,13 +47,18 @@ class Layers:
     partition_fn: Any
     is_layer_pure: Any
     unroll: int | bool  # layers per iteration of the scan's loop (`scan`'s unroll)
-    # For layers of several kinds: makes one layer of each kind, whose
-    # settings the template's stand for (see `kinds.program_difference`).
-    kind_layers: Callable[[], tuple] | None = None
+    # Layers per scan step taken from consecutive slices of the stacked
+    # tensors (the template is a group of that many layers, each reading its
+    # slice of a step's `[positions, ...]`), else 0: one layer a step.
+    positions: int = 0
     # Whether the template's forward hooks run after the loop, once per layer
     # on what the layer's hooked modules got and returned (see `hooks`),
     # rather than inside the trace.
     hooks_replayed: bool = False
+    # The leaves of a layer's output (its `tree_flatten` leaves) that the
+    # scan stacks along the layers as well (what a model's own loop keeps
+    # of every layer: its hidden states, its attention weights).
+    kept: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,18 +89,19 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
     if isinstance(outcome, str):
         return run_layer_by_layer(layers.layer_at, layers.num_layers, hidden, args, kwargs,
                                   layers.drop_in, outcome)
-    return outcome
+    return outcome[0]
 
 
 def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
-    """`run`'s scan: the last hidden state, or why one scan cannot stand for
-    the loop (a str), before anything ran."""
+    """`run`'s scan: (the last hidden state, the kept output leaves stacked
+    along the layers), or why one scan cannot stand for the loop (a str),
+    before anything ran."""
     def scanned(step, init, xs):
-        (last_hidden, _), (_, calls) = scan(step, init, xs, partition_fn=layers.partition_fn,
-                                            is_fn_pure=layers.is_layer_pure,
-                                            unroll=layers.unroll)
+        (last_hidden, _), (_, calls, kept) = scan(
+            step, init, xs, partition_fn=layers.partition_fn, is_fn_pure=layers.is_layer_pure,
+            unroll=layers.unroll)
         _replay_hooks(layers, calls)
-        return last_hidden
+        return last_hidden, kept
 
     reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
                                 if isinstance(leaf, torch.Tensor))), None)
@@ -118,22 +124,22 @@ def device_reason(device: torch.device) -> str | None:
 def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording,
                   state: tuple[torch.Tensor, ...] = ()):
     """`run` with `recording`'s keyword arguments given to every layer: returns
-    the last hidden state and the recorded tensors, each stacked [num_layers,
-    ...]. The layers may write the `state` tensors (a key/value cache stacked
+    the last hidden state, the recorded tensors and the kept output leaves,
+    each stacked [num_layers, ...]. The layers may write the `state` tensors (a key/value cache stacked
     along the layers, say) in place, through what `recording` gives them:
     state is a carry of the loop, so XLA writes it in place, a few positions
     at a time, and after the call `state` holds what the loop left. Raises
     Unscannable for a call that one trace cannot stand for; the caller then
     runs the layers one by one with what they record into."""
     def scanned(step, init, xs):
-        (last_hidden, _, final_state), (recorded, calls) = scan(
+        (last_hidden, _, final_state), (recorded, calls, kept) = scan(
             step, (*init, state), xs, partition_fn=layers.partition_fn,
             is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
         for tensor, final in zip(state, final_state):
             if final is not tensor:  # a read-only state leaves the loop as itself
                 tensor.copy_(final)
         _replay_hooks(layers, calls)
-        return last_hidden, recorded
+        return last_hidden, recorded, kept
 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
 
@@ -220,16 +226,15 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
         raise Unscannable(unreplayed)
     tensor_arguments, arguments, choices = _split_arguments(args, kwargs)
     key = (layers.layout.trace_key(), arguments, layers.drop_in,
-           recording.key if recording else None, layers.hooks_replayed)
+           recording.key if recording else None, layers.hooks_replayed, layers.kept,
+           layers.positions)
     steps = _STEPS.setdefault(layers.template, {})
     if key not in steps:
         reads = set()
         steps[key] = (_make_step(weakref.ref(layers.template), arguments, layers.drop_in, reads,
-                                 recording, layers.hooks_replayed), reads)
+                                 recording, layers.hooks_replayed, layers.kept,
+                                 layers.positions), reads)
     step, reads = steps[key]
-    if layers.kind_layers is not None:
-        _check_kinds_share_trace(layers, key, (*tree_flatten(hidden)[0], *tensor_arguments,
-                                               *state), hidden, args, kwargs, recording, state)
     if not reads:
         try:
             with reads_watched(layers.template, layers.per_layer_paths):
@@ -246,25 +251,6 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
     raise Unscannable(
         f"the layer reads {read}, which differ between layers, so one trace cannot stand for "
         f"all of them (a key/value cache passed to the layers reads its layer index)")
-
-
-# Per template layer of several kinds, whether one trace stands for every
-# kind, per step key and avals of the call's tensors (a layer may branch on
-# a setting only for some shapes).
-_KINDS_SHARE_TRACE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
-
-
-def _check_kinds_share_trace(layers: Layers, key, tensors: tuple, hidden, args: tuple,
-                             kwargs: dict, recording: Recording | None, state: tuple) -> None:
-    """Raises Unscannable unless one trace stands for every kind, for a call
-    whose step has `key` and whose loop takes `tensors`."""
-    proofs = _KINDS_SHARE_TRACE.setdefault(layers.template, {})
-    proof_key = (key, tuple((tuple(each.shape), each.dtype) for each in tensors))
-    if proof_key not in proofs:
-        proofs[proof_key] = program_difference(layers.kind_layers(), layers.stacked_tensors,
-                                               hidden, args, kwargs, recording, state)
-    if proofs[proof_key] is not None:
-        raise Unscannable(f"the layers' kinds cannot share one trace: {proofs[proof_key]}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -339,7 +325,8 @@ def _next_hidden(layer: Callable, hidden, args: tuple, kwargs: dict, drop_in: bo
 
 
 def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads: set,
-               recording: Recording | None, hooks_replayed: bool):
+               recording: Recording | None, hooks_replayed: bool, kept: tuple[int, ...],
+               positions: int):
     spec, constants = arguments
 
     def run_one_layer(carry, x):
@@ -347,6 +334,10 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
         # step also gets its layer's index.
         hidden, tensor_arguments, *with_state = carry
         layer_tensors, index = x["tensors"], x.get("index")
+        if positions:
+            layer_tensors = {f"layers.{position}.{name}": tensor[position]
+                             for name, tensor in layer_tensors.items()
+                             for position in range(positions)}
         supplied, picks = iter(tensor_arguments), iter(x.get("choices", ()))
         leaves = [next(supplied) if constant is _TENSOR_ARGUMENT
                   else torch.index_select(next(supplied), 0, next(picks).view(1))[0]
@@ -362,10 +353,17 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
         calls = [] if hooks_replayed else None
         with reads_recorded_in(reads, opaque=recording is not None), (
                 hooks_held(template_ref(), calls) if hooks_replayed else contextlib.nullcontext()):
-            hidden = _next_hidden(layer, hidden, args, {**kwargs, **given}, drop_in)
+            if drop_in:
+                hidden = _next_hidden(layer, hidden, args, kwargs, drop_in)
+                output = hidden
+            else:
+                output = layer(hidden, *args, **{**kwargs, **given})
+                hidden = output[0] if isinstance(output, tuple) else output
         _check_recorded_calls(calls)
+        output_leaves = tree_flatten(output)[0]
         return ((hidden, tensor_arguments, *with_state),
-                (recording.recorded(given) if recording else None, calls))
+                (recording.recorded(given) if recording else None, calls,
+                 tuple(output_leaves[leaf] for leaf in kept)))
 
     return run_one_layer
 

@@ -272,22 +272,28 @@ class LayerStack(nn.Module):
                     unroll=self.unroll, per_layer_attributes=tuple(sorted(self.per_layer_attributes)))
 
     def runner(self, first: int = 0, count: int | None = None, template: nn.Module | None = None,
-               kind_layers=None) -> running.Layers:
+               positions: int = 0) -> running.Layers:
         """Layers `first`, ..., `first + count - 1` (default: all) as the
         runners take them, run by `template` (default: the stack's own; a
-        copy with other settings, for layers of another kind), with
-        `kind_layers` (see `running.Layers`)."""
+        copy with other settings, for layers of another kind); with
+        `positions`, `template` is a group of that many layers, each step
+        running `positions` consecutive layers (see `running.Layers`)."""
         count = len(self) - first if count is None else count
         tensors = self._stacked_tensors()
         if (first, count) != (0, len(self)):
             tensors = {name: tensor[first:first + count] for name, tensor in tensors.items()}
         template = self._template if template is None else template
+        if positions:
+            tensors = {name: tensor.view(count // positions, positions, *tensor.shape[1:])
+                       for name, tensor in tensors.items()}
         return running.Layers(
             template, layout_of(template, 0), tensors,
-            per_layer_paths=tuple(sorted(self.watched_paths)),
-            layer_at=lambda index: self.layer(first + index), num_layers=count, drop_in=False,
-            partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
-            unroll=self.unroll, kind_layers=kind_layers)
+            per_layer_paths=tuple(sorted(
+                f"layers.{position}.{path}" if positions else path
+                for path in self.watched_paths for position in range(positions or 1))),
+            layer_at=lambda index: self.layer(first + index), num_layers=count // (positions or 1),
+            drop_in=False, partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
+            unroll=self.unroll, positions=positions)
 
     def extra_repr(self) -> str:
         layer_type = type(self._template).__name__ if self._template is not None else "-"

@@ -16,6 +16,7 @@ which optimizer state dicts use too); `unstacked()` gives the layers back.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 import weakref
 from typing import Iterable, Sequence
@@ -30,8 +31,9 @@ from torch_xla_ext.layer_stack.loops import LayerCall, active_driver
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import plan_segments
 from torch_xla_ext.layer_stack.stack import LayerStack
+from torch_xla_ext.policies import save_everything
 
-__all__ = ["LayerGroup", "SegmentStack", "StackedList"]
+__all__ = ["LayerGroup", "SegmentStack", "StackedList", "scan_result"]
 
 # Per segment template, its copies with the settings of other kinds of layers.
 _KIND_TEMPLATES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
@@ -126,8 +128,18 @@ class StackedList(nn.Module):
         return self.names.parameters()
 
     def stack_options(self) -> dict:
-        """The options the segments' stacks were made with."""
-        return dict(self.options)
+        """The options the segments' stacks were made with (resolved: a
+        policy's name as the policy), to make another alike."""
+        stacks = self.stacks()
+        return stacks[0].stack_options() if stacks else dict(self.options)
+
+    @property
+    def partition_fn(self):
+        return self.stack_options().get("partition_fn", save_everything)
+
+    @property
+    def unroll(self):
+        return self.stack_options().get("unroll", 1)
 
     def __len__(self) -> int:
         return self.plan[-1].stop if self.plan else 0
@@ -197,35 +209,41 @@ class StackedList(nn.Module):
         position's): an `execution.ScanResult`, or why it cannot (a str),
         before anything ran. A subclass may run calls with arguments a scan
         cannot take as they are (a key/value cache) otherwise."""
-        if any(run.kept):
-            return ("the forward keeps each layer's output (as a model collecting hidden states "
-                    "in its own loop does), which the scan does not stack")
         layers = self.runner(run)
         if isinstance(layers, str):
             return layers
-        outcome = running.attempt(layers, hidden, args, kwargs)
-        return outcome if isinstance(outcome, str) else ScanResult(outcome, {})
+        return scan_result(run, running.attempt(layers, hidden, args, kwargs))
 
     def runner(self, run) -> running.Layers | str:
-        """The layers of `run` as the runners take them, run by a template of
-        the kind of the run's first layer (each group's positions by theirs);
-        runs of layers of several kinds carry each kind's template, to prove
-        that one trace stands for them all. Or why they cannot share one
-        scan (a str)."""
+        """The layers of `run` as the runners take them: run by a template
+        with the settings of the run's first layer (each group's positions
+        by theirs; a run of groups of layers that one segment stores one by
+        one, by a group of the positions' templates). Or why they cannot
+        share one scan (a str)."""
         segment, stack = self.plan[run.segment], self.segments[run.segment]
-        kinds = self.kinds[run.start:run.stop]
-        period = segment.period
-        if period > 1 and any(kind != kinds[index % period] for index, kind in enumerate(kinds)):
-            return (f"the groups of {segment} differ in the settings of the layers at the "
-                    f"same position")
-        order = list(dict.fromkeys(kinds))
-        kind_layers = None
-        if period == 1 and len(order) > 1:
-            firsts = [run.start + kinds.index(kind) for kind in order]
-            kind_layers = lambda: tuple(self._template_for(index) for index in firsts)
-        return stack.runner((run.start - segment.start) // period,
-                            (run.stop - run.start) // period, self._template_for(run.start),
-                            kind_layers)
+        if run.period > 1 and any(run.kept):
+            return ("the forward keeps each layer's output, and the scan over groups of layers "
+                    "stacks the groups' last hidden states only")
+        first, count = (run.start - segment.start) // segment.period, \
+            (run.stop - run.start) // segment.period
+        if run.period > segment.period:  # groups of layers of several kinds
+            group = self._group_for(run.start, run.period)
+            return stack.runner(first, count, group, positions=run.period)
+        layers = stack.runner(first, count, self._template_for(run.start))
+        return dataclasses.replace(layers, kept=run.kept[0]) if any(run.kept) else layers
+
+    def _group_for(self, start: int, period: int) -> LayerGroup:
+        """A group of the templates of layers start, ..., start + period - 1
+        (kept, so that its scans' traces are kept too)."""
+        number = self.place(start)[0]
+        stack = self.segments[number]
+        copies = _KIND_TEMPLATES.setdefault(stack.template, {})
+        key = ("group", tuple(self.kinds[start:start + period]),
+               layout_of(stack.template, 0).trace_key())
+        if key not in copies:
+            copies[key] = LayerGroup([self._template_for(index)
+                                      for index in range(start, start + period)])
+        return copies[key]
 
     def _template_for(self, index: int) -> nn.Module:
         """The template that runs layer `index`'s code with its settings: its
@@ -253,6 +271,15 @@ class StackedList(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_layers={len(self)}, segments={[str(each) for each in self.plan]}"
+
+
+def scan_result(run, outcome) -> ScanResult | str:
+    """`running.attempt`'s outcome for `run` as its execution takes it."""
+    if isinstance(outcome, str):
+        return outcome
+    hidden, kept = outcome
+    return ScanResult(hidden, {(0, leaf): stacked for leaf, stacked in zip(run.kept[0], kept)}
+                      if run.kept else {})
 
 
 def _kinds(layouts: list, per_layer_attributes: frozenset[str]) -> tuple[int, ...]:
