@@ -688,32 +688,43 @@ def test_on_the_cpu_the_layers_run_one_by_one_with_the_unconverted_logits():
     close(logits, reference(ids, attention_mask=mask).logits, TRAINING)
 
 
-def test_layers_that_differ_are_refused_and_the_model_is_unchanged():
-    # Qwen2 with a sliding window from layer 2 on, and a setting changed on layer 3.
-    qwen = make_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
-    qwen.model.layers[3].self_attn.scaling = 0.5
-    before = {k: v.clone() for k, v in qwen.state_dict().items()}
-    # Kinds that differ only in settings: the layer's own difference is named.
-    with pytest.raises(ValueError, match=r"Layer 3 setting 'self_attn\.scaling' is 0\.5 but "
-                                         r"layer 0's"):
-        stack_layers(qwen)
-    assert type(qwen.model.layers) is nn.ModuleList
-    assert all(torch.equal(v, before[k]) for k, v in qwen.state_dict().items())
+def forward_while_loops(model, ids) -> int:
+    """The While loops of a forward's graph (not run): one per scan."""
+    return torch_xla._XLAC._get_xla_tensors_hlo([model(ids).logits]).count(" while(")
 
-    # A setting changed on one layer only.
+
+@pytest.mark.parametrize("change, scans", [
+    # A setting changed on layer 1: layers 0 and 1 run as themselves, 2-3 as one scan.
+    (lambda layers: setattr(layers[1].post_attention_layernorm, "variance_epsilon", 1e-3), 1),
+    # A submodule of another type on the last layer: layers 0-2 are one scan.
+    (lambda layers: setattr(layers[3].mlp, "act_fn", nn.GELU()), 1),
+    # The same on layers 0 and 2 of 4: a pattern of two layers, one scan over two groups.
+    (lambda layers: [setattr(layers[index].mlp, "act_fn", nn.GELU()) for index in (0, 2)], 1),
+], ids=["setting", "submodule", "alternating"])
+def test_layers_that_differ_run_as_runs_of_alike_layers(device, change, scans):
+    reference = make_model()
+    change(reference.model.layers)
+    model = stack_layers(copy.deepcopy(reference))
+    reference.to(device)
+    model.to(device)
+    ids, mask = batch(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)  # runs, not a fallback
+        assert forward_while_loops(model, ids) == scans
+        close(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits,
+              TRAINING)
+
+
+def test_layers_that_cannot_be_stacked_are_refused_and_the_model_is_unchanged():
+    # A parameter shared between two layers: a stack would give each its own slice.
     llama = make_model()
-    llama.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-3
-    with pytest.raises(ValueError, match=r"[Ll]ayer 1 setting "
-                                         r"'post_attention_layernorm\.variance_epsilon'"):
+    llama.model.layers[2].mlp.up_proj.weight = llama.model.layers[1].mlp.up_proj.weight
+    before = {k: v.clone() for k, v in llama.state_dict().items()}
+    with pytest.raises(ValueError, match=r"Layer 2 parameter 'mlp\.up_proj\.weight' is the same "
+                                         r"tensor as layer 1's"):
         stack_layers(llama)
     assert type(llama.model.layers) is nn.ModuleList
-
-    # A submodule of another type on one layer.
-    llama = make_model()
-    llama.model.layers[3].mlp.act_fn = nn.GELU()
-    with pytest.raises(TypeError, match=r"[Ll]ayer 3 submodule 'mlp\.act_fn' is a GELU"):
-        stack_layers(llama)
-    assert type(llama.model.layers) is nn.ModuleList
+    assert all(torch.equal(v, before[k]) for k, v in llama.state_dict().items())
 
 
 def test_hooks_on_the_layers_are_refused():
@@ -729,26 +740,28 @@ def test_hooks_on_the_layers_are_refused():
     # (Gradient checkpointing on the layers is taken over: test_hf_gradient_checkpointing.py.)
 
 
-class OwnLoopLlamaModel(transformers.LlamaModel):
-    """A Llama whose per-layer outputs transformers' hooks do not collect (as
-    a model that collects them in its own loop over the layers)."""
-    _can_record_outputs = None
-
-
-@pytest.mark.parametrize("request_outputs", [
-    lambda model, ids: model(ids, output_hidden_states=True),
-    lambda model, ids: model(ids, output_attentions=True),
-    lambda model, ids: (setattr(model.config, "output_hidden_states", True), model(ids)),
-], ids=["hidden-states", "attentions", "config-hidden-states"])
-def test_per_layer_outputs_that_no_hook_collects_are_refused(request_outputs):
-    # (Those transformers' hooks collect come from the scan: test_hf_per_layer_outputs.py.)
+@pytest.mark.parametrize("flags", [dict(output_hidden_states=True),
+                                   dict(output_attentions=True)], ids=["hidden", "attentions"])
+def test_per_layer_outputs_a_model_collects_in_its_own_loop_come_from_its_scan(device, flags):
+    # Bloom collects each layer's hidden state and attention weights in its own
+    # loop (no hooks): the scan stacks what the loop keeps of every layer.
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=3, n_head=4,
+                                      use_cache=False, attn_implementation="eager")
     torch.manual_seed(0)
-    model = stack_layers(OwnLoopLlamaModel(make_model().config))
-    ids, _ = batch("cpu")
-    with pytest.raises(ValueError, match=r"asks for every decoder layer's output "
-                                         r"\(output_(hidden_states|attentions)\), but the "
-                                         r"model collects them in its own loop"):
-        request_outputs(model, ids)
+    reference = transformers.BloomForCausalLM(config)
+    model = stack_layers(copy.deepcopy(reference)).to(device)
+    reference.to(device)
+    ids, mask = batch(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        output = model(ids, attention_mask=mask, **flags)
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([output.logits])
+    expected = reference(ids, attention_mask=mask, **flags)
+    assert hlo.count(" while(") == 1
+    name = "hidden_states" if "output_hidden_states" in flags else "attentions"
+    assert len(getattr(output, name)) == len(getattr(expected, name))
+    for got, wanted in zip(getattr(output, name), getattr(expected, name)):
+        close(got, wanted, TRAINING)
 
 
 def test_the_layer_list_is_found_or_named():
@@ -769,12 +782,19 @@ def test_the_layer_list_is_found_or_named():
         stack_layers(make_model(), path="model.norm")
 
 
-class WorksBetweenLayers(nn.Module):
-    _no_split_modules = ["Linear"]
-
+class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.norm, self.linear = nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(self.norm(x))
+
+
+class WorksBetweenLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
 
     def forward(self, x):
         for block in self.blocks:
@@ -783,17 +803,15 @@ class WorksBetweenLayers(nn.Module):
         return x
 
 
-class CallsEachLayerByName(WorksBetweenLayers):
-    def forward(self, x):
-        return self.blocks.get_submodule("1")(self.blocks.get_submodule("0")(x))
-
-
-def test_a_forward_that_works_between_layers_is_refused_naming_the_line():
+def test_a_forward_that_works_between_layers_runs_them_one_by_one_naming_the_line(device):
     model = WorksBetweenLayers()
-    with pytest.raises(ValueError, match=r"WorksBetweenLayers\.forward does more between two "
-                                         r"layers .*test_hf\.py:\d+: `x = x \* 2`"):
-        stack_layers(model)
-    assert type(model.blocks) is nn.ModuleList
+    reference = copy.deepcopy(model).to(device)
+    stack_layers(model).to(device)
+    x = torch.randn(2, 4, device=device)
+    with pytest.warns(LayerByLayerWarning, match=r"The 3 layers ran one by one.*works on what "
+                                                 r"layer 0 returned before layer 1 gets it "
+                                                 r"\(.*test_hf\.py:\d+: `x = x \* 2`\)"):
+        close(model(x), reference(x), TRAINING)
 
 
 class LooksUpBetweenLayers(WorksBetweenLayers):
@@ -801,46 +819,61 @@ class LooksUpBetweenLayers(WorksBetweenLayers):
         for index, block in enumerate(self.blocks):
             name = self.names[index]  # calls nothing: the loop still only calls the layers
             x = block(x)
+            if self.doubles[0]:  # no plain setting: the call's plan cannot see it change
+                x = x * 2
         return x
 
 
-def test_lookups_between_layers_are_allowed_and_a_changed_hidden_state_is_refused(device):
+def test_lookups_between_layers_keep_one_scan_and_a_changed_hidden_state_is_refused(device):
     model = LooksUpBetweenLayers()
-    model.names = ["first", "second"]
+    model.names, model.doubles = ["first", "second", "third"], [False]
     reference = copy.deepcopy(model).to(device)
     stack_layers(model).to(device)
     x = torch.randn(2, 4, device=device)
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([model(x)])
-    assert "while" in hlo
+    assert hlo.count(" while(") == 1
     close(model(x), reference(x), TRAINING)
-    # Each of the loop's callables checks what it gets: work on the hidden
-    # state between two layers would not run inside the scan.
-    first, second = iter(model.blocks._layer_calls())
+    # The plan of this kind of call runs the layers as one scan, and each call
+    # checks that it gets what the one before returned: work on the hidden
+    # state that the plan did not foresee raises rather than go missing.
+    model.doubles[0] = True
     with pytest.raises(RuntimeError, match="layer 1 got another hidden state than layer 0 "
                                            "returned"):
-        second(first(x) * 2)
+        model(x)
 
 
-def test_only_the_owners_forward_iterates_over_the_loops_callables(device):
+class CallsEachLayerByName(WorksBetweenLayers):
+    def forward(self, x):
+        for name in ("0", "1", "2"):
+            x = self.blocks.get_submodule(name)(x)
+        return x
+
+
+def test_layers_reached_by_name_run_as_modules(device):
+    # get_submodule("1") gives the layer as a module (of views of its slices),
+    # which runs by itself, not through the loop's plan.
+    model = CallsEachLayerByName()
+    reference = copy.deepcopy(model).to(device)
+    stack_layers(model).to(device)
+    x = torch.randn(2, 4, device=device)
+    assert type(model.blocks.get_submodule("1")) is Block
+    close(model(x), reference(x), TRAINING)
+
+
+def test_only_the_owners_forward_calls_the_layers_through_its_plan(device):
     model = LooksUpBetweenLayers()
-    model.names = ["first", "second"]
+    model.names, model.doubles = ["first", "second", "third"], [False]
     stack_layers(model).to(device)
     # Its hooks tell the stack that the forward runs; elsewhere iteration gives modules.
-    assert all(type(layer) is nn.Linear for layer in model.blocks)
+    assert all(type(layer) is Block for layer in model.blocks)
     with pytest.raises(RuntimeError):
         model(torch.randn(2, 5, device=device))  # raises inside the loop
-    # The hook that marks the loop's end ran all the same.
-    assert all(type(layer) is nn.Linear for layer in model.blocks)
+    # The hook that marks the forward's end ran all the same.
+    assert all(type(layer) is Block for layer in model.blocks)
     hooks = (model._forward_pre_hooks, model._forward_hooks)
     assert all(len(each) == 1 for each in hooks)
     unstack_layers(model)
     assert not any(hooks) and type(model.blocks) is nn.ModuleList
-
-
-def test_a_forward_that_neither_slices_nor_iterates_is_refused():
-    with pytest.raises(ValueError, match=r"CallsEachLayerByName\.forward neither loops over a "
-                                         r"slice `self\.blocks\[\.\.\.\]` nor over "):
-        stack_layers(CallsEachLayerByName())
 
 
 def test_config_changes_reach_the_layers():

@@ -11,6 +11,7 @@ and a cache held as two stacked buffers, its layers reading their slices
 `hold_stacked`; either: `stacked_buffers`)."""
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -241,7 +242,7 @@ def _reading_stacked_buffers(layer_class: type) -> type:
     return lookalike_subclass(layer_class, {
         "keys": _stacked_slice("keys", writes_through),
         "values": _stacked_slice("values", writes_through), "reads_stacked_buffers": True,
-        "__reduce_ex__": _unbound_for_pickling})
+        "__reduce_ex__": _unbound_for_pickling, "__deepcopy__": _unbound_copy})
 
 
 def _unbound_for_pickling(layer, protocol: int):
@@ -252,6 +253,21 @@ def _unbound_for_pickling(layer, protocol: int):
              if name not in ("_stacked_keys", "_stacked_values", "_stacked_index")}
     state["keys"], state["values"] = layer.keys, layer.values
     return reduce_as_original(layer, state)
+
+
+def _unbound_copy(layer, memo: dict):
+    """A deep copy of a layer reading stacked buffers, as a layer of its
+    transformers class holding its slices of copies of the buffers (made
+    through `memo`, as the copy of everything else it holds)."""
+    state = {name: copy.deepcopy(value, memo) for name, value in vars(layer).items()
+             if name not in ("_stacked_keys", "_stacked_values", "_stacked_index")}
+    for name in ("keys", "values"):
+        state[name] = copy.deepcopy(layer.__dict__[f"_stacked_{name}"], memo)[
+            layer._stacked_index]
+    copied = object.__new__(original_class(layer))
+    copied.__dict__.update(state)
+    memo[id(layer)] = copied
+    return copied
 
 
 def _leave_stacked_buffers(layer) -> None:

@@ -134,7 +134,36 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
                                                   calls[offset]):
             runs += _by_program(calls[begin:offset], number, record)
             begin = offset
-    return runs
+    return _changed_between(runs, calls, record)
+
+
+def _changed_between(runs: list[Run], calls: list[RecordedCall], record: CallRecord) -> list[Run]:
+    """The runs, with those of one layer that the forward split by working
+    on what a layer returned before the next layer gets it marked as run one
+    by one, with the line that did (the layers would otherwise run as one
+    scan)."""
+    by_index = {call.index: call for call in calls}
+    marked = []
+    for run in runs:
+        before = by_index.get(run.start - 1)
+        line = (record.used.get(id(before.outputs[0]))
+                if before is not None and before.outputs and run.how == ITSELF else None)
+        given = by_index[run.start].leaves
+        if line is not None and not (given and given[0] is before.outputs[0]):
+            reason = (f"the forward works on what layer {run.start - 1} returned before layer "
+                      f"{run.start} gets it ({line}), and a scan runs the layers with nothing "
+                      f"between them; move that work before or after the loop, or call a "
+                      f"torch_xla_ext.LayerStack from your own forward")
+            previous = marked[-1] if marked else None
+            if (previous is not None and previous.how in (ITSELF, ONE_BY_ONE)
+                    and previous.stop == run.start):
+                # The layers this work separates run one by one, one warning for them all.
+                marked[-1] = dataclasses.replace(previous, stop=run.stop, how=ONE_BY_ONE,
+                                                 reason=previous.reason or reason)
+                continue
+            run = dataclasses.replace(run, how=ONE_BY_ONE, reason=reason)
+        marked.append(run)
+    return marked
 
 
 def _by_program(calls: list[RecordedCall], number: int, record: CallRecord) -> list[Run]:

@@ -76,7 +76,9 @@ class RecordedCall:
 class CallRecord:
     """What the dry run of one forward found, per stacked list (by name)."""
     calls: dict[str, list[RecordedCall]]
-    used: set[int]  # ids of computed outputs the forward used other than by handing them on
+    # ids of computed outputs the forward used other than by handing them on,
+    # each with where it first did
+    used: dict[int, str]
     outputs: set[int] = dataclasses.field(default_factory=set)  # ids of all computed outputs
     read: str | None = None  # where the forward read a tensor's value while looping
     failure: str | None = None  # why the dry run did not complete
@@ -86,7 +88,7 @@ def record_calls(owner: nn.Module, stacks: dict[str, nn.Module], args: tuple,
                  kwargs: dict) -> CallRecord:
     """Runs `owner.forward(*args, **kwargs)` with the layers of `stacks` (its
     lists, by name) recorded (see the module docstring)."""
-    record = CallRecord({name: [] for name in stacks}, set())
+    record = CallRecord({name: [] for name in stacks}, {})
     recorders = {name: _Recorder(stack, record.calls[name], record.outputs)
                  for name, stack in stacks.items()}
     watch = _Watch(recorders.values(), record)
@@ -109,7 +111,9 @@ def record_calls(owner: nn.Module, stacks: dict[str, nn.Module], args: tuple,
         return record
     finally:
         torch.set_rng_state(cpu_state)
-    record.used |= {id(leaf) for leaf in tree_flatten(result)[0] if id(leaf) in record.outputs}
+    for leaf in tree_flatten(result)[0]:
+        if id(leaf) in record.outputs:
+            record.used.setdefault(id(leaf), f"{type(owner).__qualname__}.forward's result")
     return record
 
 
@@ -219,8 +223,9 @@ class _Watch(TorchFunctionMode):
         # Reading a tensor's metadata (`.dtype`, `.shape`: a descriptor's
         # __get__) uses none of its values.
         if not any(recorder.inside for recorder in self.recorders) and not _reads_metadata(func):
-            leaves = tree_flatten((args, kwargs))[0]
-            self.record.used |= {id(leaf) for leaf in leaves if id(leaf) in self.record.outputs}
+            for leaf in tree_flatten((args, kwargs))[0]:
+                if id(leaf) in self.record.outputs and id(leaf) not in self.record.used:
+                    self.record.used[id(leaf)] = _user_line()
             if func in _VALUE_READS and self.record.read is None and self._looping():
                 self.record.read = _user_line()
         return func(*args, **kwargs)

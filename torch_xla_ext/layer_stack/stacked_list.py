@@ -179,6 +179,13 @@ class StackedList(nn.Module):
     def __iter__(self):
         return (self._in_loop(index) for index in range(len(self)))
 
+    def __getattr__(self, name: str):
+        # Layer i as a module, by its name in the list it replaced ("3"), as
+        # `get_submodule` and `getattr` find it there.
+        if name.isdigit() and int(name) < len(self):
+            return self.layer(int(name))
+        return super().__getattr__(name)
+
     def _in_loop(self, index: int):
         """Layer `index` as its owner's forward loop gets it: a `LayerCall`
         that its driver runs; anywhere else, the layer as a module."""
