@@ -49,7 +49,8 @@ def test_every_public_name_is_the_defining_modules(run_isolated):
         from torch_xla_ext import (
             LayerStack, LivePlaceholder, Lowered, PlaceholderError, cache_clear, cache_info,
             checkpoint_name, depends_on_placeholder, is_placeholder, live_placeholders, lower,
-            placeholder, placeholder_id, policies, scan, scan_layers, stack_layers)
+            openxla_scan, placeholder, placeholder_id, policies, register_torch_scan, scan,
+            scan_layers, stack_layers, unregister_torch_scan)
         defined_in = {
             "torch_xla_ext.placeholders": ["LivePlaceholder", "PlaceholderError",
                 "depends_on_placeholder", "is_placeholder", "live_placeholders", "placeholder",
@@ -58,6 +59,8 @@ def test_every_public_name_is_the_defining_modules(run_isolated):
             "torch_xla_ext.policies": ["checkpoint_name"],
             "torch_xla_ext.layer_stack": ["LayerStack", "scan_layers"],
             "torch_xla_ext.hf": ["stack_layers"],
+            "torch_xla_ext.torch_scan": ["openxla_scan", "register_torch_scan",
+                                         "unregister_torch_scan"],
         }
         for module, names in defined_in.items():
             for name in names:

@@ -21,6 +21,8 @@ _DEFINED_IN = {
     "LayerStack": "layer_stack", "scan_layers": "layer_stack",
     "stack_layers": "hf", "unstack_layers": "hf",
     "generate": "decoding",
+    "openxla_scan": "torch_scan", "register_torch_scan": "torch_scan",
+    "unregister_torch_scan": "torch_scan",
 }
 # Submodules reachable as attributes of the package, as they were when importing
 # it imported them all. `scan` is the module torch_xla_ext.scan, which is
@@ -31,8 +33,8 @@ _SUBMODULES = ("_C", "hf", "layer_stack", "placeholders", "policies", "scan")
 __all__ = [
     "LayerStack", "LivePlaceholder", "Lowered", "PlaceholderError", "cache_clear", "cache_info",
     "checkpoint_name", "depends_on_placeholder", "generate", "is_placeholder", "live_placeholders",
-    "lower", "placeholder", "placeholder_id", "policies", "scan", "scan_layers", "stack_layers",
-    "unstack_layers",
+    "lower", "openxla_scan", "placeholder", "placeholder_id", "policies", "register_torch_scan",
+    "scan", "scan_layers", "stack_layers", "unregister_torch_scan", "unstack_layers",
 ]
 
 
