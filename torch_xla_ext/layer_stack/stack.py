@@ -15,6 +15,7 @@ from torch import nn
 from torch_xla_ext.layer_stack import names, optimizer_state, running, sharding
 from torch_xla_ext.layer_stack.alike import check_identical_layers, layer_tensors, layout_of
 from torch_xla_ext.layer_stack.segments import Segment
+from torch_xla_ext.patches.torch_xla import lower_host_ops
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.placeholders import depends_on_placeholder
 from torch_xla_ext.policies import resolve as resolve_policy, save_everything
@@ -134,6 +135,7 @@ class LayerStack(nn.Module):
             self.register_load_state_dict_pre_hook(_loaded_per_layer)
             optimizer_state.track(self)
         sharding.teach_fsdp_v2()
+        lower_host_ops()  # layers' ops that torch_xla runs on the host cannot be traced
         if not layers:
             return
         layout, self.per_layer_values, self.watched_paths = check_identical_layers(
