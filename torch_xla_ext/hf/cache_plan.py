@@ -106,6 +106,12 @@ class CachePlan:
     first: int = 0
     period: int | None = None
     encoder_decoder: bool = False  # an empty EncoderDecoderCache
+    count: int = 0  # the cache's layers the scan covers, when it holds them as stacked buffers
+
+    @property
+    def layers(self) -> list:
+        """The cache's layers the scan covers, in order."""
+        return self.cache.layers[self.first:self.first + self.count]
 
     @property
     def recording(self) -> Recording:
@@ -116,14 +122,14 @@ class CachePlan:
             return appended_encoder_decoder(self.parameter)
         if self.in_place and self.held:
             return written_in_place(self.parameter)
-        return appended(self.parameter, self.cache.layers[0].max_cache_len
+        return appended(self.parameter, self.cache.layers[self.first].max_cache_len
                         if self.in_place else None)
 
     @property
     def state(self) -> tuple[torch.Tensor, ...]:
         """The scan's state: what the cache holds (and, written in place, its length)."""
         if self.in_place and self.held:
-            return (*self.held, self.cache.layers[0].cumulative_length)
+            return (*self.held, self.cache.layers[self.first].cumulative_length)
         return self.held
 
     def commit(self, recorded: tuple, new_tokens: int) -> None:
@@ -133,15 +139,15 @@ class CachePlan:
             fill_encoder_decoder(self.cache, recorded, self.first)
         elif self.in_place:
             if self.held:
-                advance(self.cache, new_tokens)
+                advance(self.layers, new_tokens)
             else:
-                fill_stacked(self.cache, *recorded)
+                fill_stacked(self.layers, *recorded)
         elif self.stacked:
             keys, values = recorded
             if self.held:  # the new ones follow them
                 keys, values = (torch.cat([held, new], dim=-2)
                                 for held, new in zip(self.held, recorded))
-            hold_stacked(self.cache, keys, values, new_tokens)
+            hold_stacked(self.layers, keys, values, new_tokens)
         else:
             for offset, (keys, values) in enumerate(self._per_layer(recorded)):
                 extend(self.cache, self.first + offset, keys, values)
@@ -174,28 +180,28 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
         if period is None and holds_nothing(cache, first, num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, encoder_decoder=True)
         return CACHE_REASON
-    if period is not None or first or num_layers != len(getattr(cache, "layers", ())):
-        # Some of the cache's layers (a run among others), or groups of layers.
+    if period is not None:  # groups of layers: the cache can only start empty
         if _holds_nothing(cache, first, first + num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, period=period)
         return CACHE_REASON
-    layers = _layer_per_layer(cache, num_layers)
+    layers = _layer_range(cache, first, num_layers)
     if layers is not None and all(original_class(layer) in _WRITTEN_LAYERS
                                   for layer in layers):
-        return _static_plan(cache, parameter, layers, new_tokens, gradients)
-    if _holds_nothing(cache, 0, num_layers):
-        return CachePlan(cache, parameter, in_place=False, stacked=len(cache.layers) == num_layers
-                         and all(keeps_all(layer, new_tokens) for layer in cache.layers))
+        return _static_plan(cache, parameter, layers, first, new_tokens, gradients)
+    if _holds_nothing(cache, first, first + num_layers):
+        return CachePlan(cache, parameter, in_place=False, first=first, count=num_layers,
+                         stacked=layers is not None
+                         and all(keeps_all(layer, new_tokens) for layer in layers))
     if layers is not None and _holds_tokens(layers, new_tokens):
         if gradients:
             return DYNAMIC_GRADIENTS_REASON
-        return CachePlan(cache, parameter, in_place=False, held=stacked_buffers(cache),
-                         stacked=True)
+        return CachePlan(cache, parameter, in_place=False, held=stacked_buffers(layers),
+                         stacked=True, first=first, count=num_layers)
     return CACHE_REASON
 
 
-def _static_plan(cache, parameter: str, layers: list, new_tokens: int, gradients: bool
-                 ) -> CachePlan | str:
+def _static_plan(cache, parameter: str, layers: list, first: int, new_tokens: int,
+                 gradients: bool) -> CachePlan | str:
     """The plan for a StaticCache whose layers all hold as many positions and
     none of which slides in the call: a sliding-window layer whose window is
     at least the cache's length holds what it holds and the new tokens, and
@@ -208,22 +214,24 @@ def _static_plan(cache, parameter: str, layers: list, new_tokens: int, gradients
         return CACHE_REASON
     initialized = [layer.is_initialized for layer in layers]
     if not any(initialized):
-        return CachePlan(cache, parameter, in_place=True)
+        return CachePlan(cache, parameter, in_place=True, first=first, count=len(layers))
     if not all(initialized):
         return CACHE_REASON
     if gradients:
         return STATIC_GRADIENTS_REASON
-    return CachePlan(cache, parameter, in_place=True, held=stacked_buffers(cache))
+    return CachePlan(cache, parameter, in_place=True, held=stacked_buffers(layers), first=first,
+                     count=len(layers))
 
 
-def _layer_per_layer(cache, num_layers: int) -> list | None:
-    """The cache's layers, if it has one per decoder layer and keeps them on
-    the device (not offloaded); else None."""
+def _layer_range(cache, first: int, num_layers: int) -> list | None:
+    """The cache's layers `first`, ..., `first + num_layers - 1`, if it has
+    them (one per decoder layer) and keeps them on the device (not
+    offloaded); else None."""
     layers = getattr(cache, "layers", None)
-    if (not isinstance(layers, list) or len(layers) != num_layers
+    if (not isinstance(layers, list) or len(layers) < first + num_layers
             or getattr(cache, "offloading", False)):
         return None
-    return layers
+    return layers[first:first + num_layers]
 
 
 def _holds_nothing(cache, start: int, stop: int) -> bool:

@@ -279,18 +279,18 @@ def _leave_stacked_buffers(layer) -> None:
     layer.keys, layer.values = keys, values
 
 
-def advance(cache, new_tokens: int) -> None:
-    """Counts `new_tokens` more in each layer of a StaticCache written in
+def advance(layers: list, new_tokens: int) -> None:
+    """Counts `new_tokens` more in each of the StaticCache `layers` written in
     place, as their own updates would have."""
-    for layer in cache.layers:
+    for layer in layers:
         layer.cumulative_length.add_(new_tokens)
         if layer.is_sliding:  # which also counts on the host
             layer.cumulative_length_int += new_tokens
 
 
-def _bind_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Makes each cache layer's tensors its slices of `keys`/`values`."""
-    for index, layer in enumerate(cache.layers):
+def _bind_stacked(layers: list, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Makes each of the cache `layers`' tensors its slices of `keys`/`values`."""
+    for index, layer in enumerate(layers):
         # Its own tensors go: the slices replace them.
         layer.__dict__.pop("keys", None)
         layer.__dict__.pop("values", None)
@@ -299,26 +299,26 @@ def _bind_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
         layer._stacked_keys, layer._stacked_values, layer._stacked_index = keys, values, index
 
 
-def fill_stacked(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Fills an empty StaticCache with a prefill's stacked keys and values
-    [layers, batch, heads, length, head_dim], its buffers stacked."""
-    for index, layer in enumerate(cache.layers):
+def fill_stacked(layers: list, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Fills the empty StaticCache `layers` with a prefill's stacked keys and
+    values [layers, batch, heads, length, head_dim], their buffers stacked."""
+    for index, layer in enumerate(layers):
         layer.lazy_initialization(keys[index], values[index])  # shapes; its zeros stay unmade
     length = keys.shape[-2]
-    _bind_stacked(cache, *(_padded(new.to(layer_tensor.dtype), layer_tensor.shape[-2])
-                           for new, layer_tensor in ((keys, cache.layers[0].keys),
-                                                     (values, cache.layers[0].values))))
-    advance(cache, length)
+    _bind_stacked(layers, *(_padded(new.to(layer_tensor.dtype), layer_tensor.shape[-2])
+                            for new, layer_tensor in ((keys, layers[0].keys),
+                                                      (values, layers[0].values))))
+    advance(layers, length)
 
 
-def stacked_buffers(cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The filled cache's stacked key and value buffers. Stacks its layers'
+def stacked_buffers(layers: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filled cache `layers`' stacked key and value buffers. Stacks their
     tensors first (one copy) when they are not slices of the same ones (the
-    cache was filled layer by layer)."""
-    if not reads_one_stack(cache.layers):
-        _bind_stacked(cache, torch.stack([layer.keys for layer in cache.layers]),
-                      torch.stack([layer.values for layer in cache.layers]))
-    return cache.layers[0]._stacked_keys, cache.layers[0]._stacked_values
+    cache was filled layer by layer, or its layers are stacked otherwise)."""
+    if not reads_one_stack(layers):
+        _bind_stacked(layers, torch.stack([layer.keys for layer in layers]),
+                      torch.stack([layer.values for layer in layers]))
+    return layers[0]._stacked_keys, layers[0]._stacked_values
 
 
 def keeps_all(layer, length: int) -> bool:
@@ -328,21 +328,25 @@ def keeps_all(layer, length: int) -> bool:
 
 
 def reads_one_stack(layers) -> bool:
-    """Whether the layers read their slices of the same stacked buffers."""
+    """Whether the layers read their slices of the same stacked buffers, in order
+    and all of them."""
     stacked = layers[0].__dict__.get("_stacked_keys")
-    return stacked is not None and all(layer.__dict__.get("_stacked_keys") is stacked
-                                       for layer in layers)
+    return (stacked is not None and stacked.shape[0] == len(layers)
+            and all(layer.__dict__.get("_stacked_keys") is stacked
+                    and layer.__dict__.get("_stacked_index") == index
+                    for index, layer in enumerate(layers)))
 
 
-def hold_stacked(cache, keys: torch.Tensor, values: torch.Tensor, new_tokens: int) -> None:
-    """Makes the layers of a DynamicCache (one per decoder layer, each keeping
-    all it receives) read their slices of `keys`/`values` [layers, batch,
-    heads, length, head_dim], as their own updates would have left them had
-    they been given the last `new_tokens` positions: no per-layer tensor, so
-    a decoding step reads them as they are, without stacking them again."""
-    for index, layer in enumerate(cache.layers):
+def hold_stacked(layers: list, keys: torch.Tensor, values: torch.Tensor, new_tokens: int) -> None:
+    """Makes DynamicCache `layers` (one per decoder layer of a scan, each
+    keeping all it receives) read their slices of `keys`/`values` [layers,
+    batch, heads, length, head_dim], as their own updates would have left
+    them had they been given the last `new_tokens` positions: no per-layer
+    tensor, so a decoding step reads them as they are, without stacking
+    them again."""
+    for index, layer in enumerate(layers):
         if not layer.is_initialized:
             layer.lazy_initialization(keys[index], values[index])
         if layer.is_sliding:  # which counts what it was given
             layer.cumulative_length += new_tokens
-    _bind_stacked(cache, keys, values)
+    _bind_stacked(layers, keys, values)

@@ -21,8 +21,7 @@ from __future__ import annotations
 import functools
 import warnings
 
-from torch_xla_ext.layer_stack import LayerStack
-from torch_xla_ext.layer_stack.sharding import ShardingWarning
+from torch_xla_ext.layer_stack import LayerStack, ShardingWarning
 from torch_xla_ext.on_import import when_imported
 
 
