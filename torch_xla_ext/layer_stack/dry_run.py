@@ -119,8 +119,8 @@ def record_calls(owner: nn.Module, stacks: dict[str, nn.Module], args: tuple,
 
 def _failure(owner: nn.Module, error: Exception) -> str:
     frames = traceback.extract_tb(error.__traceback__)
-    where = next((f"{frame.filename}:{frame.lineno}" for frame in reversed(frames)
-                  if "/torch_xla_ext/" not in frame.filename), "")
+    where = next((f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
+                  for frame in reversed(frames) if _outside_torch(frame.filename)), "")
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return (f"{type(owner).__qualname__}.forward, run once with its layers recorded on "
             f"stand-ins, raised {type(error).__name__} at {where}: {first_line}")
@@ -149,7 +149,7 @@ class _Recorder:
                    else placeholder(*source.value, requires_grad=next(grads))
                    if source.kind == "computed" else None for source in sources]
         program = None
-        if len(set(self.stack.kinds)) > 1:
+        if self.stack.kinds_in_segment_of(index) > 1:
             program = self._program(index, leaves, spec)
         self.calls.append(RecordedCall(index, leaves, spec, sources, output_spec, outputs,
                                        program))
@@ -239,9 +239,13 @@ def _reads_metadata(func) -> bool:
     return getattr(func, "__name__", None) == "__get__"
 
 
+def _outside_torch(filename: str) -> bool:
+    return "/torch/" not in filename and "/torch_xla_ext/" not in filename
+
+
 def _user_line() -> str:
     """'file:line: `code`' of the innermost frame outside torch and this package."""
     for frame in reversed(traceback.extract_stack()):
-        if "/torch/" not in frame.filename and "/torch_xla_ext/" not in frame.filename:
+        if _outside_torch(frame.filename):
             return f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
     return "an unknown line"

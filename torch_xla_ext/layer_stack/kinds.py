@@ -21,6 +21,7 @@ import operator
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import keystr, tree_map, tree_unflatten
 
@@ -98,5 +99,13 @@ def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
         graph = make_fx(forward_and_backward, tracing_mode="real")(weights, args, kwargs)
     constants = [operator.attrgetter(node.target)(graph)
                  for node in graph.graph.nodes if node.op == "get_attr"]
-    return graph.code, tuple((tuple(each.shape), each.dtype, each.tolist())
+    return graph.code, tuple((tuple(each.shape), each.dtype, _value(each))
                              for each in constants if isinstance(each, torch.Tensor))
+
+
+def _value(constant: torch.Tensor) -> tuple | None:
+    """A traced constant's values, where known (a fake made from a literal
+    keeps them; one computed from fakes has none)."""
+    if isinstance(constant, FakeTensor):
+        constant = constant.constant
+    return None if constant is None else tuple(constant.flatten().tolist())

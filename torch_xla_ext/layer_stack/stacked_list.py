@@ -158,6 +158,11 @@ class StackedList(nn.Module):
         number, _, position = self.place(index)
         return number, position, self.kinds[index]
 
+    def kinds_in_segment_of(self, index: int) -> int:
+        """How many kinds of layers layer `index`'s segment holds."""
+        segment = self.plan[self.place(index)[0]]
+        return len(set(self.kinds[segment.start:segment.stop]))
+
     def layer(self, index: int, copied: bool = False) -> nn.Module:
         """Layer `index` as a module: holding views of its slices of the
         stacked tensors, or copies of them; a layer held as itself is itself."""
