@@ -169,6 +169,7 @@ def sharded(model, args):
     else:
         mesh = xs.Mesh(np.arange(devices), (devices,), ("model",))
         axes, ids_spec = ("model", None), (None, None)
+    xs.set_global_mesh(mesh)  # where a stack finds the data axes of the hidden state
     model.to(torch_xla.device())
     shard_by_hand(model, mesh, axes)
     return model, mesh, ids_spec

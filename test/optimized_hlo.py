@@ -63,3 +63,20 @@ def copies_of_initial_buffers(hlo: str, length: int) -> list[str]:
     initial buffers of several stacked outputs and copies the one it kept."""
     return [line for lines in computations(hlo).values() for line in lines
             if re.search(rf"= \w+\[{length},[\d,]*\]\S* copy\(%broadcast", line)]
+
+
+def loop_states(hlo: str) -> list[list[str]]:
+    """Per while loop, the shapes of the arrays in its state ("f32[2,16]"),
+    on one device in a partitioned module."""
+    return [re.findall(r"\w+\[[\d,]*\]", line.split(" while(")[0])
+            for lines in computations(hlo).values() for line in lines if " while(" in line]
+
+
+def step_module(directory: str, looped: bool):
+    """The largest module of an `--xla_dump_to` dump (a training step's) that
+    runs while loops, or, with `looped` False, that runs none."""
+    from torch_xla_ext.metrics.hlo import dumped_modules
+
+    return max((module for module in dumped_modules(directory)
+                if (" while(" in module.optimized_hlo) == looped),
+               key=lambda module: len(module.optimized_hlo))

@@ -21,6 +21,7 @@ from torch_xla_ext.layer_stack.alike import LayerLayout
 from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
 from torch_xla_ext.layer_stack.kinds import (
     argument_path, call_for_layer, is_choice, program_difference)
+from torch_xla_ext.layer_stack.sharding import entering
 from torch_xla_ext.layer_stack.per_layer import (
     PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -217,7 +218,7 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                     xs["index"] = torch.arange(layers.num_layers, device=device)
                 if choices:
                     xs["choices"] = [_choice_tensor(choice, device) for choice in choices]
-                return stage(step, (hidden, tensor_arguments), xs)
+                return stage(step, (entering(layers.template, hidden), tensor_arguments), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
     read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads]
