@@ -9,10 +9,13 @@ is), with every saved activation whole on every device. So each step
 constrains what it hands back to the loop as the loop's operands outside
 are sharded (`operand_specs`, part of a trace's cache key): a carry as its
 `init`, a gradient as the input it is the gradient of (an x slice as its xs
-leaf without the leading dimension, `slice_sharding`); the While loop's
-state then has that sharding on the way in too, and the values computed
-from it (what the loop stacks) follow it as they do in the unrolled layers.
-An operand with no sharding of its own constrains nothing.
+leaf without the leading dimension, `spec_sharding(spec, leading_dropped=True)`);
+the While loop's state then has that sharding on the way in too, and the
+values computed from it follow it as they do in the unrolled layers. Under
+data parallelism the activations the forward loop stacks for the backward
+loop are pinned too (`data_parallel_devices`, `split_along`; which
+dimension holds the batch: `batch_dims`), since XLA chooses each loop's
+state apart. An operand with no sharding of its own constrains nothing.
 
 While AOTAutograd traces `fn` with fake tensors, torch_xla's in-place
 `mark_sharding` becomes a functional `sharding_constraint` op in the graph,
@@ -67,6 +70,22 @@ _TILED = re.compile(r"^\{devices=\[([\d,]+)\](?:([\d,]+)|<=\[([\d,]+)\](?:T\(([\
                     r"( last_tile_dim_replicate)?\}$")
 
 
+def _tiles(spec: str) -> tuple[list[int], np.ndarray, bool] | None:
+    """A tiled spec's tiles per dimension, its devices in order, and whether
+    its last tile dimension holds copies; None for another spec."""
+    found = _TILED.match(spec)
+    if found is None:
+        return None
+    tiles_text, listed, iota, permutation, replicated_last = found.groups()
+    if listed:
+        devices = np.array([int(n) for n in listed.split(",")])
+    else:
+        reshaped = [int(n) for n in iota.split(",")]
+        order = [int(n) for n in permutation.split(",")] if permutation else range(len(reshaped))
+        devices = np.arange(math.prod(reshaped)).reshape(reshaped).transpose(order).ravel()
+    return [int(n) for n in tiles_text.split(",")], devices, bool(replicated_last)
+
+
 @functools.lru_cache(maxsize=256)
 def spec_sharding(spec: str, leading_dropped: bool = False):
     """The OpSharding torch_xla's `spec` (`operand_specs`) stands for, or,
@@ -79,17 +98,10 @@ def spec_sharding(spec: str, leading_dropped: bool = False):
 
     if spec == "{replicated}":
         return _XLAC.OpSharding([], [], [], ShardingType.REPLICATED)
-    found = _TILED.match(spec)
-    if found is None:
+    parsed = _tiles(spec)
+    if parsed is None:
         return None
-    tiles_text, listed, iota, permutation, replicated_last = found.groups()
-    tiles = [int(n) for n in tiles_text.split(",")]
-    if listed:
-        devices = np.array([int(n) for n in listed.split(",")])
-    else:
-        reshaped = [int(n) for n in iota.split(",")]
-        order = [int(n) for n in permutation.split(",")] if permutation else range(len(reshaped))
-        devices = np.arange(np.prod(reshaped)).reshape(reshaped).transpose(order).ravel()
+    tiles, devices, replicated_last = parsed
     tile_array = devices.reshape(tiles)
     if not replicated_last:  # one copy of each tile: a replication dimension of 1
         tile_array = tile_array[..., np.newaxis]
@@ -110,12 +122,13 @@ def spec_sharding(spec: str, leading_dropped: bool = False):
 def data_parallel_devices(spec: str) -> tuple[int, ...] | None:
     """The devices, in order, when `spec` splits a tensor's leading dimension
     alone, one part on each device (data parallelism); else None."""
-    found = _TILED.match(spec)
-    if found is None or found.group(5) or not found.group(2):
+    parsed = _tiles(spec)
+    if parsed is None:
         return None
-    tiles = [int(n) for n in found.group(1).split(",")]
-    devices = tuple(int(n) for n in found.group(2).split(","))
-    return devices if tiles[0] == len(devices) > 1 and math.prod(tiles) == tiles[0] else None
+    tiles, devices, replicated_last = parsed
+    if replicated_last or tiles[0] != devices.size or devices.size < 2:
+        return None
+    return tuple(int(device) for device in devices)
 
 
 def split_along(devices: Sequence[int], rank: int, dim: int):
@@ -127,8 +140,9 @@ def split_along(devices: Sequence[int], rank: int, dim: int):
 
 
 def constrained(tensors: Sequence[torch.Tensor], shardings: Sequence) -> list:
-    """`tensors` (lazy values of a step, before it is lowered), each
-    constrained to its OpSharding (`spec_sharding`); None leaves its tensor."""
+    """`tensors` (lazy tensors: a step's values before it is lowered, a
+    scan's operands), each constrained to its OpSharding (`spec_sharding`);
+    None leaves its tensor."""
     result = []
     for tensor, sharding in zip(tensors, shardings):
         if sharding is not None:
