@@ -2,39 +2,16 @@
 computations, while loops, and the copies they make of stacked buffers."""
 import re
 
-_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply)=%([\w.\-]+)"
-                      r"|\bbranch_computations=\{([^}]*)\}")
+from torch_xla_ext.metrics.hlo import callees, computations, entry_name
+
 _ARRAY = r"(\w+)\[([\d,]*)\]"
 _RESULT_SHAPE = re.compile(r"= \(?" + _ARRAY)
 _OPCODE = re.compile(r"[\]}] ([\w\-]+)\(")
 
 
-def computations(hlo: str) -> dict[str, list[str]]:
-    """The instruction lines of each computation of an HLO module's text, by name."""
-    found, current = {}, None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = found[header.group(1)] = []
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            current.append(line.strip())
-    return found
-
-
 def entry_computation(hlo: str) -> list[str]:
     """The instruction lines of the module's entry computation."""
-    entry, = re.findall(r"^ENTRY %([\w.\-]+) ", hlo, re.MULTILINE)
-    return computations(hlo)[entry]
-
-
-def callees(instruction: str) -> list[str]:
-    names = []
-    for single, branches in _CALLEES.findall(instruction):
-        names += [single] if single else [b.strip().lstrip("%") for b in branches.split(",")]
-    return names
+    return computations(hlo)[entry_name(hlo)]
 
 
 def while_loops(hlo: str, length: int) -> list[tuple[str, set]]:
@@ -86,3 +63,20 @@ def copies_of_initial_buffers(hlo: str, length: int) -> list[str]:
     initial buffers of several stacked outputs and copies the one it kept."""
     return [line for lines in computations(hlo).values() for line in lines
             if re.search(rf"= \w+\[{length},[\d,]*\]\S* copy\(%broadcast", line)]
+
+
+def loop_states(hlo: str) -> list[list[str]]:
+    """Per while loop, the shapes of the arrays in its state ("f32[2,16]"),
+    on one device in a partitioned module."""
+    return [re.findall(r"\w+\[[\d,]*\]", line.split(" while(")[0])
+            for lines in computations(hlo).values() for line in lines if " while(" in line]
+
+
+def step_module(directory: str, looped: bool):
+    """The largest module of an `--xla_dump_to` dump (a training step's) that
+    runs while loops, or, with `looped` False, that runs none."""
+    from torch_xla_ext.metrics.hlo import dumped_modules
+
+    return max((module for module in dumped_modules(directory)
+                if (" while(" in module.optimized_hlo) == looped),
+               key=lambda module: len(module.optimized_hlo))

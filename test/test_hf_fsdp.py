@@ -1,6 +1,8 @@
 """FSDPv2 as transformers' Trainer wraps a model (`wrap_model_xla_fsdp` with
 `fsdp_config={"xla": True, "xla_fsdp_v2": True, "transformer_layer_cls_to_wrap":
-[...]}`) around a model converted by stack_layers, on 4 virtual devices.
+[...]}`) around a model converted by stack_layers, on 4 virtual devices: the
+unconverted model's losses, its activation sharding (every device its part of
+the batch, inside the loops too) and no more bytes per device.
 
 The Trainer's own FSDPv2 path is not run: in transformers 5.23 it fails before
 training on an unconverted model too (its optimizer is still None when the
@@ -9,6 +11,7 @@ scheduler is made), so the wrapping function is called as the Trainer calls it."
 import copy
 import functools
 import math
+import os
 import re
 import tempfile
 import warnings
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 import torch_xla
 
+from optimized_hlo import loop_states, step_module
 from support import supports
 from tolerances import TRAINING, close
 
@@ -29,8 +33,9 @@ def tiles(tensor) -> list[int]:
 
 # SPMD needs a process of its own (xr.use_spmd() before any XLA tensor).
 def wrapped_as_the_trainer_does_scenario():
-    """test_hf's small Llama, converted, wrapped as the Trainer wraps it for FSDPv2, trains
-    two SGD steps as the unconverted model does."""
+    """test_hf's small Llama, unconverted and converted, each wrapped as the Trainer wraps
+    it for FSDPv2, trains two SGD steps alike; the converted step's loops keep each
+    device's part of the batch and it holds no more bytes per device."""
     import torch_xla.runtime as xr
     import torch_xla.distributed.spmd as xs
     import transformers
@@ -57,23 +62,23 @@ def wrapped_as_the_trainer_does_scenario():
         warnings.simplefilter("always")
         wrapped = wrap_model_xla_fsdp(model, args, True)
     assert isinstance(wrapped, SpmdFullyShardedDataParallel), type(wrapped)
-    assert [w for w in caught if issubclass(w.category, ShardingWarning)
-            and "LlamaDecoderLayer is found among stacked layers" in str(w.message)], caught
+    # What a unit per layer adds, the stack does: nothing to warn about.
+    assert not [w for w in caught if issubclass(w.category, ShardingWarning)], caught
     stacked = dict(model.model.layers.stacked.named_parameters())
     assert len(stacked) == 9, sorted(stacked)
     for name, param in stacked.items():
         # The layer dimension whole, one other cut across the 4 devices (FSDP).
         assert tiles(param)[0] == 1 and math.prod(tiles(param)) == 4, (name, tiles(param))
     assert tiles(model.model.embed_tokens.weight), "the rest of the model is not sharded"
+    wrapped_reference = wrap_model_xla_fsdp(reference, args, True)  # a unit per layer
 
     ids = torch.randint(0, 128, (4, 8))
     losses = {}
-    for which in (reference, wrapped):
+    for which in (wrapped_reference, wrapped):
         # SGD: the second step's graph is the first's (AdamW's first step differs).
         optimizer = torch.optim.SGD(which.parameters(), lr=0.5)
         inputs = ids.to(device)
-        if which is wrapped:
-            xs.mark_sharding(inputs, mesh, ("fsdp", None))  # as the Trainer's data loader does
+        xs.mark_sharding(inputs, mesh, ("fsdp", None))  # as the Trainer's data loader does
         for step in range(2):
             loss = which(inputs, labels=inputs).loss
             loss.backward()
@@ -86,7 +91,19 @@ def wrapped_as_the_trainer_does_scenario():
             losses.setdefault(which is wrapped, []).append(loss.cpu())
     assert "while" in hlo, "the stacked layers do not run as one loop"
     close(losses[True], losses[False], TRAINING)
-    reference_state, state = reference.state_dict(), wrapped.module.state_dict()
+    converted, unconverted = (step_module(os.environ["DUMP"], looped) for looped in (True, False))
+    assert converted.bytes_used <= unconverted.bytes_used, (converted.bytes_used,
+                                                            unconverted.bytes_used)
+    states = loop_states(converted.optimized_hlo)
+    assert len(states) == 2, states
+    for state in states:  # [batch 4 / 4 devices, sequence, hidden], never the whole batch
+        assert "f32[1,8,32]" in state and "f32[4,8,32]" not in state, state
+    # The attention probabilities the forward loop saves, [layers, batch, heads, seq, seq].
+    assert "f32[3,1,4,8,8]" in states[0] and "f32[3,4,4,8,8]" not in states[0], states[0]
+    # The reference's units hold its layers as `_orig_module`.
+    reference_state = {name.replace("._orig_module", ""): value
+                       for name, value in reference.state_dict().items()}
+    state = dict(wrapped.module.state_dict())
     assert list(state) == list(reference_state)
     close(state, reference_state, TRAINING)
     for name, param in stacked.items():
@@ -117,8 +134,10 @@ def wrapped_as_the_trainer_does_scenario():
 
 @supports("sharded", "llama")
 def test_wrapped_as_the_trainer_does_shards_stacked_weights_and_trains_like_unsharded(
-        run_isolated):
-    result = run_isolated(wrapped_as_the_trainer_does_scenario, env={"CPU_NUM_DEVICES": "4"})
+        run_isolated, tmp_path):
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    result = run_isolated(wrapped_as_the_trainer_does_scenario, env={
+        "CPU_NUM_DEVICES": "4", "XLA_FLAGS": flags.strip(), "DUMP": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "matched" in result.stdout, result.stdout
 

@@ -388,6 +388,71 @@ def test_hlo_parameter_count_reads_the_entry_computation():
     assert hlo_parameter_count(text) == 2
 
 
+# A partitioned module as XLA:CPU prints it: a loop of 3 iterations whose body
+# gathers a weight (its fusion reduces nothing), an all-reduce of a tuple after it.
+PARTITIONED = """HloModule m
+
+%fused (p: f32[2,4]) -> f32[2,4] {
+  %p = f32[2,4]{1,0} parameter(0)
+  ROOT %n = f32[2,4]{1,0} negate(%p)
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (state: (s64[], f32[1,4])) -> (s64[], f32[1,4]) {
+  %state = (s64[], f32[1,4]{1,0}) parameter(0)
+  %w = f32[1,4]{1,0} get-tuple-element(%state), index=1
+  %all-gather.1 = f32[2,4]{1,0} all-gather(%w), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  %fusion = f32[2,4]{1,0} fusion(%all-gather.1), kind=kLoop, calls=%fused
+  ROOT %t = (s64[], f32[1,4]{1,0}) tuple(%i, %w)
+}
+
+%cond (state: (s64[], f32[1,4])) -> pred[] {
+  %state = (s64[], f32[1,4]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (p0: f32[1,4], p1: bf16[8]) -> f32[1,4] {
+  %p0 = f32[1,4]{1,0} parameter(0)
+  %p1 = bf16[8]{0} parameter(1)
+  %init = (s64[], f32[1,4]{1,0}) tuple(%zero, %p0)
+  %while = (s64[], f32[1,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"},"known_init_step":{"init":"0","step":"1"}}
+  %all-reduce = (f32[1,4]{1,0}, bf16[8]{0}) all-reduce(%p0, %p1), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  %collective-permute-done = bf16[8]{0} collective-permute-done(%start)
+  ROOT %r = f32[1,4]{1,0} get-tuple-element(%while), index=1
+}
+"""
+
+
+def test_collectives_count_a_loop_body_once_per_iteration():
+    from torch_xla_ext.metrics.hlo import collective_totals, executions_per_run
+    runs = executions_per_run(PARTITIONED)
+    assert (runs["main"], runs["body"], runs["cond"], runs["fused"]) == (1, 3, 4, 3)
+    assert "add" in runs  # the all-reduce's reduction
+    totals = collective_totals(PARTITIONED)
+    assert totals["all-gather"] == {"count": 3, "bytes": 3 * 2 * 4 * 4}
+    assert totals["all-reduce"] == {"count": 1, "bytes": 4 * 4 + 8 * 2}
+    assert totals["collective-permute"] == {"count": 1, "bytes": 8 * 2}
+    assert totals["reduce-scatter"] == totals["all-to-all"] == {"count": 0, "bytes": 0}
+
+
+def test_a_loop_without_a_known_trip_count_is_refused():
+    from torch_xla_ext.metrics.hlo import collectives
+    with pytest.raises(ValueError, match="without a known trip count"):
+        collectives(PARTITIONED.replace('"known_trip_count":{"n":"3"},', ""))
+
+
+def test_total_bytes_used_reads_a_buffer_assignment():
+    from torch_xla_ext.metrics.hlo import total_bytes_used
+    assert total_bytes_used("BufferAssignment:\nTotal bytes used: 4379112 (4.18MiB)\n") == 4379112
+    with pytest.raises(ValueError, match="no 'Total bytes used:' line"):
+        total_bytes_used("HloModule m")
+
+
 def test_peak_rss_follows_an_allocation_after_a_reset():
     from torch_xla_ext.metrics import peak_rss_bytes, reset_peak_rss
     assert reset_peak_rss()

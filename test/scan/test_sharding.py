@@ -1,7 +1,10 @@
-"""scan under SPMD: mark_sharding inside fn annotates the loop and gives the
-for loop's results; the mark_sharding redirect is installed lazily, once, and
-per thread, and the shardings registry stays bounded. Each scenario runs in a
-fresh process with 4 CPU devices (SPMD must be chosen before any XLA work)."""
+"""scan under SPMD: the loops keep their operands' shardings (a carry's, the
+gradients of xs as xs); mark_sharding inside fn annotates the loop and gives
+the for loop's results; the mark_sharding redirect is installed lazily, once,
+and per thread, and the shardings registry stays bounded. Each scenario runs
+in a fresh process with 4 CPU devices (SPMD must be chosen before any XLA
+work)."""
+import os
 import threading
 
 import numpy as np
@@ -12,6 +15,7 @@ import torch_xla.runtime as xr
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 import torch_xla_ext as tx
+from optimized_hlo import loop_states, step_module
 from reference import scan_loop
 from tolerances import ACCUMULATED, close
 from torch_xla_ext.scan import sharding
@@ -125,3 +129,89 @@ def test_concurrent_traces_keep_their_mark_sharding_redirect(run_isolated):
     result = run_isolated(concurrent_traces_scenario, env=SPMD_DEVICES)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "both traced" in result.stdout
+
+
+def operand_shardings_scenario():
+    """A carry split on its batch, per-layer weights split as FSDP splits them:
+    the loops keep the carry batch-split, the weights' gradients come out
+    split as the weights, and the results are the for loop's."""
+    spmd = Spmd()
+    mesh = xs.Mesh(np.arange(4), (4,), ("data",))
+    sharded = []
+    for shape, spec in (((8, 16), ("data", None)), ((3, 16, 16), (None, None, "data")),
+                        ((3, 16), (None, "data"))):
+        tensor = (torch.randn(shape) * 0.3).to(spmd.dev)
+        xs.mark_sharding(tensor, mesh, spec)
+        sharded.append(tensor.requires_grad_())
+    hidden, weights, scales = sharded
+
+    def step(carry, x):
+        weight, scale = x
+        carry = torch.tanh((carry * scale) @ weight.T) + carry
+        return carry, torch.sigmoid(carry)
+
+    results = {}
+    for scanner in (tx.scan, scan_loop):
+        carry, ys = scanner(step, hidden, (weights, scales))
+        (carry.sum() + ys.sum()).backward()
+        torch_xla.sync()
+        grads = [t.grad for t in sharded]
+        results[scanner] = [carry.cpu(), ys.cpu(), *(g.cpu() for g in grads)]
+        if scanner is tx.scan:
+            specs = [torch_xla._XLAC._get_xla_sharding_spec(t) for t in (weights, scales)]
+            assert [torch_xla._XLAC._get_xla_sharding_spec(g) for g in grads[1:]] == specs
+        for tensor in sharded:
+            tensor.grad = None
+    close(results[tx.scan], results[scan_loop], ACCUMULATED)
+    states = loop_states(step_module(os.environ["DUMP"], looped=True).optimized_hlo)
+    assert len(states) == 2, states
+    for state in states:
+        # Each device's part of the batch, whole hidden vectors; no weight gradient whole.
+        assert "f32[2,16]" in state and "f32[8,4]" not in state, state
+        assert "f32[3,16,16]" not in state and "f32[3,16]" not in state, state
+    print("kept")
+
+
+def test_the_loops_keep_their_operands_shardings(run_isolated, tmp_path):
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    result = run_isolated(operand_shardings_scenario,
+                          env={**SPMD_DEVICES, "XLA_FLAGS": flags.strip(), "DUMP": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "kept" in result.stdout
+
+
+def spec_shardings_scenario():
+    """Every sharding of a 2x2 mesh read back from its spec, whole and per
+    slice along the leading dimension; data parallelism told apart."""
+    Spmd()
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("a", "b"))
+    spec_of = torch_xla._XLAC._get_xla_sharding_spec
+
+    def marked(shape, sharding):
+        tensor = torch.zeros(shape, device=torch_xla.device()) + 1
+        if isinstance(sharding, tuple):
+            xs.mark_sharding(tensor, mesh, sharding)
+        else:
+            torch_xla._XLAC._xla_mark_sharding(tensor, sharding)
+        return spec_of(tensor)
+
+    for spec in [("a", "b", None), (None, "a", "b"), ("b", None, None), (None, None, None),
+                 (("a", "b"), None, None), (None, ("b", "a"), None), ("b", "a", None)]:
+        whole = marked((4, 4, 4), spec)
+        assert marked((4, 4, 4), sharding.spec_sharding(whole)) == whole, (spec, whole)
+        slice_spec = marked((4, 4), sharding.spec_sharding(whole, leading_dropped=True))
+        assert slice_spec == marked((4, 4), spec[1:]), (spec, whole, slice_spec)
+    assert sharding.spec_sharding("") is None
+    assert sharding.spec_sharding("{maximal device=1}") is None
+    assert sharding.data_parallel_devices(marked((4, 4), (("b", "a"), None))) == (0, 2, 1, 3)
+    assert sharding.data_parallel_devices(marked((4, 4), ("a", None))) is None  # copies on 'b'
+    assert sharding.data_parallel_devices(marked((4, 4), (None, ("a", "b")))) is None
+    assert marked((4, 8, 2), sharding.split_along((0, 2, 1, 3), 3, 1)) == marked(
+        (4, 8, 2), (None, ("b", "a"), None))
+    print("read back")
+
+
+def test_shardings_are_read_back_from_their_specs(run_isolated):
+    result = run_isolated(spec_shardings_scenario, env=SPMD_DEVICES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "read back" in result.stdout

@@ -11,17 +11,18 @@ transformers' Trainer utilities are imported, else when they are: they take
 seconds) to search a stack's template where it meets the stack. The layers
 stay stacked in their place, so no module of that class is wrapped as a
 unit of its own: the stack runs them as one scan, and the wrapper around
-the model holds their stacked weights (FSDPv2 shards each as it would one
-layer's, never along the layer dimension: `torch_xla_ext.layer_stack.sharding`).
-A `ShardingWarning` says what a unit per layer would add that the stack
-does not get.
+the model holds their stacked weights. What a unit per layer would add the
+stack does itself (`torch_xla_ext.layer_stack.sharding`): FSDPv2 shards
+each stacked weight as it would one layer's, never along the layer
+dimension; each layer's output is sharded on the batch, as a unit's output,
+inside the scan; and each layer's backward is one iteration of a loop,
+which no fusion crosses, as a unit's optimization barrier makes it.
 """
 from __future__ import annotations
 
 import functools
-import warnings
 
-from torch_xla_ext.layer_stack import LayerStack, ShardingWarning
+from torch_xla_ext.layer_stack import LayerStack
 from torch_xla_ext.on_import import when_imported
 
 
@@ -42,15 +43,6 @@ def _teach() -> None:
         if isinstance(module, LayerStack) and module.template is not None:
             found = lookup(module.template, name)
             if found is not None:
-                warnings.warn(
-                    f"{name} is found among stacked layers ({type(module).__name__} of "
-                    f"{len(module)} layers), which run as one scan: FSDP wraps no module of "
-                    f"that class as a unit of its own, and the wrapper around the model holds "
-                    f"the stacked weights (FSDPv2 shards each as it would one layer's, never "
-                    f"along the layer dimension). The sharding of each layer's output and the "
-                    f"barrier on each layer's gradients that a unit per layer adds are not "
-                    f"applied; call tx.unstack_layers(model) first to wrap each layer.",
-                    ShardingWarning, stacklevel=2)
                 return found
         return lookup(module, name)
 

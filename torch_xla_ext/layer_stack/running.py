@@ -21,6 +21,7 @@ from torch_xla_ext.layer_stack.alike import LayerLayout
 from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
 from torch_xla_ext.layer_stack.kinds import (
     argument_path, call_for_layer, is_choice)
+from torch_xla_ext.layer_stack.sharding import entering
 from torch_xla_ext.layer_stack.per_layer import (
     PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -51,6 +52,9 @@ class Layers:
     # tensors (the template is a group of that many layers, each reading its
     # slice of a step's `[positions, ...]`), else 0: one layer a step.
     positions: int = 0
+    # FSDPv2's output sharding of a unit, when FSDPv2 wraps the stack: the
+    # mesh and the partition spec of the hidden state (see `sharding.entering`).
+    unit_output: tuple | None = None
     # Whether the template's forward hooks run after the loop, once per layer
     # on what the layer's hooked modules got and returned (see `hooks`),
     # rather than inside the trace.
@@ -244,7 +248,7 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                     xs["index"] = torch.arange(layers.num_layers, device=device)
                 if choices:
                     xs["choices"] = [_choice_tensor(choice, device) for choice in choices]
-                return stage(step, (hidden, tensor_arguments), xs)
+                return stage(step, (entering(layers.unit_output, hidden), tensor_arguments), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
     read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads]

@@ -11,6 +11,23 @@ shard one layer's parameter (along that one's largest dimension), never along
 the layer dimension; its own loop then leaves them, as it shards only what
 has no sharding yet.
 
+A unit per layer would also shard each layer's output on the batch (FSDPv2's
+output sharding: the leading dimension on 'fsdp'). Across unrolled layers
+XLA keeps that sharding by itself; a While loop's state is one sharding for
+every layer, which XLA chose from the layers' weights (split on the hidden
+dimension, every activation whole on every device). So the hidden state
+each scan of a stack that FSDPv2 wraps carries (`entering`) is sharded as a
+unit's output would be, and the scan keeps its carry's sharding at every
+step (`torch_xla_ext.scan.sharding`): each layer's output is batch-sharded
+inside the loop, as a unit's would be. (A unit's other addition, an
+optimization barrier on each layer's gradients that keeps XLA from fusing
+one layer's backward with the next's, the loop has by itself: each layer's
+backward is one iteration.) A stack that FSDPv2 does not wrap gets the same
+under SPMD from the global mesh (`xs.set_global_mesh`, as transformers'
+Trainer sets it) when that has data axes ('data', 'fsdp', on which the data
+loaders shard the inputs) and the hidden state has no sharding of its own:
+across unrolled layers, XLA carries the inputs' batch sharding through.
+
 A stack (a `LayerStack`, or the `StackedList` of a few) is never a unit of
 its own: it runs its layers as one scan, and its `stacked` holder has no
 forward for a unit to call. torch_xla's size-based policy (transformers'
@@ -26,15 +43,66 @@ import warnings
 
 import torch
 import torch_xla
+import torch_xla.runtime
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from torch_xla_ext.on_import import when_imported
+from torch_xla_ext.scan.sharding import constrained
 
 FSDP_V2_MODULE = "torch_xla.experimental.spmd_fully_sharded_data_parallel"
 
 
 class ShardingWarning(UserWarning):
     """A sharding request that stacked layers honour only in part."""
+
+
+# The axes of a global mesh that hold parts of the batch, by torch_xla's
+# names: FSDPv2 shards its inputs on 'fsdp', a data-parallel mesh names 'data'.
+DATA_AXES = ("data", "fsdp")
+
+
+def entering(unit_output, hidden):
+    """`hidden`, the state that a scan of a stack carries from layer to
+    layer, with its batch dimension (each tensor's leading one) on the data
+    axes:
+
+    - of FSDPv2's mesh when FSDPv2 wraps the stack (its `unit_output`: the
+      mesh and the partition spec of a unit's output by the output, FSDPv2's
+      own rule): what a unit per layer does to its output;
+    - else, for a tensor with no sharding of its own, of the global mesh
+      (`xs.set_global_mesh`), its axes named in `DATA_AXES`, where the
+      inputs are sharded (transformers' and torch_xla's data loaders shard a
+      batch on 'fsdp').
+
+    Else `hidden` as it is. The scan keeps its carry's sharding at every step."""
+    placement = unit_output
+    own_kept = placement is None  # a unit shards its output whatever it had
+    if own_kept:
+        placement = _global_data_placement()
+    if placement is None:
+        return hidden
+    mesh, spec_of = placement
+
+    def placed(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.dim() or (own_kept and torch_xla._XLAC._get_xla_sharding_spec(tensor)):
+            return tensor
+        return constrained([tensor], [mesh.get_op_sharding(spec_of(tensor))])[0]
+
+    return tree_map_only(torch.Tensor, placed, hidden)
+
+
+def _global_data_placement():
+    """The global mesh and the partition spec of a batch on its `DATA_AXES`
+    (by the tensor), or None without SPMD, a global mesh or such axes."""
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.get_global_mesh() if torch_xla.runtime.is_spmd() else None
+    axes = tuple(axis for axis in (mesh.axis_names or ()) if axis in DATA_AXES) if mesh else ()
+    if not axes:
+        return None
+    batch = axes[0] if len(axes) == 1 else axes
+    return mesh, lambda tensor: (batch, *(None,) * (tensor.dim() - 1))
 
 
 def teach_fsdp_v2() -> None:
@@ -67,8 +135,11 @@ def _teach() -> None:
         if (stacks and not isinstance(module, wrapper_class) and sharding_mesh is not None
                 and "fsdp" in sharding_mesh.axis_names):
             module.to("xla")  # as FSDPv2 does before sharding: only XLA tensors are sharded
+            unit_output = functools.partial(fsdp_v2._prepare_spmd_partition_spec,
+                                            extra_data_axis=kwargs.get("extra_data_axis"))
             for stack in stacks:
                 _shard_stacked_parameters(stack, sharding_mesh, fsdp_v2)
+                stack.unit_output = (sharding_mesh, unit_output)
         if (stacks and kwargs.get("auto_wrap_policy") is not None
                 and kwargs.get("auto_wrapper_callable") is not None):
             warnings.warn(

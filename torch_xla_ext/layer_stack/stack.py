@@ -163,6 +163,8 @@ class LayerStack(nn.Module):
     # value of every setting that differs (a StackedList's segments: their
     # runs and kinds are planned per call).
     keeps_differing_settings = False
+    # Set by FSDPv2 when it wraps the stack (see `sharding`): a unit's output sharding.
+    unit_output = None
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -295,7 +297,7 @@ class LayerStack(nn.Module):
                 for path in self.watched_paths for position in range(positions or 1))),
             layer_at=lambda index: self.layer(first + index), num_layers=count // (positions or 1),
             drop_in=False, partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
-            unroll=self.unroll, positions=positions)
+            unroll=self.unroll, positions=positions, unit_output=self.unit_output)
 
     def extra_repr(self) -> str:
         layer_type = type(self._template).__name__ if self._template is not None else "-"

@@ -8,7 +8,9 @@
 - `table`: `format_table`, figures side by side with the changes marked;
 - `op_times`: where an execution's time went, op by op, read from a profiler
   trace (`op_times`); `measure_op_times` (in `live`) records one;
-- `memory`: the process's peak RSS; `hlo`: the parameters of an HLO module.
+- `memory`: the process's peak RSS; `hlo`: the parameters of an HLO module,
+  and, in XLA's optimized HLO dump, what one device holds and which
+  collectives it runs.
 """
 import importlib
 

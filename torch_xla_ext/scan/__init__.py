@@ -57,6 +57,7 @@ from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack,
 from torch_xla_ext.scan.loop import check_unroll, hlo_text, xla_rng_kept
 from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, fingerprint
 from torch_xla_ext.scan.inline import inline_scan
+from torch_xla_ext.scan.sharding import operand_specs
 from torch_xla_ext.scan.traced import Traced
 from torch_xla_ext.scan.tracing import autocast_state, trace
 
@@ -181,7 +182,7 @@ class _Call:
         key = CacheKey(
             fn_key, partition_key, self.carry_tree, xs_tree, avals(self.carry_leaves),
             tuple(Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in self.xs_leaves),
-            autocast_state())
+            autocast_state(), operand_specs(self.carry_leaves), operand_specs(self.xs_leaves))
         found = CACHE.lookup(key, fn) if cacheable else None
         if found is None:
             with xla_rng_kept(self.carry_leaves + self.xs_leaves):

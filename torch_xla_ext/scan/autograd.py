@@ -17,7 +17,9 @@ from torch_xla_ext.scan import mutation, passes
 from torch_xla_ext.scan.avals import avals, flatten
 from torch_xla_ext.scan.loop import Loop, lower_body
 from torch_xla_ext.scan.signature import Signature, pick, place, split_list
-from torch_xla_ext.scan.sharding import as_fn_arguments, functional_mark_sharding
+from torch_xla_ext.scan.batch_dims import batch_dims
+from torch_xla_ext.scan.sharding import (
+    as_fn_arguments, constrained, data_parallel_devices, functional_mark_sharding, split_along)
 from torch_xla_ext.scan.tracing import LiftCaptures, call_body, internal, new_stand_in, stand_in
 
 # torch_xla 2.9's native_dropout scales kept values by 1 / p instead of
@@ -155,12 +157,17 @@ class TrainingPlan:
         self.offloaded = [source.index for source, node in zip(saved_sources, saved_nodes)
                           if isinstance(source, passes.Stacked)
                           and node.target is policies.NAMED_OP and node.args[1] in offloaded]
+        self.activation_shardings = self._batch_split_activations(
+            fw_graph, [node for source, node in zip(saved_sources, saved_nodes)
+                       if isinstance(source, passes.Stacked)])
+        activations = constrained(activations, self.activation_shardings)
         with torch.no_grad():
             activations = [place_to_host(a) if i in self.offloaded else a
                            for i, a in enumerate(activations)]
 
-        forward_body = lower_body("scan_forward_step", outputs + activations, slots,
-                                  signature.invariants)
+        forward_body = lower_body(
+            "scan_forward_step", constrained(outputs, self.traced.output_shardings()) + activations,
+            slots, signature.invariants)
         self.forward_constants = forward_body.constants
         carry_avals, x_avals, invariant_avals = signature.split_inputs(self.input_avals)
         _, stacked_avals = signature.split_outputs(avals(outputs))
@@ -171,6 +178,32 @@ class TrainingPlan:
             stacked_avals + list(avals(activations)),
             invariant_avals + list(avals(forward_body.constants)))
         return outputs, activations, saved_sources
+
+    def _batch_split_activations(self, fw_graph, activation_nodes) -> list:
+        """Under data parallelism (`batch_dims`), the split of each activation
+        along the dimension holding the batch, which the forward loop stacks
+        and the backward loop reads; None for one without it, or otherwise."""
+        carry_specs, _, invariant_specs = self.traced.input_specs
+        placeholders = [node for node in fw_graph.graph.nodes if node.op == "placeholder"]
+        carry_nodes, _, invariant_nodes = self.signature.split_inputs(placeholders)
+        inputs = list(zip(carry_nodes + invariant_nodes, carry_specs + invariant_specs))
+        devices = {data_parallel_devices(spec) for _, spec in inputs} - {None}
+        if len(devices) != 1:
+            return [None] * len(activation_nodes)
+        devices, = devices
+        parts = len(devices)
+        sources = [node for node, spec in inputs if data_parallel_devices(spec) == devices]
+        batches = {node.meta["val"].shape[0] for node in sources}
+        if len(batches) != 1 or next(iter(batches)) % parts:
+            return [None] * len(activation_nodes)
+        dims = batch_dims(fw_graph, dict.fromkeys(sources, 0), batches.pop())
+        shardings = []
+        for index, node in enumerate(activation_nodes):
+            shape, dim = node.meta["val"].shape, dims.get(node)
+            shardings.append(split_along(devices, len(shape), dim)
+                             if dim is not None and shape[dim] % parts == 0
+                             and index not in self.offloaded else None)
+        return shardings
 
     def _build_backward_loop(self, bw_graph, differentiable, stand_ins, outputs, activations,
                              saved_sources):
@@ -199,6 +232,7 @@ class TrainingPlan:
         with torch.no_grad():  # offloaded activations come back just before use
             activation_in = [place_to_device(t) if i in self.offloaded else t
                              for i, t in enumerate(activation_in)]
+        activation_in = constrained(activation_in, self.activation_shardings)
         saved_in = [source.read(x_in, activation_in) for source in saved_sources]
         with torch.no_grad(), internal(), tracing("scan's backward step"):
             grads = list(bw_graph(*saved_in, *carry_tangent_in, *y_tangent_in))
@@ -208,6 +242,11 @@ class TrainingPlan:
         grad_outputs = (pick(carry_grads, self.carry_tangents)
                         + pick(invariant_grads, self.grad_invariants)
                         + pick(x_grads, self.grad_x))
+        # Each gradient sharded as the input it is the gradient of.
+        carry_shardings, slice_shardings, invariant_shardings = self.traced.input_shardings
+        grad_outputs = constrained(grad_outputs, pick(carry_shardings, self.carry_tangents)
+                                   + pick(invariant_shardings, self.grad_invariants)
+                                   + pick(slice_shardings, self.grad_x))
         backward_body = lower_body("scan_backward_step", grad_outputs, bw_slots,
                                    signature.invariants)
         self.backward_constants = backward_body.constants

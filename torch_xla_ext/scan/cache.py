@@ -44,6 +44,10 @@ class CacheKey(NamedTuple):
     carry_avals: tuple
     x_avals: tuple
     autocast: tuple  # the caller's autocast state, see tracing.autocast_state
+    # The shardings of init's and xs' leaves under SPMD (sharding.operand_specs),
+    # which the loops keep.
+    carry_specs: tuple
+    x_specs: tuple
 
 
 class WeakIdentity:

@@ -93,9 +93,15 @@ _LAYOUT_OPS = frozenset(["t", "transpose", "permute", "view", "_unsafe_view", "r
 
 
 def _is_layout_of(node, inputs: set) -> bool:
-    """Whether the FX `node` is computed from `inputs` by layout ops alone."""
+    """Whether the FX `node` is computed from `inputs` by layout ops alone
+    (or the `+ 0` that `sharding.as_fn_arguments` adds under SPMD)."""
     if node in inputs:
         return True
-    if node.op != "call_function" or getattr(node.target, "_opname", None) not in _LAYOUT_OPS:
+    if node.op != "call_function":
+        return False
+    opname = getattr(node.target, "_opname", None)
+    if opname == "add" and node.args[1:] == (0,) and not node.kwargs:
+        return _is_layout_of(node.args[0], inputs)
+    if opname not in _LAYOUT_OPS:
         return False
     return all(_is_layout_of(arg, inputs) for arg in node.all_input_nodes)

@@ -15,7 +15,8 @@ from torch_xla_ext.scan.avals import Aval, avals
 from torch_xla_ext.scan.cache import CacheKey
 from torch_xla_ext.object_graph import find_paths, resolve
 from torch_xla_ext.scan.loop import Loop, lower_body, xla_rng_kept
-from torch_xla_ext.scan.signature import CallLayout, split_list
+from torch_xla_ext.scan.sharding import constrained, operand_specs, spec_sharding
+from torch_xla_ext.scan.signature import CallLayout, pick, split_list
 from torch_xla_ext.scan.tracing import Trace
 
 
@@ -33,6 +34,7 @@ class Traced:
         self._capture_bindings = [weakref.ref(t) if path is None else path
                                   for t, path in zip(captured, find_paths(fn, captured))]
         self.capture_avals = avals(captured)
+        self.capture_specs = operand_specs(captured)
         self.y_tree = trace.y_tree
         self.y_avals = avals(trace.y_out)
         capture_in = [trace.lifter.stand_ins[id(t)] for t in captured]
@@ -49,6 +51,15 @@ class Traced:
             key.carry_avals, key.x_avals, self.capture_avals)
         _, self.loop_stacked_avals = self.layout.loop_outputs(
             key.carry_avals, self.capture_avals, self.y_avals, key.x_avals)
+        # The sharding of each loop input's operand, and the sharding the loop
+        # keeps for it (a sliced input's, per slice; None where it has none).
+        self.input_specs = self.layout.loop_inputs(key.carry_specs, key.x_specs,
+                                                   self.capture_specs)
+        carries, sliced, invariants = self.input_specs
+        self.input_shardings = (
+            [spec_sharding(spec) for spec in carries],
+            [spec_sharding(spec, leading_dropped=True) for spec in sliced],
+            [spec_sharding(spec) for spec in invariants])
         # Lowered now, so that the cache keeps no lazy tensors (pending work
         # that reads placeholders) once tracing is over.
         self._inference = InferencePlan(self, trace, capture_in)
@@ -57,8 +68,8 @@ class Traced:
 
     def bind_captures(self, fn) -> list[torch.Tensor] | None:
         """The tensors that this call's `fn` captures, in trace order, or None
-        when one is gone or no longer has its traced aval (so fn must be traced
-        afresh)."""
+        when one is gone or no longer has its traced aval or sharding (so fn
+        must be traced afresh)."""
         captures = []
         for binding, aval in zip(self._capture_bindings, self.capture_avals):
             tensor = binding() if isinstance(binding, weakref.ref) else resolve(fn, binding)
@@ -66,7 +77,17 @@ class Traced:
                     or Aval.of(tensor) != aval):
                 return None
             captures.append(tensor)
+        if operand_specs(captures) != self.capture_specs:
+            return None
         return captures
+
+    def output_shardings(self) -> list:
+        """The sharding each output of a forward step keeps (None: as XLA
+        propagates): a carry its input's, an x slice fn writes its xs leaf's
+        slice; a y, computed from those, none of its own."""
+        carries, sliced, _ = self.input_shardings
+        return carries + [None] * len(self.layout.stacked_y) + pick(sliced,
+                                                                    self.layout.written_x)
 
     def run(self, fn, partition_fn, carry, xs, captures, reverse, unroll, needs_grad):
         """One call; `fn` and `partition_fn` are this call's, used (not kept) if
@@ -129,7 +150,7 @@ class InferencePlan:
         layout = traced.layout
         carries_out, stacked_out = layout.loop_outputs(trace.carry_out, capture_in, trace.y_out,
                                                        trace.x_arg)
-        outputs = carries_out + stacked_out
+        outputs = constrained(carries_out + stacked_out, traced.output_shardings())
         carries_in, sliced_in, given = layout.loop_inputs(trace.carry_in, trace.x_in, capture_in)
         # Inputs by their values before fn ran (fn may have written them).
         carries_in, sliced_in = split_list(
