@@ -51,7 +51,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import harness  # first: it sets the default device before torch_xla is imported
-from sweep_worker import STEPS, TOLERANCE
+from sweep_worker import BASE_PARTS, PART_MARK, STEPS, TOLERANCE
 
 # The outcomes, in the order the counts list them.
 OUTCOMES = ("scanned", "partly scanned", "layer by layer", "refused", "raised", "wrong",
@@ -94,9 +94,13 @@ def classify(outcome: harness.Outcome) -> tuple[str, str]:
     """A type's outcome (one of OUTCOMES) and its reason, from its worker's `outcome`."""
     figures = outcome.figures
     if figures is None:
-        last = outcome.output_tail.strip().splitlines()[-1:] or [""]
-        detail = f": {first_sentence(last[0])}" if outcome.status.startswith("exit") else ""
-        return "crashed", outcome.status + detail
+        lines = outcome.output_tail.strip().splitlines()
+        detail = f": {first_sentence(lines[-1])}" if lines and outcome.status.startswith(
+            "exit") else ""
+        parts = [each[len(PART_MARK):] for each in lines if each.startswith(PART_MARK)]
+        if parts and parts[-1] in BASE_PARTS:
+            return "base fails", f"{parts[-1]}: {outcome.status}{detail}"
+        return "crashed", outcome.status + detail + (f" (in {parts[-1]})" if parts else "")
     if "base_error" in figures:
         error = figures["base_error"]
         return "base fails", f"{error['stage']}: {first_sentence(error['error'])}"

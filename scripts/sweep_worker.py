@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import sys
 import time
 import traceback
 import warnings
@@ -36,6 +37,10 @@ WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.\-]+)")
 # Random number ops in HLO text.
 RANDOM = re.compile(r"\b(rng|rng-bit-generator|rng-get-and-update-state)\(")
 WARNING_CATEGORIES = ("LayerByLayerWarning", "UnstackedLayersWarning")
+# Written to stderr as each part starts, so that the sweep knows which part a
+# worker that died was in; the unconverted model's parts are BASE_PARTS.
+PART_MARK = "sweep worker part: "
+BASE_PARTS = ("build", "unconverted")
 
 
 class BaseError(Exception):
@@ -177,12 +182,15 @@ def run_type(model_type: str, layers: int) -> dict:
     figures: dict = {"type": model_type, "layers": layers, "seconds": {}}
     started = time.perf_counter()
 
-    def timed(part: str):
+    def timed(part: str, following: str | None = None):
         nonlocal started
         now = time.perf_counter()
         figures["seconds"][part] = round(now - started, 2)
         started = now
+        if following:
+            mark(following)
 
+    mark("build")
     try:
         pristine, input_ids, base, eval_mode = train_unconverted(model_type, layers, figures,
                                                                  timed)
@@ -190,6 +198,7 @@ def run_type(model_type: str, layers: int) -> dict:
         figures["base_error"] = {"stage": error.stage, "error": describe(error.error)}
         return figures
     classes = layer_classes(pristine)
+    mark("convert")
     converted_model = copy.deepcopy(pristine)
     from torch_xla_ext import stack_layers
 
@@ -199,7 +208,7 @@ def run_type(model_type: str, layers: int) -> dict:
             stack_layers(converted_model)
         except Exception as error:
             figures["refused"] = {"exception": type(error).__name__, "message": str(error)}
-        timed("convert")
+        timed("convert", "converted")
         figures["warnings"] = recorded(caught)
         if "refused" in figures:
             return figures
@@ -211,7 +220,7 @@ def run_type(model_type: str, layers: int) -> dict:
     timed("converted")
     if "raised" in figures:
         return figures
-    before = {key: value for key, value in cpu_state(pristine).items()}
+    before = cpu_state(pristine)
     figures["scans"] = forward_scans(converted["hlo"])[len(forward_scans(base["hlo"])):]
     figures["calls_outside"] = converted["calls"]
     figures["losses"] = {"unconverted": base["losses"], "converted": converted["losses"]}
@@ -224,6 +233,10 @@ def run_type(model_type: str, layers: int) -> dict:
     }
     timed("compare")
     return figures
+
+
+def mark(part: str) -> None:
+    print(PART_MARK + part, file=sys.stderr, flush=True)
 
 
 def first_gradients(before: dict, after: dict) -> dict:
@@ -249,7 +262,7 @@ def train_unconverted(model_type: str, layers: int, figures: dict, timed):
     except Exception as error:
         raise BaseError("build", error) from error
     figures["parameters"] = sum(p.numel() for p in pristine.parameters())
-    timed("build")
+    timed("build", "unconverted")
     classes = layer_classes(pristine)
     eval_mode = False
     try:
