@@ -141,7 +141,6 @@ TWEAKS: dict[str, tuple[dict[str, Any], str]] = {
     "dots3_note_text": ({"head_dim": 2 * HEAD_DIM},
                         "its sliding-window layers' head_dim must be qk_nope_head_dim + "
                         "qk_rope_head_dim"),
-    "dots3_note": ({"text_config": {"head_dim": 2 * HEAD_DIM}}, "as dots3_note_text's"),
     "deepseek_v2": ({"num_experts_per_tok": EXPERTS // 2},
                     "its default leaves num_experts_per_tok None, which its router reads"),
     "dots1": ({"n_routed_experts": EXPERTS, "num_experts_per_tok": EXPERTS // 2,
@@ -253,18 +252,24 @@ def shrunk_changes(config, layers: int) -> dict:
         small = shrunk_value(name, value, layers, context, kept)
         if small != value:
             changes[name] = small
-    vocab = changes.get("vocab_size", values.get("vocab_size"))
-    if _is_int(vocab):
-        changes.update(_special_ids(values, vocab))
     for name in getattr(config, "sub_configs", {}):
         if hasattr(getattr(config, name, None), "to_dict"):
             changes[name] = shrunk_changes(getattr(config, name), layers)
+    # A composite config's special ids are of its text config's vocabulary.
+    vocabularies = [changes.get("vocab_size", values.get("vocab_size")),
+                    *(changes[name].get("vocab_size") for name in sorted(
+                        getattr(config, "sub_configs", {}), key=lambda name: "text" not in name)
+                      if isinstance(changes.get(name), dict))]
+    vocab = next((each for each in vocabularies if _is_int(each)), None)
+    if vocab is not None:
+        changes.update(_special_ids(values, vocab))
     return changes
 
 
 def _special_ids(values: dict, vocab: int) -> dict:
-    """Special token ids in or above the range inputs are drawn from, moved
-    to the top of the vocabulary, distinct ones kept distinct."""
+    """Special token ids at or above the limit of the inputs' range (an image
+    token's, say), moved to the top of the vocabulary, distinct ones kept
+    distinct; lower ones (an end of text's) stay."""
     names = [name for name, value in values.items()
              if _is_int(value) and re.search(SIZE_RULES[0][0], name)]
     distinct = sorted({values[name] for name in names})
