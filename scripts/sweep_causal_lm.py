@@ -59,6 +59,7 @@ OUTCOMES = ("scanned", "partly scanned", "layer by layer", "refused", "raised", 
 DEFAULT_TIMEOUT = 900
 DEFAULT_LAYERS = 4
 REASON_CHARS = 160
+SITE_PACKAGES = re.compile(r"/\S*/site-packages/")
 # What the library's messages say before their reason proper.
 PREAMBLE = re.compile(r"^stack_layers: (cannot stack the layers at '[^']*': )?"
                       r"|^The \d+ layers ran one by one[^:]*: ")
@@ -68,8 +69,9 @@ PREAMBLE = re.compile(r"^stack_layers: (cannot stack the layers at '[^']*': )?"
 
 
 def first_sentence(message: str, limit: int = REASON_CHARS) -> str:
-    """The message's first sentence (its first line), cut to `limit` characters."""
-    text = PREAMBLE.sub("", message.strip().splitlines()[0] if message.strip() else "")
+    """The message's first sentence (its lines joined), its file paths from
+    site-packages on, cut to `limit` characters."""
+    text = SITE_PACKAGES.sub("", PREAMBLE.sub("", " ".join(message.split())))
     text = re.split(r"(?<=[.;])\s", text, maxsplit=1)[0].rstrip(".;")
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -85,9 +87,9 @@ def scan_summary(figures: dict) -> str:
     return text
 
 
-def warned(figures: dict, category: str | None = None) -> list[str]:
+def warned(figures: dict, category: str) -> list[str]:
     return [each["message"] for each in figures.get("warnings", [])
-            if category is None or each["category"] == category]
+            if each["category"] == category]
 
 
 def classify(outcome: harness.Outcome) -> tuple[str, str]:
@@ -124,6 +126,16 @@ def classify(outcome: harness.Outcome) -> tuple[str, str]:
 def line(model_type: str, outcome: str, reason: str, eval_mode: bool = False) -> str:
     text = f"{outcome} ({reason})" if outcome == "scanned" else f"{outcome}: {reason}"
     return f"{model_type:<28} {text}" + (" [eval mode]" if eval_mode else "")
+
+
+def header(device: str, version: str, types: int, layers: int) -> str:
+    return (f"PJRT {device}, transformers {version}, {types} causal-LM types at {layers} "
+            f"layers, {STEPS} SGD steps each, tolerance rtol {TOLERANCE['rtol']} atol "
+            f"{TOLERANCE['atol']}")
+
+
+def timed_line(result: dict) -> str:
+    return f"{result['line']}   ({result['seconds']:.0f} s)"
 
 
 def counts(results: dict[str, dict]) -> dict[str, int]:
@@ -235,8 +247,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.report:
         saved, results = saved_results(args.report)
+        # (A sweep saved before the device was recorded says so.)
+        print(f"{args.report}: " + header(saved.get("device", "(device not recorded)"),
+                                          saved["transformers"], len(results), saved["layers"]))
         for result in results.values():
-            print(result["line"])
+            print(timed_line(result))
         print_summary(results, saved["minutes"], args.markdown)
         return
     types = chosen_types(parser, args)
@@ -245,21 +260,21 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
     import transformers
 
-    print(f"PJRT {harness.device_name()}, transformers {transformers.__version__}, "
-          f"{len(types)} causal-LM types at {args.layers} layers, {STEPS} SGD steps each, "
-          f"tolerance rtol {TOLERANCE['rtol']} atol {TOLERANCE['atol']}", flush=True)
+    print(header(harness.device_name(), transformers.__version__, len(types), args.layers),
+          flush=True)
     started = time.perf_counter()
     results: dict[str, dict] = {}
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for model_type, result in zip(types, pool.map(
                 lambda each: sweep_type(each, args.layers, args.timeout), types)):
             results[model_type] = result
-            print(f"{result['line']}   ({result['seconds']:.0f} s)", flush=True)
+            print(timed_line(result), flush=True)
     minutes = (time.perf_counter() - started) / 60
     print_summary(results, minutes, args.markdown)
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"command": " ".join(["scripts/sweep_causal_lm.py", *(argv or sys.argv[1:])]),
+                       "device": harness.device_name(),
                        "transformers": transformers.__version__, "layers": args.layers,
                        "steps": STEPS, "tolerance": TOLERANCE, "minutes": round(minutes, 1),
                        "counts": counts(results), "results": results}, file, indent=1)

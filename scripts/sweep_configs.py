@@ -7,20 +7,21 @@ says it is (the first rule of SIZE_RULES whose pattern matches), in the
 config and in each of its sub-configs (`text_config`, `vision_config`, ...):
 
 * layer counts become `layers`; counts of layers with a role (dense layers
-  first, layers sharing a cache, ...) at most half of them, and periods of a
-  layer pattern (sliding every n-th layer, ...) at most half of them, so that
-  the few layers still show each kind;
-* the hidden size becomes HIDDEN and the sizes that go with it (intermediate,
-  embedding widths, ...) keep their ratio to it; heads become HEADS of
-  HEAD_DIM (key/value heads as many, or KV_HEADS where there were fewer than
-  heads); ranks, states, windows, chunks and experts get small caps;
-* special token ids move to the top of the smaller vocabulary, which the
-  training inputs stay below (`input_id_limit`);
-* lists with one entry per layer (`layer_types`, ...) are left for the config
-  to derive from the new counts, or cut to their first `layers` entries where
-  it does not; lists of layer indices keep the indices below `layers`;
-* dropout off, float32, eager attention (and the experts' `batched_mm`: see
-  sweep_causal_lm.py).
+  first, layers sharing a cache, ...) and periods of a layer pattern (a full
+  attention every n-th layer, ...) at most half of them;
+* the hidden size becomes HIDDEN and the widths that go with it (intermediate,
+  embeddings, ...) keep their ratio to it; heads become HEADS of HEAD_DIM
+  (key/value heads as many, or KV_HEADS where there were fewer); ranks,
+  states, windows, chunks and experts get small caps;
+* lists with one entry per layer (`layer_types`, `mlp_layer_types`, ...) and
+  dicts keyed by layer (`per_layer_config`) keep the layers `kept_layers`
+  chooses: the first ones, but the first layer of each kind the whole model
+  has among them, so that the few layers show every kind; lists of layer
+  indices follow the layers kept;
+* special token ids at or above the inputs' range move to the top of the
+  smaller vocabulary (`input_id_limit`);
+* dropout (and routers' jitter) off, and encoder families' configs decoders
+  (`is_decoder`), as their causal-LM classes expect.
 
 A few types need more than that: TWEAKS, each entry with its reason.
 Importing this module imports neither torch nor transformers.
@@ -81,7 +82,6 @@ def _vocab(value: int, _: int, __: dict) -> int:
 # (pattern on the attribute's name, new value from (value, layers, context)),
 # the first match decides; an int attribute no pattern matches stays.
 SIZE_RULES: list[tuple[str, Callable[[int, int, dict], int]]] = [
-    (r"token_id|token_index|_index$|^(pad|bos|eos|unk|mask|sep|cls)_id$", lambda v, _, __: v),
     (r"^(num_)?(hidden_|decoder_|encoder_)?layers$|^n_layers?$|^num_(encoder|decoder)_layers$"
      r"|^num_blocks$", _layer_count),
     (r"period|pattern|every_n|interval|group_size|per_stack|per_attn_res_block|first_k_dense"
@@ -112,6 +112,8 @@ SIZE_RULES: list[tuple[str, Callable[[int, int, dict], int]]] = [
     (r"intermediate|ffn|^d_ff$|dim_ff|^d_inner$|^n_inner$|^dff$|feed_forward_size|hidden_size"
      r"|embedding_size|embed_dim|proj_dim|width$", _with_hidden),
 ]
+# Special token ids: moved within the smaller vocabulary (see `_special_ids`), not sized.
+TOKEN_ID = re.compile(r"token_id|token_index|_index$|^(pad|bos|eos|unk|mask|sep|cls)_id$")
 HIDDEN_NAMES = ("hidden_size", "d_model", "n_embd", "emb_dim", "embedding_dim")
 LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 HEADS_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
@@ -122,34 +124,39 @@ DROPOUT = re.compile(r"dropout|_pdrop$|drop_prob|layerdrop|jitter")
 # Configs not to touch: labels, and settings of tokenizers and generation.
 UNTOUCHED = ("id2label", "label2id", "task_specific_params", "transformers_version")
 
-# Per-type settings the generic shrink cannot know: (settings, why).
-TWEAKS: dict[str, tuple[dict[str, Any], str]] = {
-    "mamba2": ({"num_heads": 2 * HIDDEN // HEAD_DIM},
+# Per-type settings the generic shrink cannot know: a type's settings at a
+# number of layers, and why it needs them.
+TWEAKS: dict[str, tuple[Callable[[int], dict[str, Any]], str]] = {
+    "mamba2": (lambda layers: {"num_heads": 2 * HIDDEN // HEAD_DIM},
                "its heads are the mixer's (heads x head_dim = 2 x hidden), under the name "
                "attention heads have elsewhere"),
-    "reformer": ({"axial_pos_shape": [4, SEQUENCE // 4], "axial_pos_embds_dim": [16, HIDDEN - 16]},
+    "reformer": (lambda layers: {"axial_pos_shape": [4, SEQUENCE // 4],
+                                 "axial_pos_embds_dim": [16, HIDDEN - 16]},
                  "axial position embeddings: the shape's product is the training sequence's "
                  "length, the widths sum to the hidden size"),
-    "xmod": ({"default_language": "en_XX"},
+    "xmod": (lambda layers: {"default_language": "en_XX"},
              "its adapters need a language; en_XX is its config's one"),
-    "zamba": ({"layers_block_type": ["linear_attention", "hybrid"] * 2},
+    "zamba": (lambda layers: {"layers_block_type": ["linear_attention", "hybrid"] * (layers // 2)},
               "its shared transformer block is tied across hybrid layers, which fails to "
               "build with a single one"),
-    "hrm_text": ({"num_layers_per_stack": 2, "num_hidden_layers": 2 * 2 * 4},
+    "hrm_text": (lambda layers: {"num_layers_per_stack": layers // 2,
+                                 "num_hidden_layers": layers // 2 * 2 * 4},
                  "num_hidden_layers counts layer calls: layers per stack x H_cycles (2) x "
                  "(L_cycles + 1) (4)"),
-    "dots3_note_text": ({"head_dim": 2 * HEAD_DIM},
+    "dots3_note_text": (lambda layers: {"head_dim": 2 * HEAD_DIM},
                         "its sliding-window layers' head_dim must be qk_nope_head_dim + "
                         "qk_rope_head_dim"),
-    "deepseek_v2": ({"num_experts_per_tok": EXPERTS // 2},
+    "deepseek_v2": (lambda layers: {"num_experts_per_tok": EXPERTS // 2},
                     "its default leaves num_experts_per_tok None, which its router reads"),
-    "dots1": ({"n_routed_experts": EXPERTS, "num_experts_per_tok": EXPERTS // 2,
-               "n_shared_experts": 1},
+    "dots1": (lambda layers: {"n_routed_experts": EXPERTS, "num_experts_per_tok": EXPERTS // 2,
+                              "n_shared_experts": 1},
               "its default leaves the numbers of experts None, which its experts read"),
-    "lfm2_moe": ({"layer_types": ["conv", "conv", "full_attention", "conv"]},
-                 "its default leaves layer_types None, which its layers read (lfm2's pattern)"),
-    "gemma3n_text": ({"layer_types": ["sliding_attention", "full_attention"] * 2,
-                      "num_kv_shared_layers": 2},
+    "lfm2_moe": (lambda layers: {"layer_types": ["full_attention" if index % 3 == 2 else "conv"
+                                                 for index in range(layers)]},
+                 "its default leaves layer_types None, which its layers read (LFM2's pattern: "
+                 "every third layer attends)"),
+    "gemma3n_text": (lambda layers: {"layer_types": ["sliding_attention", "full_attention"]
+                                     * (layers // 2), "num_kv_shared_layers": layers // 2},
                      "the last num_kv_shared_layers layers reuse the caches of earlier layers "
                      "of their kind, so each kind must come before them"),
 }
@@ -207,7 +214,7 @@ def shrunk_value(name: str, value, layers: int, context: dict, kept: list[int] |
         return HEAD_DIM
     if value is None and name == "num_key_value_heads" and context["heads"]:
         return HEADS
-    if _is_int(value) and value > 0:
+    if _is_int(value) and value > 0 and not TOKEN_ID.search(name):
         rule = rule_for(name)
         return value if rule is None else rule(value, layers, context)
     if isinstance(value, float) and DROPOUT.search(name) and value > 0:
@@ -271,7 +278,7 @@ def _special_ids(values: dict, vocab: int) -> dict:
     token's, say), moved to the top of the vocabulary, distinct ones kept
     distinct; lower ones (an end of text's) stay."""
     names = [name for name, value in values.items()
-             if _is_int(value) and re.search(SIZE_RULES[0][0], name)]
+             if _is_int(value) and TOKEN_ID.search(name)]
     distinct = sorted({values[name] for name in names})
     moved = {old: vocab - 1 - index for index, old in enumerate(distinct)}
     return {name: moved[values[name]] for name in names
@@ -289,7 +296,8 @@ def small_config(model_type: str, layers: int):
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    changes = _merged(shrunk_changes(default, layers), TWEAKS.get(model_type, ({}, ""))[0])
+    tweaks = TWEAKS[model_type][0](layers) if model_type in TWEAKS else {}
+    changes = _merged(shrunk_changes(default, layers), tweaks)
     # A sub-config is passed whole, as a dict: its composite config may have
     # built it with other settings than its class's defaults.
     settings = {name: ({**getattr(default, name).to_dict(), **value}
