@@ -224,6 +224,18 @@ def print_summary(results: dict[str, dict], minutes: float, markdown: bool) -> N
         print("\n" + markdown_table(results))
 
 
+def save(path: str, results: dict[str, dict], minutes: float, layers: int,
+         commands: list[str]) -> None:
+    """Writes a sweep's results, and how it was made, to `path` as JSON."""
+    import transformers
+
+    with open(path, "w") as file:
+        json.dump({"commands": commands, "device": harness.device_name(),
+                   "transformers": transformers.__version__, "layers": layers, "steps": STEPS,
+                   "tolerance": TOLERANCE, "minutes": round(minutes, 1),
+                   "counts": counts(results), "results": results}, file, indent=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = harness.benchmark_parser(__file__, __doc__)
     parser.add_argument("--types", default=None,
@@ -233,10 +245,14 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"decoder layers of each model (default {DEFAULT_LAYERS})")
     parser.add_argument("--jobs", type=harness.positive_int, default=1,
                         help="workers run at once (default 1)")
-    parser.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
-    parser.add_argument("--report", metavar="FILE",
-                        help="run nothing: print the lines and counts of a --json FILE of an "
-                             "earlier sweep, each type classified again from its figures")
+    saved_as = parser.add_mutually_exclusive_group()
+    saved_as.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
+    saved_as.add_argument("--update", metavar="FILE",
+                          help="run --types again in the sweep saved in FILE (by --json): "
+                               "replace their results there, then print and save the whole")
+    saved_as.add_argument("--report", metavar="FILE",
+                          help="run nothing: print the lines and counts of the sweep saved in "
+                               "FILE, each type classified again from its figures")
     harness.add_worker_options(parser, DEFAULT_TIMEOUT, "type")
     args = parser.parse_args(argv)
     if args.worker:
@@ -247,37 +263,41 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.report:
         saved, results = saved_results(args.report)
-        # (A sweep saved before the device was recorded says so.)
-        print(f"{args.report}: " + header(saved.get("device", "(device not recorded)"),
-                                          saved["transformers"], len(results), saved["layers"]))
+        print(f"{args.report}: " + header(saved["device"], saved["transformers"], len(results),
+                                          saved["layers"]))
         for result in results.values():
             print(timed_line(result))
         print_summary(results, saved["minutes"], args.markdown)
         return
     types = chosen_types(parser, args)
-    # XLA:CPU's LLVM optimizations change how fast kernels run, not what they
-    # compute (as in the test suite); without them each type compiles faster.
+    saved, results = saved_results(args.update) if args.update else ({}, {})
+    if args.update and saved["layers"] != args.layers:
+        parser.error(f"{args.update} is a sweep at {saved['layers']} layers; pass --layers "
+                     f"{saved['layers']}")
+    # XLA:CPU's LLVM optimizations make kernels faster and compile longer: the
+    # sweep's models are tiny, so it runs without them, as the test suite does
+    # (its two sides then come out bit-identical where their graphs compute the
+    # same; with them, they differ by roundings, within TOLERANCE).
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
     import transformers
 
     print(header(harness.device_name(), transformers.__version__, len(types), args.layers),
           flush=True)
     started = time.perf_counter()
-    results: dict[str, dict] = {}
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for model_type, result in zip(types, pool.map(
                 lambda each: sweep_type(each, args.layers, args.timeout), types)):
             results[model_type] = result
             print(timed_line(result), flush=True)
-    minutes = (time.perf_counter() - started) / 60
+    minutes = (time.perf_counter() - started) / 60 + saved.get("minutes", 0)
+    if args.update:
+        print(f"\n{args.update}, updated:")
+        for result in results.values():
+            print(timed_line(result))
     print_summary(results, minutes, args.markdown)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"command": " ".join(["scripts/sweep_causal_lm.py", *(argv or sys.argv[1:])]),
-                       "device": harness.device_name(),
-                       "transformers": transformers.__version__, "layers": args.layers,
-                       "steps": STEPS, "tolerance": TOLERANCE, "minutes": round(minutes, 1),
-                       "counts": counts(results), "results": results}, file, indent=1)
+    if args.json or args.update:
+        save(args.json or args.update, results, minutes, args.layers,
+             [*saved.get("commands", []), " ".join(["scripts/sweep_causal_lm.py", *(argv or sys.argv[1:])])])
 
 
 if __name__ == "__main__":

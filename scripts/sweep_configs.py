@@ -109,6 +109,9 @@ SIZE_RULES: list[tuple[str, Callable[[int, int, dict], int]]] = [
     (r"^n_group$|expert_group$", _capped(2)),
     (r"index_topk", _capped(WINDOW)),
     (r"^hidden_size$|^d_model$|^n_embd$|^emb_dim$|^embedding_dim$", _fixed(HIDDEN)),
+    # A multimodal adapter takes its tower's width to the text model's (HIDDEN too).
+    (r"adapter_(in|input)_", _with_hidden),
+    (r"adapter_(out|output)_", _fixed(HIDDEN)),
     (r"intermediate|ffn|^d_ff$|dim_ff|^d_inner$|^n_inner$|^dff$|feed_forward_size|hidden_size"
      r"|embedding_size|embed_dim|proj_dim|width$", _with_hidden),
 ]
@@ -146,6 +149,8 @@ TWEAKS: dict[str, tuple[Callable[[int], dict[str, Any]], str]] = {
     "dots3_note_text": (lambda layers: {"head_dim": 2 * HEAD_DIM},
                         "its sliding-window layers' head_dim must be qk_nope_head_dim + "
                         "qk_rope_head_dim"),
+    "dots3_note": (lambda layers: {"text_config": {"head_dim": 2 * HEAD_DIM}},
+                   "as dots3_note_text, its text config"),
     "deepseek_v2": (lambda layers: {"num_experts_per_tok": EXPERTS // 2},
                     "its default leaves num_experts_per_tok None, which its router reads"),
     "dots1": (lambda layers: {"n_routed_experts": EXPERTS, "num_experts_per_tok": EXPERTS // 2,

@@ -20,7 +20,9 @@ import sweep_worker
 def test_llama_comes_out_scanned_and_equal_and_xlnet_refused_with_its_reason(
         forked_workers, capsys, tmp_path):
     saved = tmp_path / "sweep.json"
-    sweep_causal_lm.main(["--types", "llama,xlnet", "--layers", "2", "--json", str(saved)])
+    sweep_causal_lm.main(["--types", "llama", "--layers", "2", "--json", str(saved)])
+    # --update runs another type into the saved sweep, and prints the whole.
+    sweep_causal_lm.main(["--types", "xlnet", "--layers", "2", "--update", str(saved)])
     printed = capsys.readouterr().out
     assert re.search(r"^llama +scanned \(1 scan over 2 of 2 layers\)", printed, re.M), printed
     # XLNet's model names no layer class in _no_split_modules: stack_layers finds no list.
@@ -29,7 +31,10 @@ def test_llama_comes_out_scanned_and_equal_and_xlnet_refused_with_its_reason(
     assert "2 types: 1 scanned, 0 partly scanned, 0 layer by layer, 1 refused" in printed
     assert "scanned: 1 of the 2 types whose unconverted model trains on XLA (50%)" in printed
 
-    results = json.loads(saved.read_text())["results"]
+    sweep = json.loads(saved.read_text())
+    assert [command.split()[1:3] for command in sweep["commands"]] == [
+        ["--types", "llama"], ["--types", "xlnet"]]
+    results = sweep["results"]
     llama = results["llama"]["figures"]
     assert llama["layer_calls"] == 2 and llama["calls_outside"] == 0
     assert llama["scans"] == [{"steps": 2}] and llama["warnings"] == []
