@@ -156,13 +156,31 @@ def count_lines(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def reason_group(reason: str) -> str:
+    """`reason` without what differs from type to type (details in brackets,
+    quoted names, numbers, the model's class), so that types refused for the
+    same reason share a row of the table."""
+    text = reason.removesuffix("...")
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\s*\([^()]*\)", "", text)
+    text = re.sub(r"\s*\(.*$", "", text)  # a bracket the reason's cut left open
+    text = re.sub(r"\[[^\]]*\]?", "[...]", text)
+    text = re.sub(r"'[^'\s]*'|`[^`]*`", "'...'", text)
+    text = re.sub(r"\b\w+\.forward\b", "<model>.forward", text)
+    text = re.sub(r"\bin [A-Z]\w+", "in <model>", text)
+    return re.sub(r"\b\d+(\.\d+)?\b", "N", text)
+
+
 def markdown_table(results: dict[str, dict]) -> str:
-    """Outcomes grouped by reason: | outcome | reason | types |."""
+    """Outcomes grouped by reason (`reason_group`, but the scanned by their
+    scans): | outcome | reason | types |."""
     from torch_xla_ext.metrics.table import render_rows
 
     groups: dict[tuple[str, str], list[str]] = {}
     for model_type, result in results.items():
-        groups.setdefault((result["outcome"], result["reason"]), []).append(model_type)
+        reason = result["reason"] if result["outcome"] == "scanned" else reason_group(
+            result["reason"])
+        groups.setdefault((result["outcome"], reason), []).append(model_type)
     rows: list = [["outcome", "reason", "types"]]
     for (outcome, reason), types in sorted(
             groups.items(), key=lambda item: (OUTCOMES.index(item[0][0]), -len(item[1]))):
@@ -296,8 +314,9 @@ def main(argv: list[str] | None = None) -> None:
             print(timed_line(result))
     print_summary(results, minutes, args.markdown)
     if args.json or args.update:
+        command = " ".join(["scripts/sweep_causal_lm.py", *(argv or sys.argv[1:])])
         save(args.json or args.update, results, minutes, args.layers,
-             [*saved.get("commands", []), " ".join(["scripts/sweep_causal_lm.py", *(argv or sys.argv[1:])])])
+             [*saved.get("commands", []), command])
 
 
 if __name__ == "__main__":

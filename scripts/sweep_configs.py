@@ -28,7 +28,6 @@ Importing this module imports neither torch nor transformers.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any, Callable
 

@@ -5,8 +5,9 @@ unconverted and converted by `stack_layers`, in this process.
 error of the unconverted model (`base_error`), a refusal (`refused`), an
 error of the converted training (`raised`), or the observations of both
 trainings (warnings, scans, layer calls outside them, differences).
-Everything it reads is public: stack_layers and its warnings, the lazy
-graph's HLO, module calls, state_dict.
+Of torch_xla_ext it uses the public API only (stack_layers, its warnings,
+depends_on_placeholder); the rest it reads from the lazy graph's HLO, module calls
+and state_dict.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+import benchmark_scripts
 from benchmark_scripts import forked_workers  # noqa: F401 (a fixture)
 import harness
 import sweep_causal_lm
@@ -101,6 +102,21 @@ def test_figures_are_classified_into_one_outcome_each():
         "raised", "TypeError: bad call (at x.py:3)")
 
 
+@pytest.mark.parametrize("reasons, group", [
+    (["found no decoder-layer nn.ModuleList in XLNetLMHeadModel (none holds layers of the "
+      "classes it names in _no_split_modules: [])",
+      "found no decoder-layer nn.ModuleList in JambaForCausalLM (none holds layers of the cl..."],
+     "found no decoder-layer nn.ModuleList in <model>"),
+    (["Layer 1 setting 'attn_residual_add_idx' is 4 but layer 0's is 2",
+      "Layer 3 setting 'self_attn.use_rope' is 0 but layer 0's is 1"],
+     "Layer N setting '...' is N but layer N's is N"),
+    (["BloomModel.forward does more between two layers than call the next one (x.py:3: `if`)"],
+     "<model>.forward does more between two layers than call the next one"),
+])
+def test_the_markdown_table_groups_reasons_that_differ_in_their_details(reasons, group):
+    assert {sweep_causal_lm.reason_group(reason) for reason in reasons} == {group}
+
+
 def test_differences_beyond_the_tolerance_are_found():
     expected = {"a": torch.ones(3), "b": torch.zeros(2)}
     within = {"a": torch.ones(3) + 5e-5, "b": torch.zeros(2)}
@@ -164,3 +180,14 @@ def test_unknown_types_are_refused(capsys):
     with pytest.raises(SystemExit) as exited:
         sweep_causal_lm.main(["--types", "llama,gpt3"])
     assert exited.value.code == 2 and "unknown model types ['gpt3']" in capsys.readouterr().err
+
+
+def test_the_docs_show_the_saved_sweep_and_every_tweak():
+    docs = (benchmark_scripts.REPO / "docs" / "sweep.md").read_text()
+    _, results = sweep_causal_lm.saved_results(
+        str(benchmark_scripts.REPO / "docs" / "sweep" / "before.json"))
+    assert sweep_causal_lm.markdown_table(results) in docs
+    for text in sweep_causal_lm.count_lines(results):
+        assert text in docs
+    tweaked = re.findall(r"^\| ([\w, ]+) \| `", docs.split("## The tweaks")[1], re.M)
+    assert {each for row in tweaked for each in row.split(", ")} == set(sweep_configs.TWEAKS)
