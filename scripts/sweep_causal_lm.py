@@ -6,7 +6,7 @@ Every model type of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (or those
 --types names) is built from its own default config, shrunk generically
 (scripts/sweep_configs.py: --layers layers, hidden 64, 4 heads, small vocab,
 dropout off, float32, eager attention, experts_implementation="batched_mm"),
-and trained STEPS SGD steps on XLA twice from the same weights: as
+and trained 2 SGD steps on XLA twice from the same weights: as
 transformers builds it, then after `stack_layers(model)` and `.to(device)`.
 Each type runs in a fresh worker process (scripts/harness.py) within
 --timeout seconds, so that a crash, a hang or an exception is that type's
@@ -20,7 +20,7 @@ scan) with the steps each runs, the decoder layers (the classes the model
 names in _no_split_modules, in its layer lists) called outside a traced scan
 in the second step against the unconverted model's calls, and the losses, the
 gradients of the first step and the weights after the last, compared by
-state_dict key within TOLERANCE. A model whose training draws random numbers
+state_dict key within rtol 1e-4, atol 1e-4. A model whose training draws random numbers
 (PhiMoE's routing; dropout is off) is trained with its modules in eval mode on
 both sides, and says so: a scan draws its own random numbers.
 
