@@ -27,7 +27,7 @@ both sides, and says so: a scan draws its own random numbers.
 Each type gets one outcome, a line each, then the counts:
 
   scanned (k scans over n of N layers)   every layer call ran inside a scan
-  partly scanned (...): reason           some layers ran one by one
+  partly scanned (...): reason           some layers ran one by one (a warning says why)
   layer by layer: reason                 no scan ran (the warning's reason)
   refused: reason                        stack_layers raised, the model unchanged
   raised: reason                         accepted, then the converted training raised
@@ -84,6 +84,8 @@ def scan_summary(figures: dict) -> str:
     text = f"{len(scans)} scan{'s' if len(scans) != 1 else ''} over {over}"
     if sum(steps) != calls - outside:
         text += f" ({'+'.join(map(str, steps))} steps)"
+    if outside and not warned(figures, "LayerByLayerWarning"):
+        text += f", {outside} as {'itself' if outside == 1 else 'themselves'}"
     return text
 
 
@@ -118,8 +120,9 @@ def classify(outcome: harness.Outcome) -> tuple[str, str]:
     why = first_sentence(by_layer[0]) if by_layer else "no warning says why"
     if not figures["scans"]:
         return "layer by layer", why
-    if figures["calls_outside"]:
+    if figures["calls_outside"] and by_layer:
         return "partly scanned", f"{scan_summary(figures)}: {why}"
+    # Layers called outside a scan with no warning ran as themselves: runs of one layer.
     return "scanned", scan_summary(figures)
 
 

@@ -132,7 +132,7 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
     for offset in range(1, len(calls) + 1):
         if offset == len(calls) or not _continues(calls[begin], calls[offset - 1],
                                                   calls[offset]):
-            runs += _by_program(calls[begin:offset], number, record)
+            runs += _by_program(stack, calls[begin:offset], number, record)
             begin = offset
     return _changed_between(runs, calls, record)
 
@@ -166,17 +166,38 @@ def _changed_between(runs: list[Run], calls: list[RecordedCall], record: CallRec
     return marked
 
 
-def _by_program(calls: list[RecordedCall], number: int, record: CallRecord) -> list[Run]:
+def _by_program(stack, calls: list[RecordedCall], number: int, record: CallRecord
+                ) -> list[Run]:
     """The runs of consecutive calls alike: one scan where the layers compute
     one program (whatever settings tell their kinds apart), else the
     segments of their programs' pattern (`segments.plan_segments`): runs of
-    one program, and repeating patterns scanned a group of layers per step."""
+    one program, and repeating patterns scanned a group of layers per step.
+    Layers whose program none of their neighbours shares run one by one,
+    with the settings that set them apart as the reason."""
     programs = [call.program for call in calls]
     if len(set(programs)) == 1:
         return [_run(calls, number, 1, record)]
     kinds = [programs.index(program) for program in programs]
-    return [_run(calls[segment.start:segment.stop], number, segment.period, record)
-            for segment in plan_segments(kinds)]
+    runs = []
+    for segment in plan_segments(kinds):
+        run = _run(calls[segment.start:segment.stop], number, segment.period, record)
+        if segment.single and runs and runs[-1].how in (ITSELF, ONE_BY_ONE) \
+                and runs[-1].stop == run.start and runs[-1].reason in (None, _APART):
+            runs[-1] = dataclasses.replace(runs[-1], stop=run.stop, how=ONE_BY_ONE,
+                                           reason=_APART)
+        else:
+            runs.append(run)
+    first, last = calls[0].index, calls[-1].index + 1
+    settings = ", ".join(stack.differing_settings(first, last)) or "none"
+    return [dataclasses.replace(run, reason=f"layers {run.start}-{run.stop - 1} compute "
+                                            f"differently from each other, which one trace "
+                                            f"cannot stand for (the settings that differ "
+                                            f"between layers {first}-{last - 1}: {settings})")
+            if run.reason is _APART else run for run in runs]
+
+
+# The reason of consecutive layers whose programs differ, until it is written out.
+_APART = "compute differently"
 
 
 def _continues(reference: RecordedCall, before: RecordedCall, call: RecordedCall) -> bool:

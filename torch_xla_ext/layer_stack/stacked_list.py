@@ -35,6 +35,9 @@ from torch_xla_ext.policies import save_everything
 
 __all__ = ["LayerGroup", "SegmentStack", "StackedList", "scan_result"]
 
+# Settings compared by value for `differing_settings` (others by identity).
+_PLAIN = (type(None), bool, int, float, str)
+
 # Per segment template, its copies with the settings of other kinds of layers.
 _KIND_TEMPLATES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
@@ -157,6 +160,21 @@ class StackedList(nn.Module):
         run the same code with the same settings."""
         number, _, position = self.place(index)
         return number, position, self.kinds[index]
+
+    def differing_settings(self, start: int, stop: int) -> list[str]:
+        """The names of the settings that differ between layers start, ...,
+        stop - 1 of one segment ('self_attn.sliding_window'), but for the
+        per-layer attributes."""
+        number, first, _ = self.place(start)
+        stack = self.segments[number]
+        if not isinstance(stack, SegmentStack):
+            return []
+        groups = range(first, first + (stop - start + self.plan[number].period - 1)
+                       // self.plan[number].period)
+        return sorted(path for path, values in stack.per_layer_values.items()
+                      if path not in stack.watched_paths
+                      and len({id(values[group]) if not isinstance(values[group], _PLAIN)
+                               else (type(values[group]), values[group]) for group in groups}) > 1)
 
     def kinds_in_segment_of(self, index: int) -> int:
         """How many kinds of layers layer `index`'s segment holds."""
