@@ -1,27 +1,25 @@
-"""Hugging Face transformers models whose decoder layers run as one `scan`,
-under the model's own, unmodified `forward`.
+"""Hugging Face transformers models whose layers run as scans, under the
+model's own, unmodified `forward`.
 
-`stack_layers(model)` replaces the decoder-layer `nn.ModuleList` of a
-transformers model (`model.model.layers` of Llama, Mistral, Qwen2, ...; each
-of a multimodal model's layer lists) by a `StackedLayers`: a `LayerStack`
-that holds every weight once, stacked along a leading layer dimension. The
-model's forward loops `for decoder_layer in self.layers[: self.config.num_hidden_layers]`; a slice
-of all the layers of a `StackedLayers` is a list of one callable, the stack
-itself, which runs every layer as one scan. A forward that iterates over the
-layers (`for block in self.h`, GPT-2's) gets a callable per layer, the first
-of which runs the scan and the others hand the hidden state on: forward
-hooks on its module tell the stack that its forward runs (elsewhere,
-iteration gives the layers as modules). Everything else about the model
-stays as it was: its forward, its config, the rest of its modules, and the
-per-layer names of its `state_dict()`.
+`stack_layers(model)` replaces each layer list of a transformers model (an
+`nn.ModuleList` of blocks: decoder layers, encoder layers, a vision tower's
+layers) by a `StackedLayers`, which holds the layers' weights stacked, in
+segments of layers alike in structure. The model's forward loops over it as
+it looped over the list; what each call's layers do is planned from what the
+forward calls them with (`layer_stack`: a dry run per kind of call): runs of
+alike layers each one scan, patterns that repeat one scan over their groups,
+the rest one by one, with a `LayerByLayerWarning` saying why. Everything else
+about the model stays as it was: its forward, its config, the rest of its
+modules, and the per-layer names of its `state_dict()`.
 
-The modules, one job each: `inspection` (reading the model: its layer list,
-its forward's loop, its layer kinds, what a scan cannot run), `stacks` (the
-stacks put in place of the layer list), `cache_plan` (how a call with a
-key/value cache runs: the one description of it, and the decision),
-`caches` (transformers' key/value caches around the scan), `adapters` (peft's whole-model operations on a
-stacked PeftModel), `checkpointing` (transformers' gradient checkpointing as
-the scan's policy), `fsdp` (transformers' FSDP class lookup finding stacked
+The modules, one job each: `discovery` (finding the layer lists, and what
+keeps one from being stacked), `stacks` (`StackedLayers`: how a run's scan
+takes transformers' arguments), `cache_plan` (how a call with a key/value
+cache runs: the one description of it, and the decision), `caches`
+(transformers' key/value caches around the scan), `adapters` (peft's
+whole-model operations on a stacked model), `checkpointing` (transformers'
+gradient checkpointing as the scan's policy), `experts` (mixture-of-experts
+implementations), `fsdp` (transformers' FSDP class lookup finding stacked
 layers).
 """
 from __future__ import annotations
@@ -41,131 +39,69 @@ __all__ = ["StackedLayers", "UnstackedLayersWarning", "stack_layers", "unstack_l
 
 
 def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Module:
-    """Stacks the decoder layers of a transformers model in place; returns `model`.
+    """Stacks the layer lists of a transformers model in place; returns `model`.
 
-    After it, the model's own `forward` runs all decoder layers as one `scan`
-    (one trace, one XLA While loop forward and backward); its weights are
-    held once, stacked (`model.model.layers.stacked.self_attn.q_proj.weight`
-    is `[num_layers, out, in]`), and receive the gradients. A call with a
-    key/value cache (an empty or a decoding `DynamicCache`, a `StaticCache`)
-    runs as one scan where the cache allows, else the layers one by one with
-    the same results and a `LayerByLayerWarning` saying why (once per
-    process, as Python shows a warning): see `torch_xla_ext.hf.cache_plan`.
+    Each list becomes a `StackedLayers`: its layers' weights held once,
+    stacked per segment of layers alike in structure
+    (`model.layers.segments.0.stacked.self_attn.q_proj.weight` is
+    `[layers, out, in]`), receiving the gradients. The model's own forward
+    then runs its loop over the layers as a few scans: at its first call of
+    each kind (the arguments' shapes and constants, the model's mode and
+    settings), the forward runs once with the layers recorded, and the plan
+    of that kind of call follows from what each layer was called with:
+
+    * consecutive layers called each on what the one before returned, with
+      the same arguments or a tensor per layer (a per-layer input, a mask per
+      kind of attention), are one scan; a pattern of kinds that repeats
+      (Jamba's, Gemma's) one scan over its groups; a layer alike to none of
+      its neighbours runs as itself;
+    * layers the forward works between (it changes what a layer returned
+      before the next gets it), layers that compute differently from all
+      their neighbours, and a forward that reads a tensor's value while it
+      loops (LayerDrop) run one by one, with a `LayerByLayerWarning` saying
+      why; so does a call whose key/value cache a scan cannot hold (see
+      `torch_xla_ext.hf.cache_plan`), on a device other than XLA, or with
+      experts implementations other than `batched_mm`.
+
+    Every call gives the unconverted model's results; each checks that the
+    forward calls the layers as its plan says, and raises where it does not.
 
     What stays as it was: the model's forward and config, every other module,
     `state_dict()` keys and values (`model.layers.3.self_attn.q_proj.weight`),
     so `save_pretrained()` writes an ordinary checkpoint and
-    `load_state_dict()` of one works; an optimizer's `state_dict()` (made
-    from the converted model's parameters: saved in the unconverted layout,
-    and loading it, see `torch_xla_ext.layer_stack.optimizer_state`), so a
-    Trainer checkpoint resumes on either side; `model.model.layers[i]` (a module whose
-    tensors are views of slice i of the stacked ones) and `len()`.
-    `named_parameters()` names the stacked tensors
-    (`model.layers.stacked.mlp.up_proj.weight`), which can be sharded with
-    `mark_sharding` along any dimension but the first; FSDPv2, as
-    transformers' Trainer wraps a model (`wrap_model_xla_fsdp`, naming the
-    layer class in `transformer_layer_cls_to_wrap`), shards each as it
-    would one layer's weight, never along the layer dimension (see
-    `torch_xla_ext.hf.fsdp`).
+    `load_state_dict()` of one works; an optimizer's `state_dict()` (saved in
+    the unconverted layout and loaded from it, see
+    `torch_xla_ext.layer_stack.optimizer_state`); `model.model.layers[i]` (a
+    module whose tensors are views of slice i of the stacked ones) and `len()`.
+    Per-layer outputs the model collects (`output_hidden_states`,
+    `output_attentions`), with transformers' hooks or in its own loop, come
+    from the scans. peft: `stack_layers(get_peft_model(model, config))` and
+    `get_peft_model(stack_layers(model), config)` give the same model (see
+    `torch_xla_ext.hf.adapters`). Gradient checkpointing (before or after the
+    conversion) makes the scans recompute each layer while training. FSDPv2
+    shards each stacked weight as it would one layer's, and the scans keep the
+    hidden state batch-sharded as a unit per layer would.
 
-    Layers of several kinds (`config.layer_types` not all the same: Gemma2's
-    alternating sliding and full attention, Gemma3's pattern, Qwen2's
-    `max_window_layers`) that differ only in settings telling the kinds apart
-    (`sliding_window`, `layer_type`) are one StackedLayers too, each layer
-    keeping its own settings: the model's loop gets a callable per layer,
-    the calls are recorded until each kind has been called once, and one
-    scan gives each layer its kind's mask and rotary table (each enters the
-    loop once; a step picks its layer's). The scan stands for every kind once
-    each kind's layer is shown, by tracing it on fake tensors, to compute the
-    same graph (transformers' eager and SDPA attention take `sliding_window`
-    and drop it: the mask does the windowing); else the layers run one by
-    one, with a `LayerByLayerWarning`, as they do when the kinds' arguments
-    differ in more than tensors of one shape. Where SDPA's full-attention
-    layers get no mask and the sliding ones a mask, the None becomes the
-    causal mask it stands for. A layer given another argument than the first
-    of its kind raises.
-
-    Kinds whose layers differ in more than that (other submodules or shapes)
-    become a `StackedLayerKinds`: the smallest repeating pattern of kinds
-    runs as one scan over groups of one period of layers, and what does not
-    fit whole periods (or a model whose kinds come in blocks) as one scan per
-    run of one kind; a few scans in one step graph. Its `state_dict()`,
-    `len()` and `layers[i]` are as above; `named_parameters()` names the
-    stacked tensors per segment
-    (`model.layers.segments.0.stacked.layers.1.mlp.up_proj.weight`:
-    position 1 of each group). Its calls with a key/value cache are as
-    `torch_xla_ext.hf.cache_plan` says.
-
-    peft: `stack_layers(get_peft_model(model, config))` and
-    `get_peft_model(stack_layers(model), config)` give the same model, whose
-    LoRA adapters train as one scan (the base weights stay stacked and
-    frozen); `save_pretrained`, `PeftModel.from_pretrained` (of a stacked
-    base model too), `merge_and_unload` and `unload` work as unconverted
-    (merge_and_unload returns the merged model stacked), and so do
-    `disable_adapter()`, `set_adapter`, `load_adapter`, `delete_adapter` and
-    the adapters' status. The first call teaches peft's classes to see
-    stacked layers as modules, when peft is imported (see
-    `torch_xla_ext.hf.adapters`); `unstack_layers(model)` undoes the
-    conversion, for peft's other operations.
-
-    A forward whose loop hands values each layer returns back as arguments
-    of the next call (T5's `hidden_states, position_bias, ... =
-    layer_module(hidden_states, mask, position_bias, ...)`, then
-    `position_bias = ...`, perhaps under an `if` that calls nothing) becomes
-    a `StackedAfterFirst`: layer 0, which gets what the forward set before
-    the loop (None: it computes the position biases), runs as itself, and
-    the other layers as one scan, those values entering it as arguments of
-    every step, once a call of a layer on fake tensors shows that each
-    layer returns them as it got them (else, and with a key/value cache
-    that holds tokens, each call runs its layer, with a
-    `LayerByLayerWarning`; an empty one the scan fills). The loop's later
-    calls must get what the scan returned; a loop that hands on something
-    else raises.
-
-    Not supported, and refused with an error that says so: layers of one kind
-    that are not alike (a setting changed on one layer: the scan runs the
-    first layer's code with each layer's weights), layers of kinds that
-    differ in more than their settings under a forward that iterates over
-    them (`for block in self.h`), layers with hooks (they would not run
-    inside the scan) or with gradient checkpointing enabled on some only
-    (`every_n_layers`), a forward that neither loops
-    over `self.layers[...]` nor iterates over `self.layers` calling each layer
-    on the hidden state alone (after lookups such as Exaone4's `layer_type =
-    self.config.layer_types[i]`, which call nothing; a statement under a
-    test of the owner's settings, BART's LayerDrop, makes the layers run one by
-    one, with a LayerByLayerWarning, while the test holds), and calls with
-    `output_hidden_states` or `output_attentions` to a model that collects
-    them in its own loop. Both stacks give them from their scans:
-    `stack_layers` installs transformers' output-capturing hooks on the
-    layers before stacking, and the stack replays them after the loop (see
-    `StackedLayers`). Gradient checkpointing
-    (transformers' `gradient_checkpointing_enable()`, before or after the
-    conversion) makes the scan recompute each layer while training (policy
-    `save_nothing`, see `torch_xla_ext.hf.checkpointing`);
-    `gradient_checkpointing_disable()` brings back `partition_fn`. On a device other
-    than XLA (a model moved to the CPU), the layers run one by one, with a
-    `LayerByLayerWarning`: the scan is an XLA loop.
+    Refused, with an error that leaves the model unchanged (or, for one list
+    among others found without `path`, an `UnstackedLayersWarning` leaving
+    that list as it was): hooks on the layers (other than transformers'
+    output-capturing hooks, which the scans replay), gradient checkpointing
+    on some layers only (`every_n_layers`), a parameter shared between
+    layers, a setting that reaches the layer's own modules through another
+    object.
 
     Args:
-      model: a transformers model (`LlamaForCausalLM`, `MistralForCausalLM`,
-        `Qwen2ForCausalLM`, their base models, ...), on any device.
-      path: the attribute path of the decoder-layer `nn.ModuleList` to stack,
-        such as "model.layers"; an error says why if it cannot be stacked. By
-        default every `nn.ModuleList` of the model whose layers are all of a
-        class the model names in `_no_split_modules` (a multimodal model's
-        vision encoder layers and language model layers, each its own scan);
-        one that cannot be stacked (its forward's loop, hooks, checkpointing
-        on some layers, layers of one kind not alike) stays as it was, with an
-        `UnstackedLayersWarning` saying which and why, unless none can be
-        (then the error says why). A call
-        that selects hidden states by index (`output_hidden_states=-2`, what
-        LLaVA asks of its vision tower) gets them: the last layer's output from the scan, another
-        layer's by running the layers one by one, with a LayerByLayerWarning.
-      options: passed to `LayerStack`: `partition_fn` (what the forward loop
-        keeps for the backward: a policy of `torch_xla_ext.policies` or its
-        name, `"save_nothing"` to recompute each layer in the backward),
-        `is_layer_pure`, `unroll` (layers per iteration of the scan's loop, as
-        `scan`'s; default 1), `per_layer_attributes` (default `("layer_idx",)`).
+      model: a transformers model, on any device.
+      path: the attribute path of the layer list to stack, such as
+        "model.layers"; an error says why if it cannot be stacked. By default
+        every `nn.ModuleList` of blocks (modules made of modules) not inside
+        another one's layers.
+      options: passed to each segment's `LayerStack`: `partition_fn` (what
+        the forward loop keeps for the backward: a policy of
+        `torch_xla_ext.policies` or its name), `is_layer_pure`, `unroll`
+        (layers per iteration of the scan's loop), `per_layer_attributes`
+        (default `("layer_idx",)`: settings that only pick a per-layer
+        resource, which a trace must not read).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")

@@ -41,17 +41,31 @@ its index), and when a call argument cannot enter a traced loop (a cache
 object), the call runs the layers one by one, each with its own values, which
 is the loop itself, and warns with a `LayerByLayerWarning`.
 
-The modules, one job each: `alike` (layer layouts and the check that layers
-are alike, with its messages; `forms` holds the comparable forms it uses),
-`per_layer` (watching per-layer attributes), `running` (running a stack as one
-scan, lowering it, and the layer-by-layer fallback), `hooks` (the layers'
-forward hooks, run once per layer after the scan), `stack` (`LayerStack` and
-its state_dict mapping), `layer_list` (`scan_layers`), `kinds` (layers of
-several kinds as one scan, each given its kind's arguments), `groups` (layers
-of kinds that differ in more: a `LayerStack` per segment of their pattern),
-`optimizer_state` (optimizer state dicts of stacked parameters saved and
-loaded in the unconverted layout, so they move between the two), `sharding`
-(FSDPv2's sharding of stacked parameters, never along the layer dimension).
+A list of layers of any structure, called by its owner's own forward loop:
+`StackedList`. It stores the layers in segments (`segments`: runs of layers
+alike in structure, patterns that repeat, single layers), each a
+`LayerStack` over its layers or groups, and looks like the `nn.ModuleList`
+it replaced. Its owner's forward is hooked (`loops`): at the first call of
+each kind of call, the forward runs once with the layers recorded
+(`dry_run`), which gives the plan of that kind of call (`call_plan`, data:
+which layers run as which scan, which as themselves, which one by one and
+why), and every call runs as its plan says (`execution`, `plans`).
+
+The modules, one job each:
+
+* layers alike: `alike` (layouts, the check, its messages), `forms` (the
+  comparable forms of settings), `per_layer` (per-layer attributes, watched
+  while tracing), `kinds` (`PerLayerChoice`, what a layer computes);
+* storage: `stack` (`LayerStack`), `segments` (where a list splits),
+  `stacked_list` (`StackedList`), `names` (the one map between stored and
+  per-layer names: state dicts, optimizer state), `optimizer_state`
+  (optimizer state dicts saved and loaded in the unconverted layout);
+* calls: `loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
+  running a layer on no data), `dry_run`, `call_plan`, `plans`,
+  `execution`; `running` (one scan over stacked tensors, `lower`, the
+  layer-by-layer loop), `hooks` (the layers' forward hooks, replayed after
+  the scan), `layer_list` (`scan_layers`), `sharding` (FSDPv2: stacked
+  weights and the hidden state a scan carries).
 """
 from torch_xla_ext.layer_stack.execution import ScanResult
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, is_choice
