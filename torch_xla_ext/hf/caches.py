@@ -38,6 +38,11 @@ class _AppendingCache:
         self.held = held
         self.padded_to = padded_to
 
+    def get_seq_length(self, layer_idx=None) -> int:
+        """How many positions the layer's cache held before the call: the same
+        in every layer of the scan (so its index is not read)."""
+        return self.held[0].shape[-2] if self.held else 0
+
     def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
         self.keys, self.values = key_states, value_states
         given = (key_states, value_states)
@@ -89,6 +94,10 @@ class _StackedCacheWriter:
     def __init__(self, index: torch.Tensor, state: tuple):
         self.index = index.reshape(1)
         self.keys, self.values, self.length = state
+
+    def get_seq_length(self, layer_idx=None):
+        """How many positions the cache held before the call (StaticLayer's)."""
+        return self.length
 
     def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
         batch, heads, length, _ = key_states.shape

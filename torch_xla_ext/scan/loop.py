@@ -199,7 +199,11 @@ class Loop:
     def __call__(self, carries, sliced, invariants, reverse: bool, unroll):
         length = sliced[0].shape[0]
         computation = self.computation(length, reverse, unroll)
-        operands = [*carries, *sliced, *invariants]
+        # torch_xla can hold a bool tensor's value as s32 (the bitwise `and` of a
+        # bool and an int tensor), which the loop's pred parameter refuses: a
+        # round trip through uint8 makes it pred whatever it was.
+        operands = [operand.to(torch.uint8).to(torch.bool) if operand.dtype == torch.bool
+                    else operand for operand in (*carries, *sliced, *invariants)]
         if self.uses_seed:
             # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
             seeds = torch.randint(0, 2**62, (length,), dtype=torch.int64)
