@@ -57,6 +57,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer)
 
 from torch_xla_ext.class_swaps import original_class
+from torch_xla_ext.hf.fresh_caches import fill_fresh, fresh_layers, holds_no_tensors
 from torch_xla_ext.hf.caches import (
     advance, appended, appended_encoder_decoder, extend, fill_encoder_decoder, fill_stacked,
     hold_stacked, keeps_all, keys_and_values_per_position, reads_one_stack, stacked_buffers,
@@ -107,6 +108,8 @@ class CachePlan:
     period: int | None = None
     encoder_decoder: bool = False  # an empty EncoderDecoderCache
     count: int = 0  # the cache's layers the scan covers, when it holds them as stacked buffers
+    # Layers of other kinds that start empty: each step fills a fresh copy (`fresh_caches`).
+    fresh: Recording | None = None
 
     @property
     def layers(self) -> list:
@@ -116,6 +119,8 @@ class CachePlan:
     @property
     def recording(self) -> Recording:
         """What each layer of the scan gets as its cache, and records."""
+        if self.fresh is not None:
+            return self.fresh
         if self.period is not None:
             return keys_and_values_per_position(self.parameter, self.period)
         if self.encoder_decoder:
@@ -135,7 +140,9 @@ class CachePlan:
     def commit(self, recorded: tuple, new_tokens: int) -> None:
         """Leaves the cache as the layers' own updates of `new_tokens` tokens
         would have, from what the scan recorded."""
-        if self.encoder_decoder:
+        if self.fresh is not None:
+            fill_fresh(self.cache, self.fresh, recorded, self.first, self.period)
+        elif self.encoder_decoder:
             fill_encoder_decoder(self.cache, recorded, self.first)
         elif self.in_place:
             if self.held:
@@ -180,11 +187,11 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
         if period is None and holds_nothing(cache, first, num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, encoder_decoder=True)
         return CACHE_REASON
+    layers = _layer_range(cache, first, num_layers)
     if period is not None:  # groups of layers: the cache can only start empty
         if _holds_nothing(cache, first, first + num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, period=period)
-        return CACHE_REASON
-    layers = _layer_range(cache, first, num_layers)
+        return _fresh_plan(cache, parameter, layers, first, period)
     if layers is not None and all(original_class(layer) in _WRITTEN_LAYERS
                                   for layer in layers):
         return _static_plan(cache, parameter, layers, first, new_tokens, gradients)
@@ -197,7 +204,20 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
             return DYNAMIC_GRADIENTS_REASON
         return CachePlan(cache, parameter, in_place=False, held=stacked_buffers(layers),
                          stacked=True, first=first, count=num_layers)
-    return CACHE_REASON
+    return _fresh_plan(cache, parameter, layers, first, period)
+
+
+def _fresh_plan(cache, parameter: str, layers: list | None, first: int, period: int | None
+                ) -> CachePlan | str:
+    """The plan for cache layers of other kinds than the plans above know,
+    all holding nothing yet (see `fresh_caches`), or the reason they run one
+    by one."""
+    if (layers is None or not all(holds_no_tensors(layer) for layer in layers)
+            or any(type(layer) is not type(layers[index % (period or 1)])
+                   for index, layer in enumerate(layers))):
+        return CACHE_REASON
+    return CachePlan(cache, parameter, in_place=False, first=first, period=period,
+                     count=len(layers), fresh=fresh_layers(cache, parameter, first, period))
 
 
 def _static_plan(cache, parameter: str, layers: list, first: int, new_tokens: int,
