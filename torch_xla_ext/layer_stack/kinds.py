@@ -98,5 +98,6 @@ def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
         graph = make_fx(forward_and_backward, tracing_mode="real")(weights, args, kwargs)
     constants = [operator.attrgetter(node.target)(graph)
                  for node in graph.graph.nodes if node.op == "get_attr"]
-    return graph.code, tuple((tuple(each.shape), each.dtype, each.tolist())
+    # Flat tuples of values: a program is hashable (runs are split by equal programs).
+    return graph.code, tuple((tuple(each.shape), each.dtype, tuple(each.reshape(-1).tolist()))
                              for each in constants if isinstance(each, torch.Tensor))
