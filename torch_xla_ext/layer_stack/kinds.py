@@ -82,16 +82,12 @@ def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
     mode = fake_mode()
     weights = fake_weights(mode, layer)
     args, kwargs = tree_unflatten(fake_leaves(mode, leaves), spec)
+    differentiated = _Differentiated(layer)
 
     def forward_and_backward(weights, args, kwargs):
-        output = torch.func.functional_call(layer, weights, args, kwargs)
-        output = output[0] if isinstance(output, tuple) else output
-        differentiable = [each for each in (args[0], *weights.values())
-                          if isinstance(each, torch.Tensor) and each.requires_grad]
-        if not output.requires_grad or not differentiable:
-            return output
-        return output, torch.autograd.grad(output, differentiable, torch.ones_like(output),
-                                           allow_unused=True)
+        return torch.func.functional_call(
+            differentiated, {f"layer.{name}": each for name, each in weights.items()},
+            (tuple(weights.values()), args, kwargs))
 
     # The layer's forward hooks would see the fakes (a stack replays them after its loop).
     with mode, hooks_held(layer):
@@ -101,3 +97,25 @@ def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
     # Flat tuples of values: a program is hashable (runs are split by equal programs).
     return graph.code, tuple((tuple(each.shape), each.dtype, tuple(each.reshape(-1).tolist()))
                              for each in constants if isinstance(each, torch.Tensor))
+
+
+class _Differentiated(nn.Module):
+    """`layer`'s output and its gradients to its hidden state and `weights`
+    (those that require grad), in one call: under `functional_call`, the
+    backward too runs with the fakes as the layer's weights (a layer that
+    recomputes itself in its backward, under transformers' gradient
+    checkpointing, recomputes on them)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, weights: tuple, args: tuple, kwargs: dict):
+        output = self.layer(*args, **kwargs)
+        output = output[0] if isinstance(output, tuple) else output
+        differentiable = [each for each in (args[0], *weights)
+                          if isinstance(each, torch.Tensor) and each.requires_grad]
+        if not output.requires_grad or not differentiable:
+            return output
+        return output, torch.autograd.grad(output, differentiable, torch.ones_like(output),
+                                           allow_unused=True)
