@@ -27,7 +27,7 @@ from torch_xla_ext.layer_stack import names as names_of, optimizer_state, runnin
 from torch_xla_ext.layer_stack.execution import ScanResult
 from torch_xla_ext.layer_stack.alike import layout_of, names_its_module, structure_key
 from torch_xla_ext.layer_stack.forms import differences
-from torch_xla_ext.layer_stack.loops import LayerCall, active_driver
+from torch_xla_ext.layer_stack.loops import LayerCall, active_driver, iterated
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import plan_segments
 from torch_xla_ext.layer_stack.stack import LayerStack
@@ -177,7 +177,8 @@ class StackedList(nn.Module):
         return self.layer(index)
 
     def __iter__(self):
-        return (self._in_loop(index) for index in range(len(self)))
+        items = (self._in_loop(index) for index in range(len(self)))
+        return items if active_driver(self) is None else iterated(self, items)
 
     def __getattr__(self, name: str):
         # Layer i as a module, by its name in the list it replaced ("3"), as
