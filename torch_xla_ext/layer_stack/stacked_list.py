@@ -206,6 +206,11 @@ class StackedList(nn.Module):
                 layers += stored.unstacked()
         return layers
 
+    def unscannable(self) -> str | None:
+        """Why no call can run these layers as a scan now, known without a
+        call, or None: a subclass's rules (none here)."""
+        return None
+
     def call_layer(self, index: int, args: tuple, kwargs: dict):
         """Layer `index`'s call, run by the layer itself (as a module)."""
         return self.layer(index)(*args, **kwargs)
