@@ -76,12 +76,18 @@ def same_leaf(leaf, reference) -> bool:
 def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
     """What `layer` computes when called with `leaves` (of `tree_flatten((args,
     kwargs))`, `spec`): the code and constants of its forward, and of its
-    backward to its inputs and weights where they require grad, traced by
-    `make_fx` on fakes. Layers of kinds whose programs are equal can share
-    one scan's trace."""
+    backward to its hidden state and weights where they require grad (the
+    hidden state where the weights do), traced by `make_fx` on fakes. Layers
+    of kinds whose programs are equal can share one scan's trace."""
     mode = fake_mode()
     weights = fake_weights(mode, layer)
     args, kwargs = tree_unflatten(fake_leaves(mode, leaves), spec)
+    # As a step of a scan: where the weights require grad, so does the hidden
+    # state each layer but the first gets; the first's (an input, a frozen
+    # embedding's output) must too, or its program would differ from theirs.
+    if (args and isinstance(args[0], torch.Tensor) and args[0].dtype.is_floating_point
+            and any(each.requires_grad for each in weights.values())):
+        args[0].requires_grad_(True)
     differentiated = _Differentiated(layer)
 
     def forward_and_backward(weights, args, kwargs):
