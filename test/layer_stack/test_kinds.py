@@ -142,6 +142,11 @@ def test_a_program_holds_the_backward_to_what_requires_grad():
     # The hidden state requiring grad adds its gradient to the frozen layer's.
     hidden = torch.randn(2, HIDDEN, requires_grad=True)
     assert "tanh_backward" in program_of(frozen, *call_leaves(hidden, torch.randn(HIDDEN)))[0]
+    # A layer whose weights require grad computes the hidden state's gradient
+    # whether its own requires grad or not (as a scan's step does: the first
+    # layer's input may not, the later layers' do), so that the first layer's
+    # program is the others'.
+    assert program_of(Scaled(), *call_leaves(hidden, torch.randn(HIDDEN))) == trained
 
 
 class Recomputed(nn.Module):
