@@ -1,8 +1,11 @@
 """stack_layers(model) on models with several layer lists (a multimodal
 model's vision encoder and language model), each stacked as a scan of its own,
 against the same model unconverted; a list that cannot be stacked stays as it
-was, with an UnstackedLayersWarning naming it, while the others are stacked."""
+was, with an UnstackedLayersWarning naming it, while the others are stacked;
+a list whose loop works between layers, or whose layers differ, is stacked,
+and runs those layers one by one, or as runs of alike layers."""
 import copy
+import re
 import warnings
 
 import pytest
@@ -30,10 +33,11 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
 VISION_LAYERS, TEXT_LAYERS = "model.vision_tower.encoder.layers", "model.language_model.layers"
 
 
-def gemma3():
+def gemma3(vision_layers=2):
     """Gemma3ForConditionalGeneration: a SigLIP vision tower and a Gemma3 language model."""
     config = transformers.Gemma3Config(
-        vision_config=transformers.SiglipVisionConfig(**VISION),
+        vision_config=transformers.SiglipVisionConfig(
+            **{**VISION, "num_hidden_layers": vision_layers}),
         text_config=transformers.Gemma3TextConfig(**TEXT, head_dim=8,
                                                   layer_types=["full_attention"] * 2),
         mm_tokens_per_image=PATCHES, image_token_index=IMAGE_TOKEN,
@@ -195,14 +199,25 @@ def test_layerdrop_runs_the_layers_one_by_one_while_training_and_as_a_scan_other
     ids = ids.to(device)
     results = []
     for which in (reference, model):
-        torch.manual_seed(3)  # the same layers dropped
+        # The same layers dropped: the encoder's layer 1 (and none of the
+        # decoder's, so that each list runs a layer and warns).
+        torch.manual_seed(5)
         results.append(trained(which, device, input_ids=ids, labels=ids))
     (expected, loops, _), (actual, same_loops, one_by_one) = results
     close(actual, expected, TRAINING)
     assert same_loops == loops
+    # The dry run saw the forward read a random value between layers.
     assert len(one_by_one) == 2 and all(
-        "under `if self.training and self.layerdrop > 0.0:`" in each
+        "the forward reads a tensor's value while it loops over the layers" in each
+        and "`if dropout_probability < self.layerdrop:" in each
         and "LayerDrop while training skips layers at random" in each for each in one_by_one)
+    # Whichever layers a draw skips (every layer; the decoder's layer 0), the
+    # layers run one by one, as the loop does.
+    for seed in (3, 9):
+        torch.manual_seed(seed)
+        expected = trained(reference, device, input_ids=ids, labels=ids)[0]
+        torch.manual_seed(seed)
+        close(trained(model, device, input_ids=ids, labels=ids)[0], expected, TRAINING)
     # In evaluation no layer is dropped: the loops are scans.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", LayerByLayerWarning)
@@ -270,15 +285,19 @@ def test_a_list_that_cannot_be_stacked_stays_with_a_warning_and_the_others_are_s
     assert type(model.get_submodule(TEXT_LAYERS)) is nn.ModuleList
 
 
+def block():
+    """A block: a module of two modules that hold tensors."""
+    return nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+
+
 class TwoLists(nn.Module):
     """A list its forward runs as a loop a scan stands for, and one with work between
     two layers."""
-    _no_split_modules = ["Linear"]
 
     def __init__(self):
         super().__init__()
-        self.first = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
-        self.second = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.first = nn.ModuleList(block() for _ in range(3))
+        self.second = nn.ModuleList(block() for _ in range(3))
 
     def forward(self, x):
         for layer in self.first:
@@ -289,18 +308,24 @@ class TwoLists(nn.Module):
         return x
 
 
-def test_a_loop_with_work_between_layers_leaves_its_list_as_it_was(device):
+def test_a_loop_with_work_between_layers_runs_them_one_by_one_and_another_list_scans(device):
     model = TwoLists()
     reference = copy.deepcopy(model).to(device)
-    with pytest.warns(UnstackedLayersWarning, match=r"cannot stack the layers at 'second': "
-                                                    r"TwoLists\.forward does more between two "
-                                                    r"layers .*`x = x \* 2`"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnstackedLayersWarning)
         stack_layers(model)
-    assert type(model.first) is StackedLayers and type(model.second) is nn.ModuleList
+    assert type(model.first) is StackedLayers and type(model.second) is StackedLayers
     model.to(device)
     x = torch.randn(2, 4, device=device)
-    assert " while(" in torch_xla._XLAC._get_xla_tensors_hlo([model(x)])
-    close(model(x), reference(x), TRAINING)
+    with pytest.warns(LayerByLayerWarning) as caught:
+        output = model(x)
+    # One warning, for the second list, naming the line that works between its layers.
+    (message,) = [str(each.message) for each in caught if each.category is LayerByLayerWarning]
+    assert re.search(r"^The 3 layers ran one by one.*works on what layer 0 returned before "
+                     r"layer 1 gets it \(.*test_hf_layer_lists\.py:\d+: `x = x \* 2`\)",
+                     message), message
+    assert torch_xla._XLAC._get_xla_tensors_hlo([output]).count(" while(") == 1
+    close(output, reference(x), TRAINING)
 
 
 def test_a_model_whose_every_list_cannot_be_stacked_is_refused():
@@ -316,19 +341,28 @@ def test_a_model_whose_every_list_cannot_be_stacked_is_refused():
         assert type(model.get_submodule(path)) is nn.ModuleList
 
 
-def test_a_list_whose_layers_are_not_alike_stays_with_a_warning_and_the_others_are_stacked():
-    model = gemma3()
-    model.get_submodule(VISION_LAYERS)[1].layer_norm1.eps = 1e-3
-    with pytest.warns(UnstackedLayersWarning, match=rf"cannot stack the layers at "
-                                                    rf"'{VISION_LAYERS}': [Ll]ayer 1 setting "
-                                                    rf"'layer_norm1\.eps'.*they stay as they were"):
+def test_a_list_whose_layers_differ_in_a_setting_runs_as_runs_of_alike_layers(device):
+    # The last vision layer's norm differs in a setting: the list keeps one
+    # storage (the same structure) and two kinds of layers, which compute
+    # differently, so layers 0-1 are one scan and layer 2 runs as itself.
+    reference = gemma3(vision_layers=3)
+    reference.get_submodule(VISION_LAYERS)[2].layer_norm1.eps = 1e-3
+    model = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnstackedLayersWarning)
         stack_layers(model)
-    assert type(model.get_submodule(VISION_LAYERS)) is nn.ModuleList
+    vision = model.get_submodule(VISION_LAYERS)
+    assert type(vision) is StackedLayers and len(vision.plan) == 1 and vision.kinds == (0, 0, 1)
+    assert vision[2].layer_norm1.eps == 1e-3 and vision[1].layer_norm1.eps != 1e-3
     assert type(model.get_submodule(TEXT_LAYERS)) is StackedLayers
-    # Named by its path, the list is refused and the model is unchanged.
-    model = gemma3()
-    model.get_submodule(VISION_LAYERS)[1].layer_norm1.eps = 1e-3
-    with pytest.raises(ValueError, match=r"[Ll]ayer 1 setting 'layer_norm1\.eps'.*the model "
-                                         r"is unchanged"):
-        stack_layers(model, path=VISION_LAYERS)
-    assert type(model.get_submodule(VISION_LAYERS)) is nn.ModuleList
+    ids, pixels = image_and_text(device)
+    outputs = []
+    for which in (reference, model):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            outputs.append(which.to(device).eval()(input_ids=ids, pixel_values=pixels).logits)
+    expected, logits = outputs
+    unconverted = torch_xla._XLAC._get_xla_tensors_hlo([expected]).count(" while(")
+    # A scan of vision layers 0-1 and one of the text layers.
+    assert torch_xla._XLAC._get_xla_tensors_hlo([logits]).count(" while(") == unconverted + 2
+    close(logits, expected, TRAINING)

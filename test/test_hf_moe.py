@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch_xla
 import transformers
 
 from support import supports
@@ -66,10 +67,18 @@ def test_eager_experts_run_layer_by_layer_saying_which_setting_scans(device):
         expected = reference.to(device)(ids, attention_mask=mask, labels=ids).loss
         with pytest.warns(LayerByLayerWarning) as caught:
             actual = model.to(device)(ids, attention_mask=mask, labels=ids).loss
-    message = str(caught[0].message)
+    (message,) = [str(each.message) for each in caught if each.category is LayerByLayerWarning]
+    assert message.startswith("The 2 layers ran one by one")
     assert "experts_implementation='eager'" in message
     assert "model.set_experts_implementation('batched_mm')" in message
     close(actual, expected, TRAINING)
+    # The setting is read at each call: switched, the next call is one scan.
+    model.set_experts_implementation("batched_mm")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        assert torch_xla._XLAC._get_xla_tensors_hlo([loss]).count(" while(") == 1
+    close(loss, expected, TRAINING)
 
 
 def test_switching_the_implementation_after_converting_takes_effect(device):

@@ -14,15 +14,16 @@ from test_hf import batch, device, make_model, per_layer_grads  # noqa: F401 (fi
 from tolerances import THROUGH_LAYERS, TRAINING, close
 from torch_xla_ext.hf import StackedLayers, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
+from torch_xla_ext.layer_stack.segments import Segment
 
 LAYERS = 2
 Q_AND_V = dict(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-def peft_model(seed=0, **config):
+def peft_model(seed=0, layers=LAYERS, **config):
     """A LoRA model of a small Llama whose adapters all compute something
     (peft starts lora_B at zero)."""
-    model = get_peft_model(make_model(layers=LAYERS), LoraConfig(**config))
+    model = get_peft_model(make_model(layers=layers), LoraConfig(**config))
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -40,6 +41,13 @@ def stacked(model) -> StackedLayers:
     return model.base_model.model.model.layers
 
 
+def stacked_tensors(model) -> torch.nn.Module:
+    """The stacked tensors of a model whose layers are one segment, one run of alike layers."""
+    stack = stacked(model)
+    assert stack.plan == (Segment(0, 1, len(stack)),)
+    return stack.segments[0].stacked
+
+
 @pytest.mark.parametrize("config", [
     Q_AND_V,
     dict(r=4, target_modules="all-linear", modules_to_save=["lm_head"], lora_dropout=0.0),
@@ -48,7 +56,7 @@ def stacked(model) -> StackedLayers:
 def test_training_is_one_scan_with_the_unconverted_losses_and_adapter_gradients(device, config):
     reference, model = peft_pair(**config)
     assert type(stacked(model)) is StackedLayers
-    assert not stacked(model).stacked.self_attn.q_proj.base_layer.weight.requires_grad
+    assert not stacked_tensors(model).self_attn.q_proj.base_layer.weight.requires_grad
     assert stacked(model)[1].self_attn.q_proj.kwargs["target_name"] == (
         "model.layers.1.self_attn.q_proj")
     ids, mask = batch(device)
@@ -88,7 +96,7 @@ def test_lora_dropout_draws_a_mask_per_layer_inside_the_scan(device):
     logits = model(input_ids=ids[:1, :1]).logits
     logits.square().mean().backward()
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([logits])
-    grad = stacked(model).stacked.self_attn.v_proj.lora_A.default.weight.grad.cpu()
+    grad = stacked_tensors(model).self_attn.v_proj.lora_A.default.weight.grad.cpu()
     assert "while" in hlo and torch.isfinite(grad).all()
     kept = grad.abs().sum(dim=1) != 0  # [layers, input features]
     assert all(0.2 < fraction < 0.8 for fraction in kept.float().mean(dim=1).tolist())
@@ -123,19 +131,42 @@ def test_save_pretrained_and_merge_and_unload_give_the_unconverted_results(devic
     close(logits[1], logits[0], THROUGH_LAYERS)
 
 
-def test_layers_whose_lora_settings_differ_are_refused():
-    with pytest.raises(ValueError, match=r"[Ll]ayer 1 parameter "
-                                         r"'self_attn\.q_proj\.lora_A\.default\.weight' has "
-                                         r"shape \(8, 32\)"):
-        stack_layers(peft_model(**Q_AND_V, rank_pattern={"layers.1.self_attn.q_proj": 8}))
-    with pytest.raises(ValueError, match=r"[Ll]ayer 1 setting 'self_attn\.q_proj\.lora_alpha' "
-                                         r"differs from layer 0's in its key 'default': 32"):
-        stack_layers(peft_model(**Q_AND_V, alpha_pattern={"layers.1.self_attn.q_proj": 32}))
-    model = peft_model(**{**Q_AND_V, "lora_dropout": 0.1})
-    model.base_model.model.model.layers[1].self_attn.v_proj.lora_dropout.default.p = 0.2
-    with pytest.raises(ValueError, match=r"[Ll]ayer 1 setting "
-                                         r"'self_attn\.v_proj\.lora_dropout\.default\.p' is 0\.2"):
-        stack_layers(model)
+def dropout_of_layer_2(p: float):
+    def change(model):
+        model.base_model.model.model.layers[2].self_attn.v_proj.lora_dropout.default.p = p
+    return change
+
+
+@pytest.mark.parametrize("config, change, segments, kinds, scanned", [
+    # Layer 2's adapter of another rank: another structure, a segment of its own.
+    (dict(rank_pattern={"layers.2.self_attn.q_proj": 8}), None,
+     (Segment(0, 1, 2), Segment(2, 1, 1)), (0, 0, 1), [(0, 2)]),
+    # Another scaling: one storage, another kind, which computes differently.
+    (dict(alpha_pattern={"layers.2.self_attn.q_proj": 32}), None,
+     (Segment(0, 1, 3),), (0, 0, 1), [(0, 2)]),
+    # Another dropout probability: another kind, but in evaluation no dropout
+    # runs, so the three layers compute the same and are one scan.
+    (dict(lora_dropout=0.1), dropout_of_layer_2(0.2), (Segment(0, 1, 3),), (0, 0, 1), [(0, 3)]),
+], ids=["rank", "alpha", "dropout"])
+def test_layers_whose_lora_settings_differ_run_as_runs_of_alike_layers(
+        device, monkeypatch, config, change, segments, kinds, scanned):
+    reference = peft_model(layers=3, **{**Q_AND_V, **config})
+    if change is not None:
+        change(reference)
+    model = stack_layers(copy.deepcopy(reference))
+    assert stacked(model).plan == segments and stacked(model).kinds == kinds
+    runs = []
+    scan_run = StackedLayers.scan_run
+    monkeypatch.setattr(StackedLayers, "scan_run", lambda stack, run, *args: (
+        runs.append((run.start, run.stop)), scan_run(stack, run, *args))[1])
+    ids, mask = batch(device)
+    logits = []
+    for which in (reference, model):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            logits.append(which.to(device).eval()(input_ids=ids, attention_mask=mask).logits)
+    assert runs == scanned
+    close(logits[1], logits[0], THROUGH_LAYERS)
 
 
 def test_stack_layers_first_gives_the_same_model(device, tmp_path):
@@ -145,7 +176,7 @@ def test_stack_layers_first_gives_the_same_model(device, tmp_path):
     torch.manual_seed(0)
     adapted_after = get_peft_model(stack_layers(make_model(layers=LAYERS)), LoraConfig(**Q_AND_V))
     assert type(stacked(adapted_after)) is StackedLayers
-    assert not stacked(adapted_after).stacked.self_attn.q_proj.base_layer.weight.requires_grad
+    assert not stacked_tensors(adapted_after).self_attn.q_proj.base_layer.weight.requires_grad
     assert [name for name, p in adapted_after.named_parameters() if p.requires_grad] == [
         name for name, p in model.named_parameters() if p.requires_grad]
     reference.save_pretrained(tmp_path)
@@ -157,7 +188,7 @@ def test_stack_layers_first_gives_the_same_model(device, tmp_path):
     # A second adapter loaded into the stacked model is there, stacked.
     loaded.load_adapter(tmp_path, adapter_name="second")
     assert type(stacked(loaded)) is StackedLayers
-    assert stacked(loaded).stacked.self_attn.q_proj.lora_A.second.weight.shape == (LAYERS, 4, 32)
+    assert stacked_tensors(loaded).self_attn.q_proj.lora_A.second.weight.shape == (LAYERS, 4, 32)
     ids, mask = batch(device)
     losses = []
     for which in (reference, loaded):
@@ -213,7 +244,7 @@ def test_disable_adapter_and_set_adapter_reach_the_stacked_layers(device, tmp_pa
     assert grads.keys() == reference_grads.keys() and all("default" in name for name in grads)
     for name, grad in reference_grads.items():
         close(grads[name], grad, THROUGH_LAYERS)
-    layers = stacked(model).stacked.self_attn.q_proj
+    layers = stacked_tensors(model).self_attn.q_proj
     assert layers.lora_A.default.weight.requires_grad
     assert not layers.lora_A.other.weight.requires_grad
     assert not layers.base_layer.weight.requires_grad
@@ -247,5 +278,5 @@ def test_peft_imported_after_stack_layers_is_taught_then(run_isolated):
     # stack_layers does not import peft (seconds) for users who do not use it.
     result = run_isolated(PEFT_IMPORTED_AFTER)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("StackedLayers ['base_model.model.model.layers.stacked."
-                                    "self_attn.q_proj.lora_A.default.weight'"), result.stdout
+    assert result.stdout.startswith("StackedLayers ['base_model.model.model.layers.segments.0."
+                                    "stacked.self_attn.q_proj.lora_A.default.weight'"), result.stdout

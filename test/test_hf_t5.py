@@ -1,12 +1,12 @@
 """stack_layers on T5, whose loop hands the position biases the first layer
 computes on to the others (`hidden_states, self_attention_position_bias,
 cross_attention_position_bias = layer_module(...)`, then `position_bias =
-self_attention_position_bias`): layer 0 runs as itself and the others as one
-scan per layer list, against the same model unconverted; and the same for a
-small model of such a loop."""
+self_attention_position_bias`): block 0, the one with the relative attention
+bias, is a segment of its own that runs as itself, and the other blocks a run
+that is one scan per layer list, against the same model unconverted; and the
+same for small models of such loops."""
 import copy
 import functools
-import re
 import warnings
 
 import pytest
@@ -20,9 +20,10 @@ from support import supports
 from test_hf import device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
 from tolerances import TRAINING, close
 from torch_xla_ext.hf.cache_plan import CACHE_REASON
-from torch_xla_ext.hf import StackedAfterFirst, stack_layers, unstack_layers
+from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext import policies
 from torch_xla_ext.layer_stack import LayerByLayerWarning, running
+from torch_xla_ext.layer_stack.segments import Segment
 
 VOCAB, SEQ, BATCH = 128, 6, 2
 LISTS = ("encoder.block", "decoder.block")
@@ -39,12 +40,6 @@ def t5():
 def tokens(device, seed=1):
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator).to(device)
-
-
-def unconverted_grads(model) -> dict:
-    """per_layer_grads, with the stacked layers after the first named as in the whole list."""
-    return {re.sub(r"\.rest\.(\d+)\.", lambda match: f".{int(match.group(1)) + 1}.", name): grad
-            for name, grad in per_layer_grads(model).items()}
 
 
 def run_training_step(model, ids, **options):
@@ -66,8 +61,10 @@ def test_t5_training_matches_the_unconverted_model(device):
     reference = t5()
     model = stack_layers(copy.deepcopy(reference))
     for path in LISTS:
+        # Block 0 holds the relative attention bias: a layer of its own, then a run of 2.
         stack = model.get_submodule(path)
-        assert type(stack) is StackedAfterFirst and len(stack) == 3
+        assert type(stack) is StackedLayers and len(stack) == 3
+        assert stack.plan == (Segment(0, 1, 1), Segment(1, 1, 2))
     assert model.state_dict().keys() == reference.state_dict().keys()
 
     ids = tokens(device)
@@ -77,7 +74,7 @@ def test_t5_training_matches_the_unconverted_model(device):
     close(loss, expected, TRAINING)
     assert loops_after == loops_before + 2  # a scan of layers 1-2 of each list
     assert not one_by_one
-    expected_grads, grads = per_layer_grads(reference), unconverted_grads(model)
+    expected_grads, grads = per_layer_grads(reference), per_layer_grads(model)
     assert grads.keys() == expected_grads.keys()
     # Layer 0's relative_attention_bias gets the gradients of every layer's use of the bias.
     assert "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in grads
@@ -126,7 +123,7 @@ def test_t5_training_with_the_default_cache_is_a_scan_per_list(device):
     close(loss, expected, TRAINING)
     assert loops == 2 and not one_by_one
     expected_grads = per_layer_grads(reference)
-    for name, grad in unconverted_grads(model).items():
+    for name, grad in per_layer_grads(model).items():
         close(grad, expected_grads[name], TRAINING)
 
 
@@ -151,7 +148,10 @@ def test_unstack_layers_and_state_dicts_of_t5(device):
     expected = reference.state_dict()
     model = stack_layers(copy.deepcopy(reference))
     stack = model.encoder.block
-    assert stack[0] is stack.first and stack[-1].layer[0].SelfAttention.q.weight.shape == (32, 32)
+    assert stack[0] is stack.segments[0]  # held as itself
+    assert stack[-1].layer[0].SelfAttention.q.weight.shape == (32, 32)
+    assert dict(stack.named_parameters())[
+        "segments.1.stacked.layer.0.SelfAttention.q.weight"].shape == (2, 32, 32)
     assert torch.equal(stack[2].layer[1].DenseReluDense.wi.weight,
                        expected["encoder.block.2.layer.1.DenseReluDense.wi.weight"])
     assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())
@@ -174,7 +174,7 @@ def test_unstack_layers_and_state_dicts_of_t5(device):
     stack_layers(model)  # stacked already: nothing to do
     unstack_layers(model, path="encoder.block")
     assert type(model.encoder.block) is nn.ModuleList
-    assert type(model.decoder.block) is StackedAfterFirst
+    assert type(model.decoder.block) is StackedLayers
     unstack_layers(model)
     for path in LISTS:
         assert type(model.get_submodule(path)) is nn.ModuleList
@@ -186,18 +186,16 @@ class Block(nn.Module):
 
     def __init__(self, recomputed=False):
         super().__init__()
-        self.linear = nn.Linear(4, 4)
+        self.norm, self.linear = nn.LayerNorm(4), nn.Linear(4, 4)
         self.recomputed = recomputed
 
     def forward(self, x, scale, bias=None):
         if bias is None or self.recomputed:
             bias = x.mean(dim=-1, keepdim=True)
-        return self.linear(x) * scale + bias, bias
+        return self.linear(self.norm(x)) * scale + bias, bias
 
 
 class HandsBack(nn.Module):
-    _no_split_modules = ["Block"]
-
     def __init__(self, recomputed=False):
         super().__init__()
         torch.manual_seed(0)
@@ -214,8 +212,8 @@ class HandsBack(nn.Module):
 
 
 class HandsBackUnderASetting(HandsBack):
-    """Hands the bias back under a test of its own settings alone: no guard
-    (such as LayerDrop's) that would run the blocks one by one while it holds."""
+    """Hands the bias back under a test of its own settings alone (a plain
+    value of the owner, which each kind of call is planned by)."""
     hands_on = True
 
     def forward(self, x):
@@ -227,26 +225,58 @@ class HandsBackUnderASetting(HandsBack):
         return x
 
 
+def forward_with_warnings(model, x) -> tuple:
+    """The output, the While loops of its graph and the LayerByLayerWarnings of a call."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        output = model(x)
+    loops = torch_xla._XLAC._get_xla_tensors_hlo([output]).count(" while(")
+    return output, loops, [str(each.message) for each in caught
+                           if each.category is LayerByLayerWarning]
+
+
 @pytest.mark.parametrize("loop, recomputed", [(HandsBack, False), (HandsBack, True),
                                               (HandsBackUnderASetting, False)],
                          ids=["hands-back", "recomputed", "under-a-setting"])
 def test_a_loop_that_hands_back_what_layers_return(device, loop, recomputed):
     reference = loop(recomputed).to(device)
     model = stack_layers(copy.deepcopy(reference))
-    assert type(model.blocks) is StackedAfterFirst
+    # The blocks are alike: one segment. Block 0 gets no bias and computes it,
+    # the others hand it back as they got it: block 0 runs as itself, the
+    # others as one scan that gets block 0's bias.
+    assert type(model.blocks) is StackedLayers and model.blocks.plan == (Segment(0, 1, 3),)
     x = torch.randn(2, 4, device=device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        output = model(x)
-    loops = torch_xla._XLAC._get_xla_tensors_hlo([output]).count(" while(")
-    one_by_one = [str(each.message) for each in caught if each.category is LayerByLayerWarning]
+    output, loops, one_by_one = forward_with_warnings(model, x)
     close(output, reference(x), TRAINING)
     if recomputed:
-        # Each block computes the bias it returns: the loop's calls run their blocks.
-        assert len(one_by_one) == 1 and loops == 0
-        assert "returns a tensor it computes as its value 1" in one_by_one[0]
+        # Each block computes the bias it returns, which the next gets, and
+        # which a scan cannot hand on: the blocks run one by one.
+        assert loops == 0 and len(one_by_one) == 1
+        assert one_by_one[0].startswith("The 3 layers ran one by one")
+        assert ("layer 1 gets, as its argument leaf 2, a value the layer before it computed "
+                "besides its hidden state, and a scan carries the hidden state only"
+                in one_by_one[0])
     else:
         assert not one_by_one and loops == 1
+
+
+def test_a_setting_of_the_owner_plans_its_calls_anew(device, monkeypatch):
+    # Each kind of call is planned once; the owner's plain settings are part of
+    # the kind: without the bias handed on, every block computes its own, and
+    # the three are one scan.
+    reference = HandsBackUnderASetting().to(device)
+    model = stack_layers(copy.deepcopy(reference))
+    scanned = []
+    scan_run = StackedLayers.scan_run
+    monkeypatch.setattr(StackedLayers, "scan_run", lambda stack, run, *args: (
+        scanned.append((run.start, run.stop)), scan_run(stack, run, *args))[1])
+    x = torch.randn(2, 4, device=device)
+    assert forward_with_warnings(model, x)[1:] == (1, []) and scanned == [(1, 3)]
+    for which in (reference, model):
+        which.hands_on = False
+    output, loops, one_by_one = forward_with_warnings(model, x)
+    assert loops == 1 and not one_by_one and scanned == [(1, 3), (0, 3)]
+    close(output, reference(x), TRAINING)
 
 
 class Rescales(HandsBack):
@@ -272,15 +302,17 @@ class Clamps(HandsBack):
         return x
 
 
-def test_a_loop_that_changes_what_it_hands_back_is_refused(device):
-    with pytest.raises(ValueError, match=r"Clamps\.forward does more between two layers .*"
-                                         r"`bias = bias\.clamp\(min=0\)`"):
-        stack_layers(Clamps())
-    # What calls nothing is seen as the loop runs: layer 2 gets another bias than layer 1.
-    model = stack_layers(Rescales()).to(device)
-    with pytest.raises(ValueError, match=r"layer 2 is called with other arguments than layer 1"
-                                         r".*its argument args\[1\]"):
-        model(torch.randn(2, 4, device=device))
+@pytest.mark.parametrize("loop", [Rescales, Clamps])
+def test_a_loop_that_changes_what_it_hands_back_scans_with_a_bias_per_layer(device, loop):
+    # The forward works on what a layer handed back, not on the hidden state:
+    # blocks 1-2 are one scan that gets each block's bias (stacked), given
+    # once the last of them is known.
+    reference = loop().to(device)
+    model = stack_layers(copy.deepcopy(reference))
+    x = torch.randn(2, 4, device=device)
+    output, loops, one_by_one = forward_with_warnings(model, x)
+    assert loops == 1 and not one_by_one
+    close(output, reference(x), TRAINING)
 
 
 @supports("gradient checkpointing", "t5")
@@ -306,7 +338,7 @@ def test_t5_gradient_checkpointing_recomputes_block_0_and_the_scan(device, monke
     assert loops == 2 and not one_by_one
     assert len(checkpointed) == 2  # block 0 of the encoder and of the decoder
     assert [each["partition_fn"] for each in partition_fns] == [policies.save_nothing] * 2
-    for name, grad in unconverted_grads(model).items():
+    for name, grad in per_layer_grads(model).items():
         close(grad, expected_grads[name], TRAINING)
 
 

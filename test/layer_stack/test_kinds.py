@@ -1,6 +1,7 @@
-"""Layers of several kinds in one scan (layer_stack.kinds): the settings that
-tell kinds apart, the proof that one trace stands for every kind, and
-per-layer arguments, against the for loop."""
+"""Layers of several kinds (layer_stack.kinds): per-layer arguments
+(`PerLayerChoice`) in one scan against the for loop, and what a layer
+computes (`program_of`), which tells a setting only handed on from one that
+changes the computation."""
 import re
 import warnings
 
@@ -9,10 +10,11 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack
 from torch_xla_ext.layer_stack.kinds import (
-    KindCalls, KindsCompared, PerLayerChoice, compare_kinds, kind_attributes, program_difference)
+    PerLayerChoice, call_for_layer, is_choice, program_of, same_leaf)
 from tolerances import DTYPE_DEFAULT, THROUGH_LAYERS, close
 
 HIDDEN = 8
@@ -31,7 +33,7 @@ class Scaled(nn.Module):
     def forward(self, hidden, scale, **ignored):
         output = torch.tanh(self.linear(hidden)) * scale
         if self.uses_window and self.window is not None:
-            output = output * torch.tensor(float(self.window))
+            output = output * torch.tensor([[float(self.window)] * HIDDEN])
         return _hand_on(output, window=self.window)
 
 
@@ -42,58 +44,6 @@ def _hand_on(output, **ignored):
 @pytest.fixture(scope="module")
 def device():
     return torch_xla.device()
-
-
-def test_kind_attributes_are_what_differs_between_kinds():
-    layers = [Scaled(window=4), Scaled(), Scaled(window=4), Scaled()]
-    assert kind_attributes(layers, ["a", "b", "a", "b"], ("layer_idx",)) == {"window"}
-    assert kind_attributes(layers, ["a", "b", "a", "b"], ("window",)) == set()
-    layers[3].window = 2
-    with pytest.raises(ValueError, match=r"Layer 3 setting 'window' differs from layer 1's, "
-                                         r"the first layer of the same kind 'b'"):
-        kind_attributes(layers, ["a", "b", "a", "b"], ())
-
-
-class Gated(Scaled):
-    """A layer of another structure: a submodule more than Scaled."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = nn.Linear(HIDDEN, HIDDEN)
-
-
-def test_kinds_compared_differ_in_settings_or_in_structure():
-    kinds = ["a", "b", "a", "b"]
-    assert compare_kinds([Scaled(window=4), Scaled()] * 2, kinds) == KindsCompared(
-        frozenset({"window"}))
-    compared = compare_kinds([Scaled(), Gated()] * 2, kinds)
-    assert compared.settings == frozenset()
-    assert re.match(r"Layer 1 differs from layer 0: it has extra submodules \['gate'\]",
-                    compared.structure)
-    # Layers of one kind not alike are no structure of the kinds: the stack says so.
-    layers = [Scaled(), Scaled(), Gated(), Scaled()]
-    assert compare_kinds(layers, kinds).structure is None
-    with pytest.raises(ValueError, match=r"Layer 2 differs from layer 0: it has extra submodules"):
-        LayerStack(layers)
-    with pytest.raises(ValueError, match=r"the layers' kinds \['a', 'b'\] differ in more than "
-                                         r"their settings \(Layer 1 differs from layer 0"):
-        kind_attributes([Scaled(), Gated()] * 2, kinds, ())
-
-
-def test_the_proof_tells_a_setting_handed_on_from_one_that_computes():
-    hidden, scale = torch.randn(2, HIDDEN), torch.randn(HIDDEN)
-    tensors = {name: tensor.unsqueeze(0) for name, tensor in Scaled().state_dict().items()}
-    # Only handed on: one trace stands for both kinds.
-    assert program_difference([Scaled(window=4), Scaled()], tensors, hidden, (scale,), {}) is None
-    # Read into a constant the layer makes: the constants differ.
-    difference = program_difference([Scaled(window=4, uses_window=True),
-                                     Scaled(window=2, uses_window=True)],
-                                    tensors, hidden, (scale,), {})
-    assert difference == ("the layer computes another graph with the settings of its kind 1 "
-                          "than with those of its kind 0")
-    # Read to branch: the graphs differ.
-    assert program_difference([Scaled(window=4, uses_window=True), Scaled(uses_window=True)],
-                              tensors, hidden, (scale,), {}) is not None
 
 
 def test_a_per_layer_choice_gives_each_layer_its_variant_inside_one_scan(device):
@@ -142,23 +92,80 @@ def test_variants_a_scan_cannot_pick_among_run_layer_by_layer(device):
     close(output, expected, DTYPE_DEFAULT)
 
 
-def test_kind_calls_record_each_kind_once_and_refuse_another_kinds_arguments():
-    calls = KindCalls(["a", "a", "b", "a"])
-    hidden, first, second = object(), torch.ones(1), torch.zeros(1)
-    assert [calls.record(0, hidden, (first,), {}), calls.record(1, hidden, (first,), {}),
-            calls.record(2, hidden, (second,), {})] == [False, False, True]
-    args, kwargs = calls.merged(calls.calls())
-    assert kwargs == {} and args[0].variants == (first, second)
-    assert args[0].choice == (0, 0, 1, 0)
-    output = calls.ran(object())
-    with pytest.raises(ValueError, match=r"layer 3 is called with other arguments than layer "
-                                         r"0, the first layer of its kind: its argument "
-                                         r"args\[0\] is not the one layer 0 got"):
-        calls.record(3, output, (second,), {})
-    # Work between two layers on the hidden state would not run inside the scan.
-    with pytest.raises(RuntimeError, match="layer 3 got another hidden state than layer 2 "
-                                           "returned"):
-        calls.record(3, object(), (first,), {})
-    with pytest.raises(RuntimeError, match="layer 1 got another hidden state than layer 0"):
-        calls.record(0, hidden, (first,), {})
-        calls.record(1, object(), (first,), {})
+def test_a_layers_call_takes_its_variant_of_each_choice():
+    first, second = torch.ones(1), torch.zeros(1)
+    choice = PerLayerChoice((first, second), (0, 1, 1, 0))
+    assert is_choice(choice) and not is_choice(first)
+    assert [choice.for_layer(index) is (first, second)[which]
+            for index, which in enumerate((0, 1, 1, 0))] == [True] * 4
+    # Anywhere in the call's arguments, nested or not; the rest as it is.
+    args, kwargs = call_for_layer((choice, 3), {"masks": [choice, None], "flag": True}, 2)
+    assert args[0] is second and args[1] == 3
+    assert kwargs["masks"][0] is second and kwargs["masks"][1] is None and kwargs["flag"] is True
+
+
+def test_a_leaf_is_the_same_as_the_very_object_or_an_equal_plain_constant():
+    tensor = torch.ones(1)
+    assert same_leaf(tensor, tensor) and not same_leaf(torch.ones(1), tensor)
+    assert same_leaf(4, 4) and same_leaf("sliding", "sliding") and same_leaf(None, None)
+    # Equal values of other types would trace differently (True == 1 == 1.0).
+    assert not same_leaf(True, 1) and not same_leaf(1.0, 1)
+    assert not same_leaf([1], [1])  # not a plain constant: only the very object
+
+
+def call_leaves(*args, **kwargs) -> tuple[list, object]:
+    return tree_flatten((args, kwargs))
+
+
+def test_a_program_tells_a_setting_handed_on_from_one_that_computes():
+    leaves, spec = call_leaves(torch.randn(2, HIDDEN), torch.randn(HIDDEN))
+    # Only handed on: the same program for both settings.
+    assert program_of(Scaled(window=4), leaves, spec) == program_of(Scaled(), leaves, spec)
+    # Read into a constant the layer makes (of two dimensions): the constants differ.
+    four, two = (program_of(Scaled(window=window, uses_window=True), leaves, spec)
+                 for window in (4, 2))
+    assert four[0] == two[0] and four[1] != two[1]
+    assert len({four, two}) == 2  # programs are hashable: runs are split by them
+    # Read to branch: the graphs differ.
+    assert program_of(Scaled(uses_window=True), leaves, spec)[0] != four[0]
+    # Other weights, the same program: it is the code and constants, not the values.
+    assert program_of(Scaled(), leaves, spec) == program_of(Scaled(), leaves, spec)
+
+
+def test_a_program_holds_the_backward_to_what_requires_grad():
+    leaves, spec = call_leaves(torch.randn(2, HIDDEN), torch.randn(HIDDEN))
+    frozen = Scaled().requires_grad_(False)
+    forward_only = program_of(frozen, leaves, spec)
+    trained = program_of(Scaled(), leaves, spec)
+    assert forward_only != trained
+    assert "tanh_backward" in trained[0] and "tanh_backward" not in forward_only[0]
+    # The hidden state requiring grad adds its gradient to the frozen layer's.
+    hidden = torch.randn(2, HIDDEN, requires_grad=True)
+    assert "tanh_backward" in program_of(frozen, *call_leaves(hidden, torch.randn(HIDDEN)))[0]
+    # A layer whose weights require grad computes the hidden state's gradient
+    # whether its own requires grad or not (as a scan's step does: the first
+    # layer's input may not, the later layers' do), so that the first layer's
+    # program is the others'.
+    assert program_of(Scaled(), *call_leaves(hidden, torch.randn(HIDDEN))) == trained
+
+
+class Recomputed(nn.Module):
+    """A layer that recomputes its linear layer in the backward, as
+    transformers' gradient checkpointing does (torch's checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden):
+        return torch.utils.checkpoint.checkpoint(self.linear, hidden, use_reentrant=False).tanh()
+
+
+def test_a_layer_that_recomputes_in_its_backward_is_traced_on_its_fakes(device):
+    # Its backward recomputes with the fakes, not with its own weights on the
+    # device (which fakes on the CPU cannot mix with).
+    layer = Recomputed().to(device)
+    hidden = torch.randn(2, HIDDEN, device=device, requires_grad=True)
+    code, constants = program_of(layer, *call_leaves(hidden))
+    assert code.count("addmm") >= 2 and "tanh_backward" in code  # the recomputed linear
+    assert program_of(Recomputed().to(device), *call_leaves(hidden)) == (code, constants)

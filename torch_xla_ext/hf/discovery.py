@@ -2,7 +2,8 @@
 being stacked.
 
 A layer list is an `nn.ModuleList` of blocks: modules made of modules (an
-attention and an MLP, a mixer and a norm), not of single linear or
+attention and an MLP, a mixer and a norm, held directly or in a list of
+the block's parts, T5's), not of single linear or
 embedding layers, and not inside a block of another such list (a
 mixture-of-experts layer's experts). Which lists the model's forward calls
 as a chain of layers, and how, is found at its calls (`layer_stack.plans`);
@@ -84,9 +85,14 @@ def layer_list_paths(model: nn.Module) -> list[str]:
 
 
 def _is_block(module: nn.Module) -> bool:
-    """A module made of at least two modules that hold tensors of their own."""
-    return sum(1 for child in module.children()
-               if any(True for _ in child.parameters()) or any(True for _ in child.buffers())) >= 2
+    """A module made of at least two modules that hold tensors of their own;
+    the modules of a list or dict among its children count as its own (T5's
+    block keeps its attention and feed-forward parts in an nn.ModuleList)."""
+    parts = [part for child in module.children()
+             for part in (child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict))
+                          else [child])]
+    return sum(1 for part in parts
+               if any(True for _ in part.parameters()) or any(True for _ in part.buffers())) >= 2
 
 
 def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:

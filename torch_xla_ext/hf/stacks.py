@@ -16,7 +16,9 @@ transformers' own is how a run's scan takes the call:
   (`checkpointing`); a layer that runs by itself keeps it, with torch_xla's
   checkpoint function on XLA;
 * mixture-of-experts layers scan with the experts implementation of static
-  shapes only (`experts`);
+  shapes only (`experts`): with another, every call runs them one by one
+  (`unscannable`, asked before any dry run, whose fakes cannot route tokens
+  by data either);
 * where one kind of layers gets no attention mask (SDPA's causal mask is
   theirs) and another a mask tensor, the None becomes the mask it stands
   for, so that each layer's mask is a tensor the scan picks.
@@ -84,6 +86,12 @@ class StackedLayers(StackedList):
     def unstacked(self) -> list[nn.Module]:
         return checkpointing.given_to(super().unstacked(), self)
 
+    def unscannable(self) -> str | None:
+        return experts_reason(tuple(
+            module for stored in self.segments
+            for module in experts_modules(stored.template if isinstance(stored, SegmentStack)
+                                          else stored)))
+
     def call_layer(self, index: int, args: tuple, kwargs: dict):
         layer = self.layer(index)
         device = next((leaf.device for leaf in tree_flatten((args, kwargs))[0]
@@ -95,9 +103,6 @@ class StackedLayers(StackedList):
         layers = self.runner(run)
         if isinstance(layers, str):
             return layers
-        experts = experts_reason(experts_modules(layers.template))
-        if experts is not None:
-            return experts
         calls = kwargs["calls"] if run.period > 1 else ((args, kwargs),)
         layers = dataclasses.replace(
             checkpointing.under_policy(self, layers),

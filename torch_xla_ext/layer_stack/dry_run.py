@@ -33,7 +33,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import program_of
-from torch_xla_ext.layer_stack.loops import driving
+from torch_xla_ext.layer_stack.loops import driving, iterating
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.placeholders import placeholder
 from torch_xla_ext.scan.loop import xla_rng_kept
@@ -231,8 +231,11 @@ class _Watch(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _looping(self) -> bool:
-        """Whether a list's loop is under way: some, not all, of its layers called."""
-        return any(0 < len(recorder.calls) < len(recorder.stack) for recorder in self.recorders)
+        """Whether a list's loop is under way: an iteration over the list (from
+        its first item on, so that a read deciding to skip layer 0 counts), or
+        some, not all, of its layers called (a loop over a slice)."""
+        return any(iterating(recorder.stack) or 0 < len(recorder.calls) < len(recorder.stack)
+                   for recorder in self.recorders)
 
 
 def _reads_metadata(func) -> bool:

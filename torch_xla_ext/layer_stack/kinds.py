@@ -77,22 +77,24 @@ def same_leaf(leaf, reference) -> bool:
 def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
     """What `layer` computes when called with `leaves` (of `tree_flatten((args,
     kwargs))`, `spec`): the code and constants of its forward, and of its
-    backward to its inputs and weights where they require grad, traced by
-    `make_fx` on fakes. Layers of kinds whose programs are equal can share
-    one scan's trace."""
+    backward to its hidden state and weights where they require grad (the
+    hidden state where the weights do), traced by `make_fx` on fakes. Layers
+    of kinds whose programs are equal can share one scan's trace."""
     mode = fake_mode()
     weights = fake_weights(mode, layer)
     args, kwargs = tree_unflatten(fake_leaves(mode, leaves), spec)
+    # As a step of a scan: where the weights require grad, so does the hidden
+    # state each layer but the first gets; the first's (an input, a frozen
+    # embedding's output) must too, or its program would differ from theirs.
+    if (args and isinstance(args[0], torch.Tensor) and args[0].dtype.is_floating_point
+            and any(each.requires_grad for each in weights.values())):
+        args[0].requires_grad_(True)
+    differentiated = _Differentiated(layer)
 
     def forward_and_backward(weights, args, kwargs):
-        output = torch.func.functional_call(layer, weights, args, kwargs)
-        output = output[0] if isinstance(output, tuple) else output
-        differentiable = [each for each in (args[0], *weights.values())
-                          if isinstance(each, torch.Tensor) and each.requires_grad]
-        if not output.requires_grad or not differentiable:
-            return output
-        return output, torch.autograd.grad(output, differentiable, torch.ones_like(output),
-                                           allow_unused=True)
+        return torch.func.functional_call(
+            differentiated, {f"layer.{name}": each for name, each in weights.items()},
+            (tuple(weights.values()), args, kwargs))
 
     # The layer's forward hooks would see the fakes (a stack replays them after its loop).
     with mode, hooks_held(layer):
@@ -109,3 +111,25 @@ def _value(constant: torch.Tensor) -> tuple | None:
     if isinstance(constant, FakeTensor):
         constant = constant.constant
     return None if constant is None else tuple(constant.flatten().tolist())
+
+
+class _Differentiated(nn.Module):
+    """`layer`'s output and its gradients to its hidden state and `weights`
+    (those that require grad), in one call: under `functional_call`, the
+    backward too runs with the fakes as the layer's weights (a layer that
+    recomputes itself in its backward, under transformers' gradient
+    checkpointing, recomputes on them)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, weights: tuple, args: tuple, kwargs: dict):
+        output = self.layer(*args, **kwargs)
+        output = output[0] if isinstance(output, tuple) else output
+        differentiable = [each for each in (args[0], *weights)
+                          if isinstance(each, torch.Tensor) and each.requires_grad]
+        if not output.requires_grad or not differentiable:
+            return output
+        return output, torch.autograd.grad(output, differentiable, torch.ones_like(output),
+                                           allow_unused=True)

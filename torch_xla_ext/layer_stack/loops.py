@@ -21,8 +21,8 @@ from typing import Callable, Iterable, Protocol
 
 from torch import nn
 
-__all__ = ["Driver", "LayerCall", "active_driver", "drive_loops", "driving", "loop_names",
-           "undrive_loops"]
+__all__ = ["Driver", "LayerCall", "active_driver", "drive_loops", "driving", "iterated",
+           "iterating", "loop_names", "undrive_loops"]
 
 
 class Driver(Protocol):
@@ -34,6 +34,7 @@ class Driver(Protocol):
 class _Active(threading.local):
     def __init__(self):
         self.drivers: list[tuple[int, Driver]] = []  # (id of the list, its driver)
+        self.iterations: list[int] = []  # the id of the list of each iteration under way
 
 
 _ACTIVE = _Active()
@@ -43,6 +44,24 @@ def active_driver(stack: nn.Module) -> Driver | None:
     """The driver of the innermost running forward that loops over `stack`."""
     return next((driver for stack_id, driver in reversed(_ACTIVE.drivers)
                  if stack_id == id(stack)), None)
+
+
+def iterated(stack: nn.Module, items: Iterable):
+    """`items`, the layers of `stack` as a driven loop iterates over them,
+    with the iteration marked as under way (`iterating`) from the first item
+    taken until the loop asks past the last one, or drops the iterator."""
+    iterations = _ACTIVE.iterations
+    iterations.append(id(stack))
+    try:
+        yield from items
+    finally:
+        iterations.remove(id(stack))
+
+
+def iterating(stack: nn.Module) -> bool:
+    """Whether a driven loop's iteration over `stack` is under way (`iterated`):
+    its body may be running though it calls no layer (one it skips)."""
+    return id(stack) in _ACTIVE.iterations
 
 
 class driving:

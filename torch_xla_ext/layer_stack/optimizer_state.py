@@ -112,10 +112,12 @@ def _layouts(optimizer) -> list[list[_Entry]] | None:
 
 
 def _unconverted_name(name: str, entry: _Entry) -> str:
-    """The per-layer parameter's name, from the stacked one's name in the group."""
+    """The per-layer parameter's name, from the stored one's name in the group
+    (a stacked parameter's, or that of a layer a stack holds as itself)."""
     if name.endswith(entry.stacked_name):
         return name[:len(name) - len(entry.stacked_name)] + entry.per_layer_name
-    return f"{name}.{entry.layer}"  # a name of the user's own: the layer appended
+    # A name of the user's own: a stacked one's with the layer appended.
+    return name if entry.layer is None else f"{name}.{entry.layer}"
 
 
 def _layer_state(state: dict, param: torch.Tensor, layer: int, optimizer) -> dict:
@@ -160,7 +162,7 @@ def save_unconverted(optimizer, state_dict: dict) -> dict | None:
         unconverted = {**packed, "params": list(positions)}
         if "param_names" in packed:
             unconverted["param_names"] = [
-                names[id(entry.param)] if entry.layer is None
+                names[id(entry.param)] if not entry.per_layer_name
                 else _unconverted_name(names[id(entry.param)], entry) for entry in entries]
         groups.append(unconverted)
         position += len(entries)

@@ -9,7 +9,9 @@ and whether gradients are computed. A kind met for the first time is
 planned from a dry run (`dry_run`, `call_plan`); later calls of that kind
 reuse the plan, whose every call is checked as it runs (`execution`).
 Layers away from an XLA device are planned to run one by one, with no dry
-run: the scan is an XLA loop.
+run: the scan is an XLA loop; so are layers whose stack says that no call
+can scan them now (`StackedList.unscannable`: layers whose shapes depend
+on the data, which the dry run's fakes cannot run either).
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class OwnerPlans:
         stacks = {name: owner._modules[name] for name in names}
         device = next((tensor.device for stack in stacks.values()
                        for tensor in stack.parameters()), None)
-        reason = None if device is None else device_reason(device)
+        reason = next(filter(None, [None if device is None else device_reason(device),
+                                    *(stack.unscannable() for stack in stacks.values())]), None)
         if reason is not None:
             return {name: Execution(stack, CallPlan((), reason)) for name, stack in stacks.items()}
         key = _kind_of_call(owner, args, kwargs)

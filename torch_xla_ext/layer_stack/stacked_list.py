@@ -27,7 +27,7 @@ from torch_xla_ext.layer_stack import names as names_of, optimizer_state, runnin
 from torch_xla_ext.layer_stack.execution import ScanResult
 from torch_xla_ext.layer_stack.alike import layout_of, names_its_module, structure_key
 from torch_xla_ext.layer_stack.forms import differences
-from torch_xla_ext.layer_stack.loops import LayerCall, active_driver
+from torch_xla_ext.layer_stack.loops import LayerCall, active_driver, iterated
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import plan_segments
 from torch_xla_ext.layer_stack.stack import LayerStack
@@ -200,7 +200,8 @@ class StackedList(nn.Module):
         return self.layer(index)
 
     def __iter__(self):
-        return (self._in_loop(index) for index in range(len(self)))
+        items = (self._in_loop(index) for index in range(len(self)))
+        return items if active_driver(self) is None else iterated(self, items)
 
     def __getattr__(self, name: str):
         # Layer i as a module, by its name in the list it replaced ("3"), as
@@ -227,6 +228,11 @@ class StackedList(nn.Module):
             else:
                 layers += stored.unstacked()
         return layers
+
+    def unscannable(self) -> str | None:
+        """Why no call can run these layers as a scan now, known without a
+        call, or None: a subclass's rules (none here)."""
+        return None
 
     def call_layer(self, index: int, args: tuple, kwargs: dict):
         """Layer `index`'s call, run by the layer itself (as a module)."""
