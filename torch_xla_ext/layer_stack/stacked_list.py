@@ -277,8 +277,14 @@ class StackedList(nn.Module):
         key = ("group", tuple(self.kinds[start:start + period]),
                layout_of(stack.template, 0).trace_key())
         if key not in copies:
-            copies[key] = LayerGroup([self._template_for(index)
-                                      for index in range(start, start + period)])
+            templates = []
+            for index in range(start, start + period):
+                template = self._template_for(index)
+                # Two positions of one kind need modules of their own: one module
+                # twice in the group would tie its tensors across the positions.
+                templates.append(copy.deepcopy(template)
+                                 if any(template is each for each in templates) else template)
+            copies[key] = LayerGroup(templates)
         return copies[key]
 
     def _template_for(self, index: int) -> nn.Module:
