@@ -1,8 +1,12 @@
-"""stack_layers on transformers models whose config.layer_types mixes kinds
-(Gemma2, Gemma3, Qwen2 with a sliding window on its later layers), against
-the same model unconverted: one scan whose layers pick their kind's
-arguments, and the few scans of StackedLayerKinds (for kinds that differ in
-more than their settings)."""
+"""stack_layers on transformers models whose layers come in kinds
+(config.layer_types: Gemma2, Gemma3, Qwen2 with a sliding window on its
+later layers, Olmo3, Exaone4, Lfm2), against the same model unconverted.
+
+Kinds that differ only in settings share one stored segment: they run as one
+scan where they compute alike (each layer given its kind's arguments), else
+as a scan per run of one kind, or over groups of their pattern. Kinds that
+differ in structure (other submodules) are stored as segments, a repeating
+pattern as groups of layers that one scan runs a group per step."""
 import copy
 import re
 import warnings
@@ -13,14 +17,15 @@ import torch_xla
 import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from per_layer import per_layer_grads
 from support import supports
 from test_hf import (batch, compilations, device,  # noqa: F401 (a fixture)
-                     left_padded_prompts, per_layer_grads, seeded_generate)
+                     left_padded_prompts, seeded_generate)
 from tolerances import TRAINING, close
 import torch_xla_ext as tx
-from torch_xla_ext.hf import StackedLayerKinds, StackedLayers, stack_layers, unstack_layers
+from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
-from torch_xla_ext.layer_stack.groups import Segment, unconverted_name
+from torch_xla_ext.layer_stack.segments import Segment
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # sliding_window 4 < the batch's 8 tokens, so the two kinds of mask differ.
@@ -45,30 +50,40 @@ OTHER_FAMILIES = {
     "exaone4": lambda **config: transformers.Exaone4ForCausalLM(transformers.Exaone4Config(
         num_hidden_layers=4, **config)),
 }
-# The plan of StackedLayerKinds for Gemma3's layers: two groups of the pattern, then one layer.
-GEMMA3_GROUPS = [Segment(0, 3, 2), Segment(6, 1, 1)]
+# The stored segments of Gemma3's layers when its kinds differ in structure
+# (`groups`): layer 0 as itself, then two groups of the pattern (sliding, full, sliding).
+GEMMA3_GROUPS = (Segment(0, 1, 1), Segment(1, 3, 2))
+
+
+def another_activation_on_full_attention(model):
+    """`model` with its full-attention layers' activation a module of another
+    class (torch's tanh GELU for transformers' own): kinds that differ in
+    structure, which a stack stores in segments (a repeating pattern as groups)."""
+    for layer_type, layer in zip(model.config.layer_types, model.model.layers):
+        if layer_type == FULL:
+            layer.mlp.act_fn = torch.nn.GELU(approximate="tanh")
+    return model
 
 
 def converted_pair(family, groups=False, **config):
     """An unconverted model and a converted copy with the same weights; with
-    `groups`, its layers are a StackedLayerKinds, as stack_layers makes for
-    kinds that differ in more than their settings."""
+    `groups`, both with `another_activation_on_full_attention`."""
     torch.manual_seed(0)
     reference = FAMILIES[family](**{**COMMON, **config})
-    model = copy.deepcopy(reference)
     if groups:
-        model.model.layers = StackedLayerKinds(model.model.layers, model.config.layer_types,
-                                               model.config)
-        return reference, model
-    return reference, stack_layers(model)
+        another_activation_on_full_attention(reference)
+    return reference, stack_layers(copy.deepcopy(reference))
 
 
-def unconverted_grads(model) -> dict:
-    """Every gradient under its parameter's unconverted name."""
-    prefix = "model.layers."
-    return {prefix + unconverted_name(model.model.layers, name[len(prefix):])
-            if name.startswith(prefix) else name: grad
-            for name, grad in per_layer_grads(model).items()}
+def kinds_in_order(layer_types) -> tuple:
+    """Each layer's kind, the kinds numbered in order of their first layer (`StackedList.kinds`)."""
+    firsts = list(dict.fromkeys(layer_types))
+    return tuple(firsts.index(each) for each in layer_types)
+
+
+def while_loops(*tensors) -> int:
+    """The While loops of the graph of `tensors` (not run)."""
+    return len(re.findall(r"\bwhile\(", torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))))
 
 
 @supports("training", FAMILIES)
@@ -76,17 +91,18 @@ def unconverted_grads(model) -> dict:
 @pytest.mark.parametrize("family, groups", [
     ("gemma2", False), ("gemma3", False), ("qwen2", False), ("gemma3", True)],
     ids=["gemma2", "gemma3", "qwen2", "gemma3-groups"])
-def test_training_matches_the_unconverted_model_as_scans(device, family, groups):
+def test_training_matches_the_unconverted_model_as_one_scan(device, family, groups):
     # use_cache=True, the configs' default: the model makes itself an empty
-    # DynamicCache, which the scans fill.
+    # DynamicCache, which the scan fills (its sliding layers keep only their
+    # window: the cache's doing, not the layers'). One scan of every layer,
+    # each given its kind's arguments; with kinds that differ in structure
+    # (`groups`), Gemma3's layer 0 runs as itself, then one scan over groups.
     reference, model = converted_pair(family, groups, use_cache=True)
     layers = model.model.layers
-    if groups:
-        assert layers.plan == GEMMA3_GROUPS
-    else:
-        assert type(layers) is StackedLayers and {"sliding_window", "layer_type"} <= (
-            layers.kind_attributes)
-    scans = len(layers.plan) if groups else 1
+    assert type(layers) is StackedLayers
+    assert layers.kinds == kinds_in_order(model.config.layer_types)
+    # Kinds that differ in settings only are stored as one segment.
+    assert layers.plan == (GEMMA3_GROUPS if groups else (Segment(0, 1, len(layers)),))
     ids, mask = batch(device)
     results = {}
     for which in (reference, model):
@@ -102,11 +118,9 @@ def test_training_matches_the_unconverted_model_as_scans(device, family, groups)
                 loss = which(ids, attention_mask=mask, labels=ids).loss
             loss.backward()
             if step == 0 and which is model:
-                hlo = torch_xla._XLAC._get_xla_tensors_hlo(
-                    [loss, *(p.grad for p in model.parameters())])
-                # A forward and a backward loop per scan.
-                assert len(re.findall(r"\bwhile\(", hlo)) == 2 * scans
-            grads = unconverted_grads(which) if which is model else per_layer_grads(which)
+                # A forward and a backward loop.
+                assert while_loops(loss, *(p.grad for p in model.parameters())) == 2
+            grads = per_layer_grads(which)
             steps.append((loss.detach(), {k: g.detach().clone() for k, g in grads.items()}))
             optimizer.step()
             torch_xla.sync()
@@ -119,9 +133,11 @@ def test_training_matches_the_unconverted_model_as_scans(device, family, groups)
             close(grads[name], grad, TRAINING)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_state_dict_and_layers_look_unconverted(family, tmp_path):
-    reference, model = converted_pair(family)
+@pytest.mark.parametrize("family, groups", [
+    ("gemma2", False), ("gemma3", False), ("qwen2", False), ("gemma3", True)],
+    ids=["gemma2", "gemma3", "qwen2", "gemma3-groups"])
+def test_state_dict_and_layers_look_unconverted(family, groups, tmp_path):
+    reference, model = converted_pair(family, groups)
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(loaded.model.layers) is torch.nn.ModuleList
@@ -133,14 +149,18 @@ def test_state_dict_and_layers_look_unconverted(family, tmp_path):
         assert torch.equal(actual[key], value), key
     layers, reference_layers = model.model.layers, reference.model.layers
     assert len(layers) == len(reference_layers)
+    for index in (len(layers) - 2, len(layers) - 1):  # of either kind
+        assert type(layers[index]) is type(reference_layers[index])
+        assert (layers[index].self_attn.sliding_window
+                == reference_layers[index].self_attn.sliding_window)
+        assert type(layers[index].mlp.act_fn) is type(reference_layers[index].mlp.act_fn)
+        assert ([name for name, _ in layers[index].named_parameters()]
+                == [name for name, _ in reference_layers[index].named_parameters()])
     last = len(layers) - 1
-    assert type(layers[last]) is type(reference_layers[last])
-    assert layers[last].self_attn.sliding_window == reference_layers[last].self_attn.sliding_window
-    assert ([name for name, _ in layers[last].named_parameters()]
-            == [name for name, _ in reference_layers[last].named_parameters()])
     # A checkpoint of the unconverted model loads under its per-layer keys.
     torch.manual_seed(1)
-    other = stack_layers(FAMILIES[family](**COMMON))
+    other = FAMILIES[family](**COMMON)
+    stack_layers(another_activation_on_full_attention(other) if groups else other)
     result = other.load_state_dict(expected)
     assert not result.missing_keys and not result.unexpected_keys
     for key, value in expected.items():
@@ -155,22 +175,41 @@ def test_state_dict_and_layers_look_unconverted(family, tmp_path):
 
 
 @pytest.mark.parametrize("groups", [False, True], ids=["one-scan", "groups"])
-def test_a_layer_given_another_kinds_arguments_is_refused(device, groups):
+def test_a_layer_given_other_arguments_than_its_plan_says_is_refused(device, groups):
     reference, model = converted_pair("gemma2", groups)
     model.to(device).train()
     ids, mask = batch(device)
-    # Layer 3 is now given the sliding-window mask; layer 1, the first of its
-    # kind (and at its position in the first group), got the full one, which
-    # the scan used for layer 3.
+    model(ids, attention_mask=mask)  # planned: layers 1 and 3 get the full-attention mask
+    # Layer 3 is now given the sliding-window mask, which the plan of this kind
+    # of call (the config's plain values are alike) says is layer 1's.
     model.config.layer_types = [SLIDING, FULL, SLIDING, SLIDING]
-    with pytest.raises(ValueError, match=r"layer 3 is called with other arguments than layer "
-                                         r"1, the first layer of its kind: its argument "
-                                         r"kwargs\['attention_mask'\] is not the one layer 1 got"):
+    with pytest.raises(ValueError, match=r"layer 3 is called with another argument \(leaf \d+ "
+                                         r"of its arguments\) than layer 1, which the loop gave "
+                                         r"the same one when this kind of call was planned"):
         model(ids, attention_mask=mask)
+    # A model that gives layer 3 the sliding-window mask from its first call
+    # is planned so: in one scan, each layer gets the mask the forward gives
+    # it; a scan over groups gives a position the same arguments in every
+    # group, so the layers run one by one.
+    reference, model = converted_pair("gemma2", groups)
+    results = []
+    for which in (reference, model):
+        which.config.layer_types = [SLIDING, FULL, SLIDING, SLIDING]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results.append(which.to(device).train()(ids, attention_mask=mask).logits)
+    close(results[1], results[0], TRAINING)
+    assert [str(w.message) for w in caught if w.category is LayerByLayerWarning] == (
+        ["The 4 layers ran one by one, as the for loop does, instead of as one scan: the groups "
+         "of layers get arguments that differ from group to group."] if groups else [])
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen2"])
-def test_a_prefill_fills_the_cache_and_decoding_runs_layer_by_layer(device, family):
+@pytest.mark.parametrize("family, one_by_one", [("gemma2", 4), ("qwen2", 2)])
+def test_a_prefill_fills_the_cache_and_decoding_runs_sliding_layers_one_by_one(device, family,
+                                                                               one_by_one):
+    # The sliding layers that hold tokens read and update their own slots:
+    # they decode one by one (Gemma2's alternate with the full ones: every
+    # layer), while a run of full ones (Qwen2's first two) decodes as a scan.
     reference, model = converted_pair(family, use_cache=True)
     ids, mask = batch(device)
     step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -189,30 +228,45 @@ def test_a_prefill_fills_the_cache_and_decoding_runs_layer_by_layer(device, fami
                              past_key_values=cache).logits
         results.append([output.logits, *layers, step])
     # The sliding layers hold 3 tokens (their window, 4, less one), the full ones 8.
-    assert any("in which each layer reads and updates its own slot" in str(w.message)
-               for w in caught)
+    warned = [str(w.message) for w in caught if w.category is LayerByLayerWarning]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"The {one_by_one} layers ran one by one, as the for loop does, instead of as one scan: "
+        f"the key/value cache passed (past_key_values) is of a kind, or in a state, in which "
+        f"each layer reads and updates its own slot"), warned
     # Every layer's keys and values, a sliding layer's cut to its window, as unconverted.
     assert [t.shape for t in results[1]] == [t.shape for t in results[0]]
     for actual, expected in zip(*results):
         close(actual, expected, TRAINING)
 
-def training_step_of_both(reference, model, device, backward=False) -> tuple:
-    """(loss, gradients by unconverted name) of each model's training step,
-    and the LayerByLayerWarnings of the converted model's."""
+
+def training_step_of_both(reference, model, device) -> dict:
+    """Each model's training step: its loss and gradients by unconverted name
+    (`reference`, `model`), and of the converted model's, the
+    LayerByLayerWarnings (`one_by_one`) and the While loops of its step's
+    graph (`while_loops`)."""
     ids, mask = batch(device)
-    results = []
+    results = {}
     for which in (reference, model):
         which.to(device).train()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loss = which(ids, attention_mask=mask, labels=ids).loss
-        grads = {}
-        if backward:
-            loss.backward()
-            grads = unconverted_grads(which) if which is model else per_layer_grads(which)
-        results.append((loss, grads))
+        loss.backward()
+        grads = per_layer_grads(which)
+        if which is model:
+            results["while_loops"] = while_loops(loss, *grads.values())
         torch_xla.sync()  # one graph for the loss and every gradient
-    return (*results, [str(w.message) for w in caught if w.category is LayerByLayerWarning])
+        results["model" if which is model else "reference"] = (loss, grads)
+    results["one_by_one"] = [str(w.message) for w in caught if w.category is LayerByLayerWarning]
+    return results
+
+
+def assert_same_step(step: dict) -> None:
+    (reference_loss, reference_grads), (loss, grads) = step["reference"], step["model"]
+    close(loss, reference_loss, TRAINING)
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in reference_grads.items():
+        close(grads[name], grad, TRAINING)
 
 
 def halved_in_sliding_windows(module, query, key, value, attention_mask, sliding_window=None,
@@ -222,17 +276,21 @@ def halved_in_sliding_windows(module, query, key, value, attention_mask, sliding
     return (output * 0.5 if sliding_window is not None else output), weights
 
 
-def test_kinds_whose_settings_change_the_computation_run_layer_by_layer(device):
+@pytest.mark.parametrize("family, scans", [("qwen2", 2), ("gemma2", 1)])
+def test_kinds_whose_settings_change_the_computation_run_as_scans_of_one_kind(device, family,
+                                                                             scans):
+    # Qwen2's kinds come in runs (two full, then two sliding layers): a scan
+    # per run. Gemma2's alternate: one scan over groups of the pattern.
     transformers.AttentionInterface.register("halved_in_sliding_windows",
                                              halved_in_sliding_windows)
-    reference, model = converted_pair("qwen2", attn_implementation="halved_in_sliding_windows")
-    assert type(model.model.layers) is StackedLayers
-    (reference_loss, _), (loss, _), one_by_one = training_step_of_both(reference, model, device)
-    assert one_by_one == [
-        "The 4 layers ran one by one, as the for loop does, instead of as one scan: the layers' "
-        "kinds cannot share one trace: the layer computes another graph with the settings of its "
-        "kind 1 than with those of its kind 0."]
-    close(loss, reference_loss, TRAINING)
+    # (Gemma2's logits softcapping is eager attention's, which SDPA refuses.)
+    reference, model = converted_pair(family, attn_implementation="halved_in_sliding_windows",
+                                      attn_logit_softcapping=None)
+    assert model.model.layers.plan == (Segment(0, 1, 4),)  # they differ in settings only
+    step = training_step_of_both(reference, model, device)
+    assert not step["one_by_one"]
+    assert step["while_loops"] == 2 * scans
+    assert_same_step(step)
 
 
 @supports("tx.generate", "qwen2")
@@ -265,8 +323,7 @@ def test_the_configs_window_and_default_cache_train_and_generate_on_xla_as_scans
             loss = which(ids, attention_mask=mask, labels=ids, use_cache=use_cache).loss
         loss.backward()
         torch_xla.sync()
-        results.append((loss, unconverted_grads(which) if which is model
-                        else per_layer_grads(which)))
+        results.append((loss, per_layer_grads(which)))
     (reference_loss, reference_grads), (loss, grads) = results
     close(loss, reference_loss, TRAINING)
     assert grads.keys() == reference_grads.keys()
@@ -309,33 +366,38 @@ def lfm2(**config):
 
 
 @supports("training", "lfm2")
-def test_kinds_that_differ_in_structure_become_a_scan_per_segment(device):
+def test_kinds_that_differ_in_structure_become_a_scan_over_groups(device):
     torch.manual_seed(0)
     reference = lfm2(**COMMON)
     model = stack_layers(copy.deepcopy(reference))
-    assert type(model.model.layers) is StackedLayerKinds
-    assert model.model.layers.plan == [Segment(0, 2, 2)]
-    (reference_loss, reference_grads), (loss, grads), one_by_one = training_step_of_both(
-        reference, model, device, backward=True)
-    assert not one_by_one
-    close(loss, reference_loss, TRAINING)
-    assert grads.keys() == reference_grads.keys()
-    for name, grad in reference_grads.items():
-        close(grads[name], grad, TRAINING)
+    assert type(model.model.layers) is StackedLayers
+    assert model.model.layers.plan == (Segment(0, 2, 2),)  # two groups of (conv, attention)
+    step = training_step_of_both(reference, model, device)
+    assert not step["one_by_one"]
+    assert step["while_loops"] == 2  # one scan, forward and backward
+    assert_same_step(step)
 
 
-def test_layers_of_one_kind_not_alike_are_refused_as_such_not_as_groups():
-    # Layer 3, a sliding one as layer 0, has another scaling: a defect of the
-    # layers, which the one scan's check names (kinds that differ only in
-    # settings are never stacked as groups instead).
+@pytest.mark.parametrize("change, plan, kinds, scans", [
+    # Layer 3 (sliding, as layer 0) gets another scaling: a kind of its own,
+    # whose program differs, between scans of layers 0-2 and 4-6.
+    (lambda layers: setattr(layers[3].self_attn, "scaling", 0.5),
+     (Segment(0, 1, 7),), (0, 0, 1, 2, 0, 1, 0), 2),
+    # Layer 3 gets a submodule of another class: stored as itself.
+    (lambda layers: setattr(layers[3].mlp, "act_fn", torch.nn.GELU(approximate="tanh")),
+     (Segment(0, 1, 3), Segment(3, 1, 1), Segment(4, 1, 3)), (0, 0, 1, 2, 0, 1, 0), 2),
+], ids=["setting", "submodule"])
+def test_a_layer_unlike_the_others_of_its_kind_is_a_kind_of_its_own(device, change, plan, kinds,
+                                                                    scans):
     torch.manual_seed(0)
-    model = FAMILIES["gemma3"](**COMMON)
-    model.model.layers[3].self_attn.scaling = 0.5
-    with pytest.raises(ValueError, match=r"cannot stack the layers at 'model\.layers': Layer 3 "
-                                         r"setting 'self_attn\.scaling' is 0\.5") as refused:
-        stack_layers(model)
-    assert "group" not in str(refused.value)
-    assert type(model.model.layers) is torch.nn.ModuleList
+    reference = FAMILIES["gemma3"](**COMMON)
+    change(reference.model.layers)
+    model = stack_layers(copy.deepcopy(reference))
+    assert (model.model.layers.plan, model.model.layers.kinds) == (plan, kinds)
+    step = training_step_of_both(reference, model, device)
+    assert not step["one_by_one"]
+    assert step["while_loops"] == 2 * scans
+    assert_same_step(step)
 
 
 class Block(torch.nn.Module):
@@ -343,20 +405,18 @@ class Block(torch.nn.Module):
 
     def __init__(self, gated: bool):
         super().__init__()
-        self.linear = torch.nn.Linear(4, 4)
+        self.norm, self.linear = torch.nn.LayerNorm(4), torch.nn.Linear(4, 4)
         if gated:
             self.gate = torch.nn.Linear(4, 4)
 
     def forward(self, hidden):
+        hidden = self.norm(hidden)
         return self.linear(hidden) * (self.gate(hidden) if hasattr(self, "gate") else 1)
 
 
 class IteratesOverKinds(torch.nn.Module):
-    _no_split_modules = ["Block"]
-
     def __init__(self):
         super().__init__()
-        self.config = transformers.PretrainedConfig(layer_types=["plain", "gated"] * 2)
         self.blocks = torch.nn.ModuleList(Block(gated=index % 2 == 1) for index in range(4))
 
     def forward(self, hidden):
@@ -365,31 +425,33 @@ class IteratesOverKinds(torch.nn.Module):
         return hidden
 
 
-def test_kinds_that_differ_in_structure_under_an_iterating_loop_are_refused():
-    with pytest.raises(ValueError, match=r"several kinds \(config\.layer_types: \['gated', "
-                                         r"'plain'\]\) that differ in more than their settings "
-                                         r"\(Layer 1 differs from layer 0: it has extra "
-                                         r"submodules \['gate'\].*IteratesOverKinds\.forward "
-                                         r"iterates over them"):
-        stack_layers(IteratesOverKinds())
+def test_kinds_that_differ_in_structure_under_an_iterating_loop_are_one_scan_over_groups(
+        device):
+    torch.manual_seed(0)
+    reference = IteratesOverKinds()
+    model = stack_layers(copy.deepcopy(reference)).to(device)
+    assert model.blocks.plan == (Segment(0, 2, 2),)
+    reference.to(device)
+    hidden = torch.randn(2, 4, device=device, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        output = model(hidden)
+    assert while_loops(output) == 1
+    close(output, reference(hidden), TRAINING)
 
 
 @supports("training", OTHER_FAMILIES)
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_other_families_with_layer_kinds_train_as_unconverted(device, family):
-    # One scan where the kinds compute alike (Olmo3); where they do not
-    # (Exaone4's sliding layers alone rotate), the layers run one by one.
+    # Olmo3's kinds compute alike: one scan. Exaone4's sliding layers alone
+    # rotate: its last layer, the one full-attention layer, runs as itself
+    # after the scan of the others.
     torch.manual_seed(0)
     reference = OTHER_FAMILIES[family](**COMMON)
     model = stack_layers(copy.deepcopy(reference))
     assert type(model.model.layers) is StackedLayers
-    (reference_loss, reference_grads), (loss, grads), one_by_one = training_step_of_both(
-        reference, model, device, backward=True)
-    if family == "exaone4":
-        assert len(one_by_one) == 1 and "kinds cannot share one trace" in one_by_one[0]
-    else:
-        assert not one_by_one
-    close(loss, reference_loss, TRAINING)
-    assert grads.keys() == reference_grads.keys()
-    for name, grad in reference_grads.items():
-        close(grads[name], grad, TRAINING)
+    assert model.model.layers.plan == (Segment(0, 1, 4),)
+    step = training_step_of_both(reference, model, device)
+    assert not step["one_by_one"]
+    assert step["while_loops"] == 2
+    assert_same_step(step)

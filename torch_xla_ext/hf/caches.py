@@ -15,7 +15,9 @@ import copy
 import functools
 
 import torch
-from transformers.cache_utils import DynamicSlidingWindowLayer, EncoderDecoderCache, StaticLayer
+from transformers.cache_utils import (
+    DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache, StaticLayer,
+    StaticSlidingWindowLayer)
 
 from torch_xla_ext.class_swaps import (lookalike_subclass, original_class, reduce_as_original,
                                        swap_back, swap_in)
@@ -212,6 +214,39 @@ def extend(cache, layer_index: int, keys: torch.Tensor, values: torch.Tensor) ->
     layer.cumulative_length += keys.shape[-2]
     layer.keys = torch.cat([layer.keys, keys], dim=-2)
     layer.values = torch.cat([layer.values, values], dim=-2)
+
+
+def keeping_all(cache, new_tokens: int):
+    """A copy of `cache` whose sliding-window layers that give back what a
+    full-attention layer would on `new_tokens` more tokens (all a
+    DynamicCache's; a StaticCache's while it holds what it holds and the new
+    ones) are such layers, holding the same keys and values (its tensors
+    shared, for a layer call traced on fakes of them): what a window keeps,
+    and how, is left to the cache, as the scan's recordings leave it to the
+    cache after the loop."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return cache
+    copied = copy.copy(cache)
+    copied.layers = [_keeping_all(layer, new_tokens) for layer in layers]
+    return copied
+
+
+def _keeping_all(layer, new_tokens: int):
+    kind = original_class(layer)
+    if kind is DynamicSlidingWindowLayer and not layer.record_past:
+        full = DynamicLayer
+    elif (kind is StaticSlidingWindowLayer
+          and layer.cumulative_length_int + new_tokens <= layer.max_cache_len):
+        full = StaticLayer
+    else:
+        return layer
+    replaced = object.__new__(full)
+    replaced.__dict__.update({name: value for name, value in vars(layer).items()
+                              if not name.startswith("_stacked_")})
+    if layer.is_initialized:  # a layer reading stacked buffers reads its slices
+        replaced.keys, replaced.values = layer.keys, layer.values
+    return replaced
 
 
 def is_cache(value) -> bool:

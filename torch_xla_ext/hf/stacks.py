@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from torch_xla_ext.hf import checkpointing
 from torch_xla_ext.hf.cache_plan import CachePlan, plan_cache_call, starts_empty
-from torch_xla_ext.hf.caches import is_cache
+from torch_xla_ext.hf.caches import is_cache, keeping_all
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
 from torch_xla_ext.layer_stack import (
     PerLayerChoice, SegmentStack, StackedList, attempt, attempt_recording, is_choice, scan_result)
@@ -91,6 +91,16 @@ class StackedLayers(StackedList):
             module for stored in self.segments
             for module in experts_modules(stored.template if isinstance(stored, SegmentStack)
                                           else stored)))
+
+    def as_traced(self, leaves: list) -> list:
+        """A key/value cache as one whose sliding-window layers are full-attention
+        ones where they give back what those would (`caches.keeping_all`): a
+        scan's recording gives each layer what it holds and the new keys and
+        values, and leaves what a window keeps to the cache, after the loop."""
+        if not leaves or not isinstance(leaves[0], torch.Tensor):
+            return leaves
+        new_tokens = leaves[0].shape[-2]
+        return [keeping_all(leaf, new_tokens) if is_cache(leaf) else leaf for leaf in leaves]
 
     def call_layer(self, index: int, args: tuple, kwargs: dict):
         layer = self.layer(index)

@@ -169,7 +169,8 @@ class _Recorder:
         if key not in self._found:
             self.inside = True
             try:
-                self._found[key] = program_of(self.stack.layer(index), leaves, spec)
+                self._found[key] = program_of(self.stack.layer(index),
+                                              self.stack.as_traced(leaves), spec)
             finally:
                 self.inside = False
         return self._found[key]

@@ -234,6 +234,13 @@ class StackedList(nn.Module):
         call, or None: a subclass's rules (none here)."""
         return None
 
+    def as_traced(self, leaves: list) -> list:
+        """A call's argument leaves as a scan's trace of the layers gets them,
+        for telling whether the layers compute alike (`kinds.program_of`): as
+        they are; a subclass whose scan gives the layers stand-ins of some
+        (a key/value cache) gives those."""
+        return leaves
+
     def call_layer(self, index: int, args: tuple, kwargs: dict):
         """Layer `index`'s call, run by the layer itself (as a module)."""
         return self.layer(index)(*args, **kwargs)
