@@ -7,23 +7,26 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import threading
 from typing import Callable
 
-# The modules when_imported was asked about, each handled once per process.
-_handled: set[str] = set()
+_lock = threading.Lock()
+# (module name, teach) of each call waiting for its module to be imported.
+_waiting: set[tuple[str, Callable[[], None]]] = set()
 
 
 def when_imported(name: str, teach: Callable[[], None]) -> None:
-    """Calls `teach()` once per process: now if module `name` is imported,
-    else right after it is executed, if it ever is (nothing is imported to
-    look: a submodule's package may not be installed, or take seconds)."""
-    if name in _handled:
-        return
-    _handled.add(name)
-    if name in sys.modules:
-        teach()
-    else:
-        sys.meta_path.insert(0, _TeachingOnImport(name, teach))
+    """Calls `teach()` now if module `name` is imported, else once right after
+    it is executed, if it ever is (nothing is imported to look: a submodule's
+    package may not be installed, or take seconds). Asked again for the same
+    `name` and `teach` while it waits, it still calls `teach` once."""
+    with _lock:
+        if name not in sys.modules:
+            if (name, teach) not in _waiting:
+                _waiting.add((name, teach))
+                sys.meta_path.insert(0, _TeachingOnImport(name, teach))
+            return
+    teach()
 
 
 class _TeachingOnImport(importlib.abc.MetaPathFinder):
@@ -37,7 +40,9 @@ class _TeachingOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name != self.name:
             return None
-        sys.meta_path.remove(self)  # once; and the search below must not find this finder
+        with _lock:
+            sys.meta_path.remove(self)  # once; and the search below must not find this finder
+            _waiting.discard((self.name, self.teach))
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
             execute = spec.loader.exec_module

@@ -32,8 +32,9 @@ from torch_xla_ext.hf import adapters, fsdp
 from torch_xla_ext.hf.discovery import (
     LayerList, Unstackable, UnstackedLayersWarning, layer_list, layer_list_paths,
     recorded_outputs, submodule)
-from torch_xla_ext.hf.stacks import StackedLayers
+from torch_xla_ext.hf.stacks import StackedLayers, any_standing, retire
 from torch_xla_ext.layer_stack import OwnerPlans, drive_loops, loop_names, undrive_loops
+from torch_xla_ext.patches import peft as peft_changes, transformers as transformers_changes
 
 __all__ = ["StackedLayers", "UnstackedLayersWarning", "stack_layers", "unstack_layers"]
 
@@ -105,7 +106,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
-    adapters.teach_peft(stack_layers, unstack_layers)
+    adapters.teach_peft(stack_layers, _unstack)
     fsdp.teach_class_lookup()
     found = [layer_list(model, each) for each in
              (layer_list_paths(model) if path is None else [path])]
@@ -154,20 +155,33 @@ def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
     becomes an `nn.ModuleList` of its layers, each holding parameters and
     buffers of its own, copied from its slices of the stacked ones (which
     are dropped). For code that must find each layer among the model's
-    modules; `stack_layers(model)` stacks them again."""
+    modules; `stack_layers(model)` stacks them again. Once no stacked model
+    remains (no `StackedLayers` made, copied or unpickled stands in a model),
+    the changes `stack_layers` made to peft and transformers are undone too
+    (docs/design.md, "Changes to other libraries")."""
     for each in stacked_paths(model) if path is None else [path]:
-        stack = submodule(model, each)
-        if not isinstance(stack, StackedLayers):
-            raise TypeError(f"unstack_layers: {each!r} is a {type(stack).__name__}, not the "
-                            f"StackedLayers that stack_layers made; pass the path of that.")
-        parent_path, _, name = each.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        setattr(parent, name, nn.ModuleList(stack.unstacked()).train(stack.training))
-        names = tuple(other for other in loop_names(parent) if other != name)
-        undrive_loops(parent)
-        if names:
-            drive_loops(parent, names, OwnerPlans().start)
+        _unstack(model, each)
+    if not any_standing():
+        peft_changes.undo()
+        transformers_changes.undo()
     return model
+
+
+def _unstack(model: nn.Module, path: str) -> None:
+    """Replaces the stack at `path` by its layers. (peft's operations do it
+    for their span, through `adapters`, without undoing the changes to peft.)"""
+    stack = submodule(model, path)
+    if not isinstance(stack, StackedLayers):
+        raise TypeError(f"unstack_layers: {path!r} is a {type(stack).__name__}, not the "
+                        f"StackedLayers that stack_layers made; pass the path of that.")
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    setattr(parent, name, nn.ModuleList(stack.unstacked()).train(stack.training))
+    retire(stack)
+    names = tuple(other for other in loop_names(parent) if other != name)
+    undrive_loops(parent)
+    if names:
+        drive_loops(parent, names, OwnerPlans().start)
 
 
 def stacked_paths(model: nn.Module) -> list[str]:

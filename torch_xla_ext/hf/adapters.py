@@ -30,8 +30,9 @@ should not pay):
   objects, so an optimizer made before keeps them;
 * deleting an adapter unstacks the layers, as adding one does.
 
-This is the one place that knows about peft; the rest of torch_xla_ext treats
-its modules as any other (peft's `kwargs['target_name']` is a setting that
+This module (what each operation runs inside) and `torch_xla_ext.patches.peft`
+(which of peft's methods are wrapped, on which model) are the only places
+that know about peft; the rest of torch_xla_ext treats its modules as any other (peft's `kwargs['target_name']` is a setting that
 only names its module, see `layer_stack.alike`).
 """
 from __future__ import annotations
@@ -41,65 +42,19 @@ import functools
 
 from torch import nn
 
-from torch_xla_ext.on_import import when_imported
 from torch_xla_ext.layer_stack import LayerStack, StackedList
+from torch_xla_ext.patches.peft import wrap_model_operations
 
 
-# stack_layers and unstack_layers, given by the first call of teach_peft.
-_CONVERSION: list = []
-
-
-def teach_peft(stack_layers, unstack_layers) -> None:
+def teach_peft(stack_layers, unstack) -> None:
     """Wraps peft's whole-model operations (above), once per process, if peft
-    is installed: now if it is imported, else as soon as it is. The wrappers
-    convert with `stack_layers` and `unstack_layers`."""
-    if not _CONVERSION:
-        _CONVERSION[:] = [stack_layers, unstack_layers]
-    when_imported("peft", _teach)
-
-
-def _teach() -> None:
-    from peft import PeftModel
-    from peft.tuners.tuners_utils import BaseTuner
-
-    BaseTuner.inject_adapter = _on_unstacked_layers(BaseTuner.inject_adapter,
-                                                    lambda tuner, model, *_, **__: model)
-    for name in ("merge_and_unload", "unload", "delete_adapter"):
-        setattr(BaseTuner, name, _on_unstacked_layers(getattr(BaseTuner, name),
-                                                      lambda tuner, *_, **__: tuner.model))
-    PeftModel.load_adapter = _on_unstacked_layers(PeftModel.load_adapter,
-                                                  lambda peft_model, *_, **__: peft_model)
-    for name in ("save_pretrained", "get_model_status", "get_layer_status"):
-        setattr(PeftModel, name, _on_layer_modules(getattr(PeftModel, name)))
-    for name in ("_enable_adapter_layers", "set_adapter", "set_requires_grad"):
-        setattr(BaseTuner, name, _on_templates(getattr(BaseTuner, name)))
-
-
-def _on_unstacked_layers(method, model_of):
-    """`method`, run with the stacks of `model_of(*its arguments)` unstacked."""
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        with _unstacked(model_of(*args, **kwargs)):
-            return method(*args, **kwargs)
-    return wrapper
-
-
-def _on_layer_modules(method):
-    """`method` of a PeftModel, run with its stacks' layers as modules."""
-    @functools.wraps(method)
-    def wrapper(peft_model, *args, **kwargs):
-        with _layers_as_modules(peft_model):
-            return method(peft_model, *args, **kwargs)
-    return wrapper
-
-
-def _on_templates(method):
-    """`method` of a tuner, run with its model's template layers as modules."""
-    @functools.wraps(method)
-    def wrapper(tuner, *args, **kwargs):
-        with _templates_as_modules(tuner.model):
-            return method(tuner, *args, **kwargs)
-    return wrapper
+    is installed: now if it is imported, else as soon as it is, through
+    `torch_xla_ext.patches.peft` (`unstack_layers` undoes it). The wrappers
+    convert with `stack_layers` and `unstack` (`unstack(model, path)`
+    replaces one stack by its layers, without undoing the patch)."""
+    wrap_model_operations(unstacked=functools.partial(_unstacked, stack_layers, unstack),
+                          layers_as_modules=_layers_as_modules,
+                          templates_as_modules=_templates_as_modules)
 
 
 @contextlib.contextmanager
@@ -138,15 +93,14 @@ def _layers_as_modules(model: nn.Module):
 
 
 @contextlib.contextmanager
-def _unstacked(model: nn.Module):
+def _unstacked(stack_layers, unstack, model: nn.Module):
     """Unstacks the model's stacks for the block (which may replace modules in
     the layers: peft's adapters), then stacks the layers again, at the same
     paths and with the same options, whatever the block did or raised."""
-    stack_layers, unstack_layers = _CONVERSION
     stacks = [(path, module.stack_options()) for path, module in model.named_modules()
               if isinstance(module, StackedList)]
     for path, _ in stacks:
-        unstack_layers(model, path)
+        unstack(model, path)
     try:
         yield
     finally:

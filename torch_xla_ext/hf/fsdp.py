@@ -20,30 +20,16 @@ which no fusion crosses, as a unit's optimization barrier makes it.
 """
 from __future__ import annotations
 
-import functools
-
 from torch_xla_ext.layer_stack import LayerStack
-from torch_xla_ext.on_import import when_imported
+from torch_xla_ext.patches.transformers import search_class_lookup
 
 
 def teach_class_lookup() -> None:
-    """Teaches transformers' class lookup (above), once per process."""
-    when_imported("transformers.trainer_pt_utils", _teach)
+    """Teaches transformers' class lookup (above), once per process, through
+    `torch_xla_ext.patches.transformers` (`unstack_layers` undoes it)."""
+    search_class_lookup(_template)
 
 
-def _teach() -> None:
-    import transformers.trainer_pt_utils as trainer_utils
-
-    lookup = trainer_utils.get_module_class_from_name
-
-    # transformers' lookup recurses through this module global, so each
-    # submodule it visits, a stack among them, passes here.
-    @functools.wraps(lookup)
-    def get_module_class_from_name(module, name):
-        if isinstance(module, LayerStack) and module.template is not None:
-            found = lookup(module.template, name)
-            if found is not None:
-                return found
-        return lookup(module, name)
-
-    trainer_utils.get_module_class_from_name = get_module_class_from_name
+def _template(module):
+    """Where the lookup searches first: a stack's template layer."""
+    return module.template if isinstance(module, LayerStack) else None

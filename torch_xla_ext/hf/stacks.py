@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from typing import Iterable
 
 import torch
@@ -40,10 +41,26 @@ from torch_xla_ext.hf.experts import experts_modules, experts_reason
 from torch_xla_ext.layer_stack import (
     PerLayerChoice, SegmentStack, StackedList, attempt, attempt_recording, is_choice, scan_result)
 
-__all__ = ["PER_LAYER_OUTPUTS", "StackedLayers"]
+__all__ = ["PER_LAYER_OUTPUTS", "StackedLayers", "any_standing", "retire"]
 
 # Output flags of transformers models that collect something from every layer.
 PER_LAYER_OUTPUTS = ("hidden_states", "attentions")
+
+
+# The stacks that stand in models: made, copied or unpickled, and not
+# unstacked since; weakly, so that a model dropped with its stacks is gone.
+_standing: "weakref.WeakSet[StackedLayers]" = weakref.WeakSet()
+
+
+def any_standing() -> bool:
+    """Whether a `StackedLayers` stands in a model (see `retire`)."""
+    return len(_standing) > 0
+
+
+def retire(stack: StackedLayers) -> None:
+    """Records that `stack` no longer stands in a model: it was replaced by
+    its layers."""
+    _standing.discard(stack)
 
 
 class StackedLayers(StackedList):
@@ -79,6 +96,11 @@ class StackedLayers(StackedList):
                                   segment.period, config)
         self.gradient_checkpointing, self._gradient_checkpointing_func = (
             checkpointing.taken_from(templates))
+        _standing.add(self)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        _standing.add(self)  # a copy, or unpickled
 
     def layer(self, index: int, copied: bool = False) -> nn.Module:
         return checkpointing.given_to([super().layer(index, copied)], self)[0]

@@ -36,8 +36,8 @@ loads back into the converted model's optimizer. Named groups
 unconverted names (`model.layers.3.mlp.up_proj.weight`).
 
 How an optimizer finds its stacks, with no change to a user's code: the
-first stack made in a process wraps `torch.optim.Optimizer.__init__`, so
-that each optimizer made afterwards registers a state_dict post-hook and a
+first stack made in a process wraps `torch.optim.Optimizer.__init__`
+(`torch_xla_ext.patches.torch`), so that each optimizer made afterwards registers a state_dict post-hook and a
 load_state_dict pre-hook (torch's per-instance hooks); each stack records
 itself in a weak set of live stacks (also when copied or unpickled). The
 hooks match the optimizer's parameters against the live stacks' current
@@ -48,13 +48,13 @@ parameters and loads either way as it is.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import weakref
 
 import torch
 
-_taught = False
+from torch_xla_ext.patches.torch import hook_optimizers
+
 # The stacks alive in this process whose parameters an optimizer may hold;
 # the segments of a `StackedList` are its own, not listed here.
 _stacks: "weakref.WeakSet" = weakref.WeakSet()
@@ -67,7 +67,7 @@ def track(stack, inner=()) -> None:
     _stacks.add(stack)
     for each in inner:
         _stacks.discard(each)
-    _teach_optimizers()
+    hook_optimizers(_register_hooks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,19 +272,7 @@ def _shown(value):
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
-def _teach_optimizers() -> None:
-    """Wraps `torch.optim.Optimizer.__init__`, once per process, so that each
-    optimizer registers the two hooks above."""
-    global _taught
-    if _taught:
-        return
-    original = torch.optim.Optimizer.__init__
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.register_state_dict_post_hook(save_unconverted)
-        self.register_load_state_dict_pre_hook(load_unconverted)
-
-    torch.optim.Optimizer.__init__ = __init__
-    _taught = True
+def _register_hooks(optimizer) -> None:
+    """What each optimizer does when it is made: the two hooks above."""
+    optimizer.register_state_dict_post_hook(save_unconverted)
+    optimizer.register_load_state_dict_pre_hook(load_unconverted)

@@ -5,8 +5,8 @@ FSDPv2 shards each parameter of the module it wraps along the parameter's
 largest dimension. For a stacked `[L, ...]` parameter that may be the layer
 dimension (L layers of norm weights `[L, d]` with `d <= L`, a per-layer scalar
 `[L, 1]`), which the scan slices at every step. So the first `LayerStack`
-made in a process teaches FSDPv2 (at once if it is imported, else when it is)
-to shard first each stacked parameter of the module it wraps as it would
+made in a process teaches FSDPv2 (at once if it is imported, else when it is;
+`torch_xla_ext.patches.torch_xla` makes the change) to shard first each stacked parameter of the module it wraps as it would
 shard one layer's parameter (along that one's largest dimension), never along
 the layer dimension; its own loop then leaves them, as it shards only what
 has no sharding yet.
@@ -47,10 +47,8 @@ import torch_xla.runtime
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from torch_xla_ext.on_import import when_imported
+from torch_xla_ext.patches.torch_xla import keep_whole_in_auto_wrap, prepare_fsdp_v2
 from torch_xla_ext.scan.sharding import constrained
-
-FSDP_V2_MODULE = "torch_xla.experimental.spmd_fully_sharded_data_parallel"
 
 
 class ShardingWarning(UserWarning):
@@ -105,55 +103,53 @@ def _global_data_placement():
     return mesh, lambda tensor: (batch, *(None,) * (tensor.dim() - 1))
 
 
-def teach_fsdp_v2() -> None:
-    """Teaches FSDPv2 (above), once per process."""
-    when_imported(FSDP_V2_MODULE, _teach)
+def teach_fsdp_v2(stack_class: type) -> None:
+    """Teaches FSDPv2 (above) about the stacks of `stack_class` (LayerStack,
+    given by its module, which imports this one), once per process, through
+    `torch_xla_ext.patches.torch_xla`."""
+    prepare_fsdp_v2(functools.partial(_before_wrapping, stack_class))
+    keep_whole_in_auto_wrap(stack_class)
 
 
-def _teach() -> None:
+def keep_whole(holder_class: type) -> None:
+    """torch_xla's size-based auto-wrap policy keeps modules of
+    `holder_class` (`StackedList`, which holds stacks) whole, as it keeps
+    stacks (above)."""
+    keep_whole_in_auto_wrap(holder_class)
+
+
+def _before_wrapping(stack_class: type, module, *args, mesh=None, **kwargs) -> None:
+    """What FSDPv2 does first when it wraps `module`: each stack's stacked
+    parameters sharded as one layer's, and the stack told its unit's output
+    sharding."""
     import torch_xla.distributed.spmd as spmd
-    from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
     from torch_xla.experimental import spmd_fully_sharded_data_parallel as fsdp_v2
 
-    from torch_xla_ext.layer_stack.stacked_list import StackedList
-    from torch_xla_ext.layer_stack.stack import LayerStack
-
-    for kept in (size_based_auto_wrap_policy.FORCE_LEAF_MODULES,
-                 size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES):
-        kept.update((LayerStack, StackedList))
-
-    wrapper_class = fsdp_v2.SpmdFullyShardedDataParallel
-    init = wrapper_class.__init__
-
-    @functools.wraps(init)
-    def __init__(self, module, *args, mesh=None, **kwargs):
-        stacks = ([each for each in module.modules() if isinstance(each, LayerStack)]
-                  if isinstance(module, nn.Module) else [])
-        sharding_mesh = spmd.get_global_mesh() if mesh is None else mesh
-        # Not a module, a module wrapped already, or no usable mesh: FSDPv2's
-        # own checks raise, before anything is sharded.
-        if (stacks and not isinstance(module, wrapper_class) and sharding_mesh is not None
-                and "fsdp" in sharding_mesh.axis_names):
-            module.to("xla")  # as FSDPv2 does before sharding: only XLA tensors are sharded
-            unit_output = functools.partial(fsdp_v2._prepare_spmd_partition_spec,
-                                            extra_data_axis=kwargs.get("extra_data_axis"))
-            for stack in stacks:
-                _shard_stacked_parameters(stack, sharding_mesh, fsdp_v2)
-                stack.unit_output = (sharding_mesh, unit_output)
-        if (stacks and kwargs.get("auto_wrap_policy") is not None
-                and kwargs.get("auto_wrapper_callable") is not None):
-            warnings.warn(
-                f"FSDP's auto_wrapper_callable (with which transformers' xla_fsdp_grad_ckpt "
-                f"checkpoints each unit) is applied "
-                f"to the units auto_wrap_policy picks, and the {len(stacks)} layer stack(s) of "
-                f"{type(module).__name__}, which run their layers as one scan, are no units of "
-                f"their own: it reaches their layers only inside a unit that holds a stack. "
-                f"For the scan to recompute each layer in the backward, call "
-                f"model.gradient_checkpointing_enable() (transformers) or give the stack "
-                f"partition_fn='save_nothing'.", ShardingWarning, stacklevel=2)
-        init(self, module, *args, mesh=mesh, **kwargs)
-
-    wrapper_class.__init__ = __init__
+    stacks = ([each for each in module.modules() if isinstance(each, stack_class)]
+              if isinstance(module, nn.Module) else [])
+    sharding_mesh = spmd.get_global_mesh() if mesh is None else mesh
+    # Not a module, a module wrapped already, or no usable mesh: FSDPv2's
+    # own checks raise, before anything is sharded.
+    if (stacks and not isinstance(module, fsdp_v2.SpmdFullyShardedDataParallel)
+            and sharding_mesh is not None and "fsdp" in sharding_mesh.axis_names):
+        module.to("xla")  # as FSDPv2 does before sharding: only XLA tensors are sharded
+        unit_output = functools.partial(fsdp_v2._prepare_spmd_partition_spec,
+                                        extra_data_axis=kwargs.get("extra_data_axis"))
+        for stack in stacks:
+            _shard_stacked_parameters(stack, sharding_mesh, fsdp_v2)
+            stack.unit_output = (sharding_mesh, unit_output)
+    if (stacks and kwargs.get("auto_wrap_policy") is not None
+            and kwargs.get("auto_wrapper_callable") is not None):
+        # stacklevel: here, FSDPv2's __init__, the code that wraps.
+        warnings.warn(
+            f"FSDP's auto_wrapper_callable (with which transformers' xla_fsdp_grad_ckpt "
+            f"checkpoints each unit) is applied "
+            f"to the units auto_wrap_policy picks, and the {len(stacks)} layer stack(s) of "
+            f"{type(module).__name__}, which run their layers as one scan, are no units of "
+            f"their own: it reaches their layers only inside a unit that holds a stack. "
+            f"For the scan to recompute each layer in the backward, call "
+            f"model.gradient_checkpointing_enable() (transformers) or give the stack "
+            f"partition_fn='save_nothing'.", ShardingWarning, stacklevel=3)
 
 
 def _shard_stacked_parameters(stack, mesh, fsdp_v2) -> None:

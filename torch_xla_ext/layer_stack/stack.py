@@ -134,7 +134,7 @@ class LayerStack(nn.Module):
             self.register_state_dict_post_hook(_saved_per_layer)
             self.register_load_state_dict_pre_hook(_loaded_per_layer)
             optimizer_state.track(self)
-        sharding.teach_fsdp_v2()
+        sharding.teach_fsdp_v2(LayerStack)
         lower_host_ops()  # layers' ops that torch_xla runs on the host cannot be traced
         if not layers:
             return
@@ -170,7 +170,7 @@ class LayerStack(nn.Module):
         super().__setstate__(state)
         if self.owns_names:
             optimizer_state.track(self)  # a copy, or unpickled
-        sharding.teach_fsdp_v2()
+        sharding.teach_fsdp_v2(LayerStack)
 
     @property
     def template(self) -> nn.Module | None:

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 from torch import nn
 
-from torch_xla_ext.layer_stack import names as names_of, optimizer_state, running
+from torch_xla_ext.layer_stack import names as names_of, optimizer_state, running, sharding
 from torch_xla_ext.layer_stack.execution import ScanResult
 from torch_xla_ext.layer_stack.alike import layout_of, names_its_module, structure_key
 from torch_xla_ext.layer_stack.forms import differences
@@ -108,10 +108,12 @@ class StackedList(nn.Module):
         self.register_state_dict_post_hook(_saved_per_layer)
         self.register_load_state_dict_pre_hook(_loaded_per_layer)
         optimizer_state.track(self, inner=self.stacks())
+        sharding.keep_whole(StackedList)
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         optimizer_state.track(self, inner=self.stacks())  # a copy, or unpickled
+        sharding.keep_whole(StackedList)
 
     def stacks(self) -> list[LayerStack]:
         """The segments' stacks (not the layers held as themselves)."""

@@ -12,7 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from torch_xla_ext.placeholders import _mutates_arguments
+from torch_xla_ext.placeholders import mutates_arguments
 from torch_xla_ext.scan.avals import (Aval, avals, check_carry_types, check_y_leaves, empty_stack,
                                       flatten_inputs, scan_length)
 from torch_xla_ext.scan.tracing import call_body
@@ -69,7 +69,7 @@ class _WritesRefused(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = args[0] if args else None
-        if (_mutates_arguments(func) and isinstance(target, torch.Tensor)
+        if (mutates_arguments(func) and isinstance(target, torch.Tensor)
                 and id(target) not in self._own):
             raise NotImplementedError(
                 f"scan: nested scans over xs of 0 steps whose fn writes in place "

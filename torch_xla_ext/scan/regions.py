@@ -12,36 +12,27 @@ scan's tracing the checkpoint runs as torch_xla wrote it.
 from __future__ import annotations
 
 import itertools
-import threading
 
 import torch
 from torch.utils._pytree import tree_map
 
+from torch_xla_ext.patches.torch_xla import route_checkpoint
 from torch_xla_ext.placeholders import is_tracing
 from torch_xla_ext.policies import REGION_PREFIX, checkpoint_name
 
-_install_lock = threading.Lock()
-_installed = False
 _region_numbers = itertools.count()
 
 
 def install() -> None:
-    """Routes torch_xla's `CheckpointFunction` through `_apply` (once, when scan
-    first traces; importing torch_xla_ext patches nothing)."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from torch_xla.utils.checkpoint import CheckpointFunction
-        torch_xla_apply = CheckpointFunction.apply
+    """Routes torch_xla's checkpoint through `_route` (once, when scan first
+    traces; importing torch_xla_ext changes nothing)."""
+    route_checkpoint(_route)
 
-        def apply(cls, function, preserve_rng_state, *args):
-            if not is_tracing():
-                return torch_xla_apply(function, preserve_rng_state, *args)
-            return _run_region(function, args)
 
-        CheckpointFunction.apply = classmethod(apply)
-        _installed = True
+def _route(torch_xla_apply, function, preserve_rng_state, *args):
+    if not is_tracing():
+        return torch_xla_apply(function, preserve_rng_state, *args)
+    return _run_region(function, args)
 
 
 def _run_region(function, args: tuple):

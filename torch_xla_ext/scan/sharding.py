@@ -19,11 +19,12 @@ state apart. An operand with no sharding of its own constrains nothing.
 
 While AOTAutograd traces `fn` with fake tensors, torch_xla's in-place
 `mark_sharding` becomes a functional `sharding_constraint` op in the graph,
-applied when the graph is lowered. That takes one process-wide patch, a
-redirect of `torch_xla._XLAC._xla_mark_sharding`: installed (once, under a
-lock) by the first SPMD trace that needs it, and a plain pass-through except
-on a thread inside `functional_mark_sharding`, so threads tracing at the same
-time never undo each other's redirect. The shardings graphs refer to are
+applied when the graph is lowered. That takes one process-wide change, a
+redirect of `torch_xla._XLAC._xla_mark_sharding`
+(`torch_xla_ext.patches.torch_xla.redirect_mark_sharding`): installed by the
+first SPMD trace that needs it, and a plain pass-through except on a thread
+inside `functional_mark_sharding`, so threads tracing at the same time never
+undo each other's redirect. The shardings graphs refer to are
 interned by their serialized form, so the registry holds one entry per
 distinct sharding, however many traces there are.
 """
@@ -43,6 +44,8 @@ import torch_xla.runtime
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import _disable_current_modes
+
+from torch_xla_ext.patches.torch_xla import redirect_mark_sharding
 
 _XLAC = torch_xla._XLAC
 
@@ -160,8 +163,6 @@ _mark_sharding_in_place = _XLAC._xla_mark_sharding
 # Shardings that traced graphs refer to (an OpSharding is not a value a graph
 # can hold), by their serialized form ("{devices=[4,1]0,1,2,3}").
 _traced_shardings: dict[str, object] = {}
-_redirect_lock = threading.Lock()
-_redirect_installed = False
 _thread_state = threading.local()  # .depth: nesting of functional_mark_sharding
 
 
@@ -201,17 +202,6 @@ def _redirected_mark_sharding(tensor, sharding):
     return _mark_sharding_in_place(tensor, sharding)
 
 
-def _install_redirect() -> None:
-    global _redirect_installed
-    if _redirect_installed:
-        return
-    with _redirect_lock:
-        if not _redirect_installed:
-            # torch_xla's mark_sharding looks the function up on _XLAC at each call.
-            _XLAC._xla_mark_sharding = _redirected_mark_sharding
-            _redirect_installed = True
-
-
 @contextlib.contextmanager
 def functional_mark_sharding():
     """While AOTAutograd traces fn with fake tensors on this thread,
@@ -220,7 +210,7 @@ def functional_mark_sharding():
     if not torch_xla.runtime.is_spmd():
         yield
         return
-    _install_redirect()
+    redirect_mark_sharding(_redirected_mark_sharding)
     _thread_state.depth = getattr(_thread_state, "depth", 0) + 1
     try:
         yield

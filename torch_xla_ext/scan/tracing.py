@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from torch_xla_ext.placeholders import (
-    PlaceholderTensor, _mutates_arguments, placeholder, tracing, unguarded_placeholder)
+    PlaceholderTensor, mutates_arguments, placeholder, tracing, unguarded_placeholder)
 from torch_xla_ext.scan import regions
 from torch_xla_ext.scan.avals import Aval, Structure, check_carry_types, check_y_leaves
 from torch_xla_ext.scan.mutation import Writes
@@ -55,7 +55,7 @@ class LiftCaptures(TorchFunctionMode):
         self.captured: list[torch.Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if (_mutates_arguments(func) and args and isinstance(args[0], torch.Tensor)
+        if (mutates_arguments(func) and args and isinstance(args[0], torch.Tensor)
                 and args[0].device.type != "xla" and id(args[0]) not in self._known):
             raise TypeError(
                 f"scan: fn writes in place ({getattr(func, '__name__', func)}) to a "

@@ -1,0 +1,31 @@
+"""The change torch_xla_ext makes to torch's optimizers: `hook_optimizers`,
+installed by the first layer stack, once per process, never undone
+(docs/design.md says why). The other change to torch, kernels of torch's
+scan operator for XLA tensors, is `torch_xla_ext.torch_scan`'s whole job and
+stays there (docs/design.md)."""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from torch_xla_ext.patches.patching import Patch, Replaced
+
+__all__ = ["hook_optimizers"]
+
+_OPTIMIZERS = Patch("torch.optim")
+
+
+def hook_optimizers(made: Callable) -> None:
+    """Each `torch.optim.Optimizer` made from now on calls `made(optimizer)`
+    at the end of its `__init__` (to register per-instance hooks)."""
+    def changes():
+        import torch
+
+        def wrap(init):
+            @functools.wraps(init)
+            def __init__(self, *args, **kwargs):
+                init(self, *args, **kwargs)
+                made(self)
+            return __init__
+        return [Replaced(torch.optim.Optimizer, "__init__", wrap)]
+    _OPTIMIZERS.install(changes)
