@@ -64,7 +64,7 @@ def wrapped_as_the_trainer_does_scenario():
     assert isinstance(wrapped, SpmdFullyShardedDataParallel), type(wrapped)
     # What a unit per layer adds, the stack does: nothing to warn about.
     assert not [w for w in caught if issubclass(w.category, ShardingWarning)], caught
-    stacked = dict(model.model.layers.stacked.named_parameters())
+    stacked = dict(model.model.layers.segments[0].stacked.named_parameters())
     assert len(stacked) == 9, sorted(stacked)
     for name, param in stacked.items():
         # The layer dimension whole, one other cut across the 4 devices (FSDP).
@@ -142,9 +142,9 @@ def test_wrapped_as_the_trainer_does_shards_stacked_weights_and_trains_like_unsh
     assert "matched" in result.stdout, result.stdout
 
 
-# Gemma3's layer kinds as a StackedLayerKinds (a few scans, one LayerStack per
-# segment of the pattern of kinds, as stack_layers makes for kinds that differ
-# in more than their settings), with transformers' xla_fsdp_grad_ckpt.
+# Gemma3's layer kinds that differ in structure (another activation on full
+# attention) as one scan over groups of the pattern, with transformers'
+# xla_fsdp_grad_ckpt.
 def kinds_wrapped_as_the_trainer_does_scenario():
     """Gemma3's layer kinds, converted and wrapped with xla_fsdp_grad_ckpt, train a step
     as the unconverted model does."""
@@ -152,7 +152,7 @@ def kinds_wrapped_as_the_trainer_does_scenario():
     import torch_xla.distributed.spmd as xs
     import transformers
     from transformers.integrations.tpu import wrap_model_xla_fsdp
-    from torch_xla_ext.hf import StackedLayerKinds, stack_layers
+    from torch_xla_ext.hf import stack_layers
     from torch_xla_ext.layer_stack.sharding import ShardingWarning
 
     xr.use_spmd()
@@ -166,10 +166,11 @@ def kinds_wrapped_as_the_trainer_does_scenario():
         vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, sliding_window=4, use_cache=False,
         num_hidden_layers=4, layer_types=[SLIDING, FULL] * 2))
-    model = copy.deepcopy(reference)
-    model.model.layers = StackedLayerKinds(model.model.layers, model.config.layer_types,
-                                           model.config)
-    stack_layers(model)  # converted already: changes nothing, teaches transformers' lookup
+    for layer_type, layer in zip(reference.config.layer_types, reference.model.layers):
+        if layer_type == FULL:
+            layer.mlp.act_fn = torch.nn.GELU(approximate="tanh")
+    model = stack_layers(copy.deepcopy(reference))
+    assert [(segment.period, segment.groups) for segment in model.model.layers.plan] == [(2, 2)]
     reference.to(device).train()
     model.to(device).train()
     args = transformers.TrainingArguments(

@@ -10,15 +10,13 @@ import pytest
 import torch
 import torch_xla
 import transformers
-from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 import test_hf_layer_kinds as layer_kinds
 from test_hf import (VOCAB, batch, device,  # noqa: F401 (a fixture)
                      left_padded_prompts, per_layer_grads)
 from tolerances import TRAINING, close
 import torch_xla_ext as tx
-from torch_xla_ext.hf import StackedLayerKinds, StackedLayers, stack_layers
-from torch_xla_ext.hf.inspection import recorded_outputs
+from torch_xla_ext.hf import StackedLayers, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
 LAYERS = 3
@@ -176,16 +174,11 @@ def test_layers_run_one_by_one_give_them_too():
 
 
 def test_layers_of_kinds_that_differ_in_more_than_settings_give_them_from_their_scans(device):
-    # A StackedLayerKinds, as stack_layers makes for kinds that differ in more
-    # than their settings: Gemma3's 7 layers as two scans (groups of its
-    # pattern, then one layer), each replaying its layers' hooks.
-    torch.manual_seed(0)
-    reference = layer_kinds.FAMILIES["gemma3"](**{**layer_kinds.COMMON, "use_cache": True,
-                                                  "attn_implementation": "eager"})
-    model = copy.deepcopy(reference)
-    maybe_install_capturing_hooks(model.model)  # as stack_layers does before stacking
-    model.model.layers = StackedLayerKinds(model.model.layers, model.config.layer_types,
-                                           model.config, recorded_outputs(model.model))
+    # Kinds that differ in structure: Gemma3's 7 layers as layer 0 by itself
+    # and a scan over groups of its pattern, each replaying its layers' hooks.
+    reference, model = layer_kinds.converted_pair("gemma3", groups=True, use_cache=True,
+                                                  attn_implementation="eager")
+    assert tuple(model.model.layers.plan) == layer_kinds.GEMMA3_GROUPS
     ids, mask = batch(device)
     outputs = []
     for which in (reference, model):
@@ -196,7 +189,8 @@ def test_layers_of_kinds_that_differ_in_more_than_settings_give_them_from_their_
                                                    output_hidden_states=True,
                                                    output_attentions=True))
         torch_xla.sync()  # one graph for all the outputs
-    assert tx.cache_info().misses - traces_before == len(layer_kinds.GEMMA3_GROUPS)
+    assert tx.cache_info().misses - traces_before == sum(
+        not segment.single for segment in layer_kinds.GEMMA3_GROUPS)
     expected, actual = outputs
     assert_same_tuples(actual.hidden_states, expected.hidden_states, 8)
     assert_same_tuples(actual.attentions, expected.attentions, 7)
