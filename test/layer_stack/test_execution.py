@@ -160,3 +160,44 @@ def test_a_scan_that_cannot_run_runs_the_layers_one_by_one_with_a_warning(device
     assert one_by_one[0].startswith("The 3 layers ran one by one") and "layer_idx" in one_by_one[0]
     close(output, reference(x), TRAINING)
     assert not any(is_placeholder(each) for each in model.seen)
+
+
+class Damped(Block):
+    """A block whose output is scaled by a real-number setting of its own
+    (as DiffLlama's attention by its `lambda_init`), and shifted by an
+    integer one, which indexes."""
+
+    def __init__(self, damping: float, offset: int = 0):
+        super().__init__()
+        self.damping, self.offset = damping, offset
+
+    def forward(self, x):
+        return super().forward(x) * (1 - self.damping) + x[..., self.offset:self.offset + 1]
+
+
+@pytest.mark.parametrize("offsets, loops, one_by_one", [
+    ((0, 0, 0, 0), 1, 0),   # the real numbers differ: per-layer values of one scan
+    ((0, 0, 1, 1), 2, 0),   # an index differs too: a scan per run of one program
+    ((0, 1, 0, 1), 1, 0),   # a pattern of two programs: one scan over groups of two
+    ((1, 0, 0, 1), 1, 0),   # a run of two between two layers unlike it, as themselves
+    ((0, 1, 2, 3), 0, 1),   # no two alike: one by one, naming the index
+])
+def test_real_number_settings_that_differ_are_per_layer_values_of_the_scan(
+        device, offsets, loops, one_by_one):
+    model = Loop(layers=4)
+    torch.manual_seed(0)
+    model.blocks = nn.ModuleList(Damped(0.1 * (index + 1), offset)
+                                 for index, offset in enumerate(offsets))
+    reference, model = converted(model, device)
+    x = torch.randn(2, HIDDEN, device=device, requires_grad=True)
+    expected = reference(x)
+    actual, while_loops, warned = run(model, x)
+    close(actual, expected, TRAINING)
+    assert while_loops == loops
+    assert len(warned) == one_by_one
+    assert all("offset" in each and "damping" not in each for each in warned), warned
+    expected_grad, = torch.autograd.grad(expected.sum(), x)
+    actual_grad, = torch.autograd.grad(actual.sum(), x)
+    close(actual_grad, expected_grad, TRAINING)
+    # The layers keep their own settings, as modules.
+    assert [model.blocks[index].damping for index in range(4)] == [0.1 * (i + 1) for i in range(4)]
