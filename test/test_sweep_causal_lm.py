@@ -91,7 +91,8 @@ def test_figures_are_classified_into_one_outcome_each():
                           "scan: the layers run on cpu, and the scan is an XLA loop. More."}
     assert classified(scans=[], calls_outside=4, warnings=[warning]) == (
         "layer by layer", "the layers run on cpu, and the scan is an XLA loop")
-    assert classified(scans=[], calls_outside=4) == ("layer by layer", "each layer ran as itself, no two neighbours alike, without a warning")
+    assert classified(scans=[], calls_outside=4) == (
+        "layer by layer", "each layer ran as itself, no two neighbours alike, without a warning")
     assert classified(scans=[{"steps": 1}], calls_outside=3, warnings=[warning]) == (
         "partly scanned", "1 scan over 1 of 4 layers: the layers run on cpu, and the scan is "
                           "an XLA loop")
