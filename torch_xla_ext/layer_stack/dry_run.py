@@ -22,6 +22,8 @@ have drawn. `CallRecord` is what the dry run found; `call_plan` reads it.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sysconfig
 import traceback
 from typing import Any
 
@@ -245,7 +247,13 @@ def _reads_metadata(func) -> bool:
 
 
 def _outside_torch(filename: str) -> bool:
-    return "/torch/" not in filename and "/torch_xla_ext/" not in filename
+    """Whether a frame is of the model's code (or the user's): not torch's,
+    this package's or the standard library's, which name no model's line."""
+    return ("/torch/" not in filename and "/torch_xla_ext/" not in filename
+            and not filename.startswith(_STANDARD_LIBRARY))
+
+
+_STANDARD_LIBRARY = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def _user_line() -> str:
