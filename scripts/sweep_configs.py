@@ -150,6 +150,10 @@ TWEAKS: dict[str, tuple[Callable[[int], dict[str, Any]], str]] = {
                         "qk_rope_head_dim"),
     "dots3_note": (lambda layers: {"text_config": {"head_dim": 2 * HEAD_DIM}},
                    "as dots3_note_text, its text config"),
+    "big_bird": (lambda layers: {"attention_type": "original_full"},
+                 "at the sweep's short sequences its forward switches every layer to full "
+                 "attention by replacing the layer's attention module, a change a stack's "
+                 "per-layer views do not keep (docs/limits.md); full attention from the start"),
     "deepseek_v2": (lambda layers: {"num_experts_per_tok": EXPERTS // 2},
                     "its default leaves num_experts_per_tok None, which its router reads"),
     "dots1": (lambda layers: {"n_routed_experts": EXPERTS, "num_experts_per_tok": EXPERTS // 2,
