@@ -18,23 +18,23 @@ import sweep_configs
 import sweep_worker
 
 
-def test_llama_comes_out_scanned_and_equal_and_xlnet_refused_with_its_reason(
+def test_llama_comes_out_scanned_and_equal_and_beam_layer_by_layer_with_its_reason(
         forked_workers, capsys, tmp_path):
     saved = tmp_path / "sweep.json"
     sweep_causal_lm.main(["--types", "llama", "--layers", "2", "--json", str(saved)])
     # --update runs another type into the saved sweep, and prints the whole.
-    sweep_causal_lm.main(["--types", "xlnet", "--layers", "2", "--update", str(saved)])
+    sweep_causal_lm.main(["--types", "beam", "--layers", "2", "--update", str(saved)])
     printed = capsys.readouterr().out
     assert re.search(r"^llama +scanned \(1 scan over 2 of 2 layers\)", printed, re.M), printed
-    # XLNet's model names no layer class in _no_split_modules: stack_layers finds no list.
-    assert re.search(r"^xlnet +refused: found no decoder-layer nn.ModuleList in "
-                     r"XLNetLMHeadModel", printed, re.M), printed
-    assert "2 types: 1 scanned, 0 partly scanned, 0 layer by layer, 1 refused" in printed
+    # Beam's layers index their residuals by integer settings of their own, which differ.
+    assert re.search(r"^beam +layer by layer: layers 0-1 compute differently from each other, "
+                     r".*attn_residual_add_idx", printed, re.M), printed
+    assert "2 types: 1 scanned, 0 partly scanned, 1 layer by layer, 0 refused" in printed
     assert "scanned: 1 of the 2 types whose unconverted model trains on XLA (50%)" in printed
 
     sweep = json.loads(saved.read_text())
     assert [command.split()[1:3] for command in sweep["commands"]] == [
-        ["--types", "llama"], ["--types", "xlnet"]]
+        ["--types", "llama"], ["--types", "beam"]]
     results = sweep["results"]
     llama = results["llama"]["figures"]
     assert llama["layer_calls"] == 2 and llama["calls_outside"] == 0
@@ -43,14 +43,15 @@ def test_llama_comes_out_scanned_and_equal_and_xlnet_refused_with_its_reason(
     losses = llama["losses"]
     assert losses["unconverted"][1] < losses["unconverted"][0]  # the steps trained
     assert losses["converted"] == pytest.approx(losses["unconverted"], rel=1e-4)
-    refused = results["xlnet"]["figures"]["refused"]
-    assert refused["exception"] == "ValueError", refused
-    assert refused["message"].startswith("stack_layers: found no decoder-layer"), refused
+    beam = results["beam"]["figures"]
+    assert beam["scans"] == [] and beam["calls_outside"] == beam["layer_calls"] == 2
+    assert [each["category"] for each in beam["warnings"]] == ["LayerByLayerWarning"]
+    assert all(diff["ok"] for diff in beam["diffs"].values()), beam["diffs"]
 
     # --report prints the saved sweep again, classified from its figures.
     sweep_causal_lm.main(["--report", str(saved), "--markdown"])
     reported = capsys.readouterr().out
-    assert results["llama"]["line"] in reported and results["xlnet"]["line"] in reported
+    assert results["llama"]["line"] in reported and results["beam"]["line"] in reported
     assert "| scanned | 1 scan over 2 of 2 layers | 1: llama |" in reported
 
 

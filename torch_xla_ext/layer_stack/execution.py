@@ -24,7 +24,7 @@ from typing import Any
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_xla_ext.layer_stack.call_plan import SCAN, CallPlan, Run
-from torch_xla_ext.layer_stack.kinds import PerLayerChoice, same_leaf
+from torch_xla_ext.layer_stack.kinds import PerLayerChoice, hidden_of, same_leaf
 from torch_xla_ext.layer_stack.running import warn_layer_by_layer
 from torch_xla_ext.placeholders import placeholder
 
@@ -82,7 +82,7 @@ class Execution:
 
     def _finish(self, run: Run, index: int, output):
         state = self.states[run.start]
-        state.returned = output[0] if isinstance(output, tuple) else output
+        state.returned = hidden_of(output)
         if index == run.stop - 1:
             del self.states[run.start]  # its tensors are not kept past the loop
         return output
@@ -151,7 +151,7 @@ class Execution:
         for offset, (leaves, spec) in enumerate(state.calls):
             args, kwargs = tree_unflatten([hidden, *leaves[1:]], spec)
             output = self.stack.call_layer(run.start + offset, args, kwargs)
-            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = hidden_of(output)
         return output
 
     def _output(self, run: Run, state: _RunState, index: int, leaves: list):

@@ -30,7 +30,7 @@ from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.per_layer import settings_given
 from torch_xla_ext.object_graph import VALUE_TYPES
 
-__all__ = ["PerLayerChoice", "call_for_layer", "is_choice", "program_of", "same_leaf"]
+__all__ = ["PerLayerChoice", "call_for_layer", "hidden_of", "is_choice", "program_of", "same_leaf"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,12 @@ def call_for_layer(args: tuple, kwargs: dict, index: int) -> tuple[tuple, dict]:
 def argument_path(path) -> str:
     """'args[1]' or "kwargs['mask']" for a leaf path of the pytree `(args, kwargs)`."""
     return ("args" if path[0].idx == 0 else "kwargs") + keystr(path[1:])
+
+
+def hidden_of(output):
+    """The hidden state a layer returned: its output, or the first item of
+    the tuple or list it returned (transformers' layers return either)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 def same_leaf(leaf, reference) -> bool:
@@ -132,7 +138,7 @@ class _Differentiated(nn.Module):
 
     def forward(self, weights: tuple, args: tuple, kwargs: dict):
         output = self.layer(*args, **kwargs)
-        output = output[0] if isinstance(output, tuple) else output
+        output = hidden_of(output)
         differentiable = [each for each in (args[0], *weights)
                           if isinstance(each, torch.Tensor) and each.requires_grad]
         if not output.requires_grad or not differentiable:

@@ -20,7 +20,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from torch_xla_ext.layer_stack.alike import LayerLayout
 from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
 from torch_xla_ext.layer_stack.kinds import (
-    argument_path, call_for_layer, is_choice)
+    argument_path, call_for_layer, hidden_of, is_choice)
 from torch_xla_ext.layer_stack.sharding import entering
 from torch_xla_ext.layer_stack.per_layer import (
     PerLayerAttributeRead, reads_recorded_in, reads_watched, settings_given)
@@ -328,7 +328,7 @@ def _next_hidden(layer: Callable, hidden, args: tuple, kwargs: dict, drop_in: bo
         return layer(*hidden) if isinstance(hidden, tuple) else layer(hidden)
     output = layer(hidden, *args, **kwargs)
     # A layer returns the hidden state, or a tuple that starts with it (transformers).
-    return output[0] if isinstance(output, tuple) else output
+    return hidden_of(output)
 
 
 def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads: set,
@@ -366,7 +366,7 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
                 output = hidden
             else:
                 output = layer(hidden, *args, **{**kwargs, **given})
-                hidden = output[0] if isinstance(output, tuple) else output
+                hidden = hidden_of(output)
         _check_recorded_calls(calls)
         output_leaves = tree_flatten(output)[0]
         return ((hidden, tensor_arguments, *with_state),

@@ -27,6 +27,7 @@ from torch_xla_ext.layer_stack import names as names_of, optimizer_state, runnin
 from torch_xla_ext.layer_stack.execution import ScanResult
 from torch_xla_ext.layer_stack.alike import layout_of, names_its_module, structure_key
 from torch_xla_ext.layer_stack.forms import differences
+from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.loops import LayerCall, active_driver, iterated
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import plan_segments
@@ -60,7 +61,7 @@ class LayerGroup(nn.Module):
             if per_position is not None:
                 kwargs = {**kwargs, **per_position[position]}
             output = layer(hidden, *args, **kwargs)
-            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = hidden_of(output)
         return hidden
 
 
