@@ -172,8 +172,7 @@ class _Recorder:
             self.inside = True
             try:
                 self._found[key] = program_of(self.stack.layer(index),
-                                              self.stack.as_traced(leaves), spec,
-                                              self.stack.scanned_settings_of(index))
+                                              self.stack.as_traced(leaves), spec)
             finally:
                 self.inside = False
         return self._found[key]

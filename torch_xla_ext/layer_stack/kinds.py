@@ -27,7 +27,6 @@ from torch.utils._pytree import keystr, tree_map, tree_unflatten
 
 from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
 from torch_xla_ext.layer_stack.hooks import hooks_held
-from torch_xla_ext.layer_stack.per_layer import settings_given
 from torch_xla_ext.object_graph import VALUE_TYPES
 
 __all__ = ["PerLayerChoice", "call_for_layer", "hidden_of", "is_choice", "program_of", "same_leaf"]
@@ -58,7 +57,7 @@ def for_layer(tree, index: int):
 
 def call_for_layer(args: tuple, kwargs: dict, index: int) -> tuple[tuple, dict]:
     """Layer `index`'s call: its variant of each PerLayerChoice (of the whole
-    call)."""
+    call, when `KindCalls.merged` made one of calls that differ in form)."""
     if not kwargs and len(args) == 1 and is_choice(args[0]) and args[0].whole_call:
         return args[0].for_layer(index)
     return for_layer((args, kwargs), index)
@@ -81,19 +80,15 @@ def same_leaf(leaf, reference) -> bool:
                                  and leaf == reference)
 
 
-def program_of(layer: nn.Module, leaves: list, spec, settings: tuple[str, ...] = ()) -> tuple:
+def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
     """What `layer` computes when called with `leaves` (of `tree_flatten((args,
     kwargs))`, `spec`): the code and constants of its forward, and of its
     backward to its hidden state and weights where they require grad (the
     hidden state where the weights do), traced by `make_fx` on fakes. Layers
-    of kinds whose programs are equal can share one scan's trace. `settings`
-    ('path.attribute') are inputs of the program, as a scan's step gets them
-    (`per_layer.scanned_settings`), not constants."""
+    of kinds whose programs are equal can share one scan's trace."""
     mode = fake_mode()
     weights = fake_weights(mode, layer)
     args, kwargs = tree_unflatten(fake_leaves(mode, leaves), spec)
-    values = dict(zip(settings, fake_leaves(
-        mode, [torch.zeros((), dtype=torch.get_default_dtype()) for _ in settings])))
     # As a step of a scan: where the weights require grad, so does the hidden
     # state each layer but the first gets; the first's (an input, a frozen
     # embedding's output) must too, or its program would differ from theirs.
@@ -102,15 +97,14 @@ def program_of(layer: nn.Module, leaves: list, spec, settings: tuple[str, ...] =
         args[0].requires_grad_(True)
     differentiated = _Differentiated(layer)
 
-    def forward_and_backward(weights, values, args, kwargs):
-        with settings_given(layer, values):
-            return torch.func.functional_call(
-                differentiated, {f"layer.{name}": each for name, each in weights.items()},
-                (tuple(weights.values()), args, kwargs))
+    def forward_and_backward(weights, args, kwargs):
+        return torch.func.functional_call(
+            differentiated, {f"layer.{name}": each for name, each in weights.items()},
+            (tuple(weights.values()), args, kwargs))
 
     # The layer's forward hooks would see the fakes (a stack replays them after its loop).
     with mode, hooks_held(layer):
-        graph = make_fx(forward_and_backward, tracing_mode="real")(weights, values, args, kwargs)
+        graph = make_fx(forward_and_backward, tracing_mode="real")(weights, args, kwargs)
     constants = [operator.attrgetter(node.target)(graph)
                  for node in graph.graph.nodes if node.op == "get_attr"]
     return graph.code, tuple((tuple(each.shape), each.dtype, _value(each))

@@ -123,31 +123,3 @@ def reads_watched(template: nn.Module, per_layer_paths: Iterable[str]):
             owner = template.get_submodule(owner_path)
             swaps.enter_context(swapped(owner, _watching_class(type(owner), frozenset(names))))
         yield
-
-
-def scanned_settings(per_layer_values: dict[str, tuple], watched: frozenset[str]) -> tuple[str, ...]:
-    """The settings that differ between layers and enter a scan as per-layer
-    values (a 0-d tensor each step, `settings_given`): real numbers (DiffLlama's
-    `lambda_init`), which the layer's code computes with as it would with a
-    tensor. Integers and flags stay settings: they size, index or branch."""
-    return tuple(sorted(
-        path for path, values in per_layer_values.items()
-        if path not in watched and all(type(value) is float for value in values)
-        and len(set(values)) > 1))
-
-
-@contextlib.contextmanager
-def settings_given(module: nn.Module, values: dict):
-    """While the block runs, `module`'s settings 'path.attribute' are `values`'
-    (tensors, in a scan's step or a traced program), then what they were."""
-    before = {}
-    try:
-        for path, value in values.items():
-            owner_path, _, name = path.rpartition(".")
-            owner = module.get_submodule(owner_path)
-            before[path] = (owner, name, getattr(owner, name))
-            setattr(owner, name, value)
-        yield
-    finally:
-        for owner, name, value in before.values():
-            setattr(owner, name, value)

@@ -23,7 +23,7 @@ from torch_xla_ext.layer_stack.kinds import (
     argument_path, call_for_layer, hidden_of, is_choice)
 from torch_xla_ext.layer_stack.sharding import entering
 from torch_xla_ext.layer_stack.per_layer import (
-    PerLayerAttributeRead, reads_recorded_in, reads_watched, settings_given)
+    PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.scan import Lowered, lower as lower_scan, scan
 
@@ -63,9 +63,6 @@ class Layers:
     # scan stacks along the layers as well (what a model's own loop keeps
     # of every layer: its hidden states, its attention weights).
     kept: tuple[int, ...] = ()
-    # 'path.attribute' -> each layer's value of a setting that enters the scan
-    # as a per-layer value ([num_layers], `per_layer.scanned_settings`).
-    settings: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +231,7 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
     tensor_arguments, arguments, choices = _split_arguments(args, kwargs)
     key = (layers.layout.trace_key(), arguments, layers.drop_in,
            recording.key if recording else None, layers.hooks_replayed, layers.kept,
-           layers.positions, tuple(layers.settings))
+           layers.positions)
     steps = _STEPS.setdefault(layers.template, {})
     if key not in steps:
         reads = set()
@@ -246,7 +243,7 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
         try:
             with reads_watched(layers.template, layers.per_layer_paths):
                 device = _device_of(hidden)
-                xs = {"tensors": layers.stacked_tensors, "settings": layers.settings}
+                xs = {"tensors": layers.stacked_tensors}
                 if recording is not None:
                     xs["index"] = torch.arange(layers.num_layers, device=device)
                 if choices:
@@ -358,8 +355,7 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
 
         given = recording.make(index, *with_state) if recording else {}
         calls = [] if hooks_replayed else None
-        with reads_recorded_in(reads, opaque=recording is not None), \
-                settings_given(template_ref(), x["settings"]), (
+        with reads_recorded_in(reads, opaque=recording is not None), (
                 hooks_held(template_ref(), calls) if hooks_replayed else contextlib.nullcontext()):
             if drop_in:
                 hidden = _next_hidden(layer, hidden, args, kwargs, drop_in)

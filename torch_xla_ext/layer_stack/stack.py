@@ -3,7 +3,6 @@ state_dict of the `nn.ModuleList` it replaces."""
 from __future__ import annotations
 
 import copy
-import functools
 import operator
 import warnings
 from typing import Iterable
@@ -17,7 +16,7 @@ from torch_xla_ext.layer_stack import names, optimizer_state, running, sharding
 from torch_xla_ext.layer_stack.alike import check_identical_layers, layer_tensors, layout_of
 from torch_xla_ext.layer_stack.segments import Segment
 from torch_xla_ext.patches.torch_xla import lower_host_ops
-from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES, scanned_settings
+from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.placeholders import depends_on_placeholder
 from torch_xla_ext.policies import resolve as resolve_policy, save_everything
 from torch_xla_ext.scan import Lowered
@@ -291,12 +290,6 @@ class LayerStack(nn.Module):
         if positions:
             tensors = {name: tensor.view(count // positions, positions, *tensor.shape[1:])
                        for name, tensor in tensors.items()}
-        device = next(iter(tensors.values())).device if tensors else None
-        # A group's position p takes every positions-th layer's value from layer first + p.
-        settings = {f"layers.{position}.{path}" if positions else path:
-                    _setting_values(self.per_layer_values[path][
-                        first + position:first + count:positions or 1], device)
-                    for path in self.scanned_settings for position in range(positions or 1)}
         return running.Layers(
             template, layout_of(template, 0), tensors,
             per_layer_paths=tuple(sorted(
@@ -304,24 +297,11 @@ class LayerStack(nn.Module):
                 for path in self.watched_paths for position in range(positions or 1))),
             layer_at=lambda index: self.layer(first + index), num_layers=count // (positions or 1),
             drop_in=False, partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
-            unroll=self.unroll, positions=positions, unit_output=self.unit_output,
-            settings=settings)
-
-    @property
-    def scanned_settings(self) -> tuple[str, ...]:
-        """The settings that differ between the layers and enter the scan as
-        per-layer values (`per_layer.scanned_settings`)."""
-        return scanned_settings(self.per_layer_values, self.watched_paths)
+            unroll=self.unroll, positions=positions, unit_output=self.unit_output)
 
     def extra_repr(self) -> str:
         layer_type = type(self._template).__name__ if self._template is not None else "-"
         return f"num_layers={len(self)}, layer={layer_type}"
-
-
-@functools.lru_cache(maxsize=64)
-def _setting_values(values: tuple[float, ...], device) -> torch.Tensor:
-    """Each layer's value of a setting on the device, uploaded once, not at every call."""
-    return torch.tensor(values, dtype=torch.get_default_dtype(), device=device)
 
 
 def _saved_per_layer(stack: LayerStack, state_dict, prefix: str, local_metadata) -> None:

@@ -175,22 +175,9 @@ class StackedList(nn.Module):
         groups = range(first, first + (stop - start + self.plan[number].period - 1)
                        // self.plan[number].period)
         return sorted(path for path, values in stack.per_layer_values.items()
-                      if path not in stack.watched_paths and path not in stack.scanned_settings
+                      if path not in stack.watched_paths
                       and len({id(values[group]) if not isinstance(values[group], _PLAIN)
                                else (type(values[group]), values[group]) for group in groups}) > 1)
-
-    def scanned_settings_of(self, index: int) -> tuple[str, ...]:
-        """The settings of layer `index` ('self_attn.lambda_init') that its
-        segment's scans take as per-layer values (`LayerStack.scanned_settings`)."""
-        number, _, position = self.place(index)
-        stack = self.segments[number]
-        if not isinstance(stack, SegmentStack):
-            return ()
-        if self.plan[number].period == 1:
-            return stack.scanned_settings
-        prefix = f"layers.{position}."
-        return tuple(path[len(prefix):] for path in stack.scanned_settings
-                     if path.startswith(prefix))
 
     def kinds_in_segment_of(self, index: int) -> int:
         """How many kinds of layers layer `index`'s segment holds."""
