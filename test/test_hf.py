@@ -694,7 +694,7 @@ def forward_while_loops(model, ids) -> int:
 
 
 @pytest.mark.parametrize("change, scans", [
-    # A real-number setting changed on layer 1: a per-layer value of the one scan.
+    # A setting changed on layer 1: layers 0 and 1 run as themselves, 2-3 as one scan.
     (lambda layers: setattr(layers[1].post_attention_layernorm, "variance_epsilon", 1e-3), 1),
     # A submodule of another type on the last layer: layers 0-2 are one scan.
     (lambda layers: setattr(layers[3].mlp, "act_fn", nn.GELU()), 1),
