@@ -693,26 +693,34 @@ def forward_while_loops(model, ids) -> int:
     return torch_xla._XLAC._get_xla_tensors_hlo([model(ids).logits]).count(" while(")
 
 
-@pytest.mark.parametrize("change, scans", [
-    # A setting changed on layer 1: layers 0 and 1 run as themselves, 2-3 as one scan.
-    (lambda layers: setattr(layers[1].post_attention_layernorm, "variance_epsilon", 1e-3), 1),
+@pytest.mark.parametrize("change, scans, warned", [
+    # A setting changed on layer 1: layers 0 and 1 compute differently from
+    # each other and run one by one, saying which setting sets them apart;
+    # 2-3 are one scan.
+    (lambda layers: setattr(layers[1].post_attention_layernorm, "variance_epsilon", 1e-3), 1,
+     "layers 0-1 compute differently from each other, which one trace cannot stand for (the "
+     "settings that differ between layers 0-3: post_attention_layernorm.variance_epsilon)"),
     # A submodule of another type on the last layer: layers 0-2 are one scan.
-    (lambda layers: setattr(layers[3].mlp, "act_fn", nn.GELU()), 1),
+    (lambda layers: setattr(layers[3].mlp, "act_fn", nn.GELU()), 1, None),
     # The same on layers 0 and 2 of 4: a pattern of two layers, one scan over two groups.
-    (lambda layers: [setattr(layers[index].mlp, "act_fn", nn.GELU()) for index in (0, 2)], 1),
+    (lambda layers: [setattr(layers[index].mlp, "act_fn", nn.GELU()) for index in (0, 2)], 1,
+     None),
 ], ids=["setting", "submodule", "alternating"])
-def test_layers_that_differ_run_as_runs_of_alike_layers(device, change, scans):
+def test_layers_that_differ_run_as_runs_of_alike_layers(device, change, scans, warned):
     reference = make_model()
     change(reference.model.layers)
     model = stack_layers(copy.deepcopy(reference))
     reference.to(device)
     model.to(device)
     ids, mask = batch(device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", LayerByLayerWarning)  # runs, not a fallback
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert forward_while_loops(model, ids) == scans
         close(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits,
               TRAINING)
+    messages = [str(each.message) for each in caught if each.category is LayerByLayerWarning]
+    assert all(warned in message for message in messages) and len(messages) == (
+        2 if warned else 0), messages  # one warning per call
 
 
 def test_layers_that_cannot_be_stacked_are_refused_and_the_model_is_unchanged():
