@@ -186,10 +186,11 @@ def test_unknown_types_are_refused(capsys):
 
 def test_the_docs_show_the_saved_sweep_and_every_tweak():
     docs = (benchmark_scripts.REPO / "docs" / "sweep.md").read_text()
-    _, results = sweep_causal_lm.saved_results(
-        str(benchmark_scripts.REPO / "docs" / "sweep" / "before.json"))
-    assert sweep_causal_lm.markdown_table(results) in docs
-    for text in sweep_causal_lm.count_lines(results):
-        assert text in docs
+    for saved in ("before.json", "after.json"):
+        _, results = sweep_causal_lm.saved_results(
+            str(benchmark_scripts.REPO / "docs" / "sweep" / saved))
+        assert sweep_causal_lm.markdown_table(results) in docs, saved
+        for text in sweep_causal_lm.count_lines(results):
+            assert text in docs, saved
     tweaked = re.findall(r"^\| ([\w, ]+) \| `", docs.split("## The tweaks")[1], re.M)
     assert {each for row in tweaked for each in row.split(", ")} == set(sweep_configs.TWEAKS)
