@@ -50,9 +50,13 @@ class _RunState:
 class Execution:
     """The driver of one forward's loop over `stack` (a `StackedList`), as `plan` says."""
 
-    def __init__(self, stack, plan: CallPlan):
+    def __init__(self, stack, plan: CallPlan, stand_ins: dict | None = None):
         self.stack = stack
         self.plan = plan
+        # The placeholders that stand for the layers' outputs between them, by
+        # (layer, output leaf): kept with the plan, so that each call of its
+        # kind hands the owner the same ones rather than make them again.
+        self.stand_ins = {} if stand_ins is None else stand_ins
         self.states: dict[int, _RunState] = {}  # by run start
         self.warned: set = set()  # the runs (None: the whole call) warned of
 
@@ -170,5 +174,7 @@ class Execution:
             elif result is not None and number in run.kept[position]:
                 values.append(result.kept[position, number][group])
             else:
-                values.append(placeholder(*source.value))
+                if (index, number) not in self.stand_ins:
+                    self.stand_ins[index, number] = placeholder(*source.value)
+                values.append(self.stand_ins[index, number])
         return tree_unflatten(values, spec)

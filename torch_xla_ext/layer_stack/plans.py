@@ -32,7 +32,8 @@ class OwnerPlans:
     """The plans of one owner's forward, by kind of call."""
 
     def __init__(self):
-        self.plans: dict[tuple, dict[str, CallPlan]] = {}
+        # By kind of call: each stacked list's plan, and the stand-ins its executions share.
+        self.plans: dict[tuple, dict[str, tuple[CallPlan, dict]]] = {}
 
     def start(self, owner: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict
               ) -> dict[str, Execution]:
@@ -46,9 +47,10 @@ class OwnerPlans:
         key = _kind_of_call(owner, args, kwargs)
         if key not in self.plans:
             record = record_calls(owner, stacks, args, kwargs)
-            self.plans[key] = {name: plan_calls(stack, record.calls[name], record)
+            self.plans[key] = {name: (plan_calls(stack, record.calls[name], record), {})
                                for name, stack in stacks.items()}
-        return {name: Execution(stacks[name], plan) for name, plan in self.plans[key].items()}
+        return {name: Execution(stacks[name], plan, stand_ins)
+                for name, (plan, stand_ins) in self.plans[key].items()}
 
 
 def _kind_of_call(owner: nn.Module, args: tuple, kwargs: dict) -> tuple:
