@@ -16,6 +16,7 @@ import torch_xla.utils.checkpoint as xla_checkpoint
 import transformers
 from torch import nn
 
+from layer_calls import forward_with_warnings
 from support import supports
 from test_hf import device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
 from tolerances import TRAINING, close
@@ -223,16 +224,6 @@ class HandsBackUnderASetting(HandsBack):
             if self.hands_on:
                 bias = returned
         return x
-
-
-def forward_with_warnings(model, x) -> tuple:
-    """The output, the While loops of its graph and the LayerByLayerWarnings of a call."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        output = model(x)
-    loops = torch_xla._XLAC._get_xla_tensors_hlo([output]).count(" while(")
-    return output, loops, [str(each.message) for each in caught
-                           if each.category is LayerByLayerWarning]
 
 
 @pytest.mark.parametrize("loop, recomputed", [(HandsBack, False), (HandsBack, True),

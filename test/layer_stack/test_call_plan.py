@@ -9,22 +9,10 @@ import torch
 import torch_xla
 from torch import nn
 
+from layer_calls import HIDDEN, Block
 from torch_xla_ext.layer_stack import StackedList
 from torch_xla_ext.layer_stack.call_plan import Leaf, plan_calls
 from torch_xla_ext.layer_stack.dry_run import Source, record_calls
-
-HIDDEN = 4
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm, self.linear = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x, scale=None, shift=None):
-        x = self.linear(self.norm(x))
-        return x if scale is None else x * scale + shift
-
 
 class Wide(Block):
     """Another structure: a second linear layer."""

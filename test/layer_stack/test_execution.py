@@ -4,30 +4,16 @@ and its plans (plans.OwnerPlans): the loop's results from one scan, the
 layers in between given stand-ins, and a call that is not what the plan of
 its kind of call says raises rather than compute something else."""
 import copy
-import warnings
 
 import pytest
 import torch
 import torch_xla
 from torch import nn
 
+from layer_calls import HIDDEN, Block, forward_with_warnings
 from tolerances import TRAINING, close
-from torch_xla_ext.layer_stack import (
-    LayerByLayerWarning, OwnerPlans, StackedList, drive_loops)
+from torch_xla_ext.layer_stack import OwnerPlans, StackedList, drive_loops
 from torch_xla_ext.placeholders import is_placeholder
-
-HIDDEN = 4
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm, self.linear = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x, scale=None, shift=None):
-        x = self.linear(self.norm(x))
-        return x if scale is None else x * scale + shift
-
 
 class Loop(nn.Module):
     """Calls its blocks in `order`, each on what the one before returned (or
@@ -66,26 +52,16 @@ def converted(model: Loop, device) -> tuple[Loop, Loop]:
     return model.to(device), stacked.to(device)
 
 
-def run(model, x) -> tuple:
-    """The output, its graph's While loops and the LayerByLayerWarnings of a call."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        output = model(x)
-    loops = torch_xla._XLAC._get_xla_tensors_hlo([output]).count(" while(")
-    return output, loops, [str(each.message) for each in caught
-                           if each.category is LayerByLayerWarning]
-
-
 def test_a_planned_scan_gives_the_loops_result_and_stand_ins_in_between(device):
     reference, model = converted(Loop(), device)
     x = torch.randn(2, HIDDEN, device=device)
-    output, loops, one_by_one = run(model, x)
+    output, loops, one_by_one = forward_with_warnings(model, x)
     assert loops == 1 and not one_by_one
     close(output, reference(x), TRAINING)
     # The layers before the last gave stand-ins (placeholders), which the forward did not use.
     assert [is_placeholder(each) for each in model.seen] == [True, True, False]
     # A later call of the same kind runs by the same plan.
-    output, loops, one_by_one = run(model, x + 1)
+    output, loops, one_by_one = forward_with_warnings(model, x + 1)
     assert loops == 1 and not one_by_one
     close(output, reference(x + 1), TRAINING)
 
@@ -96,7 +72,7 @@ def test_per_layer_arguments_are_chosen_inside_the_scan(device):
     for which in (reference, model):
         which.arguments = [dict(scale=scale, shift=shifts[index % 2]) for index in range(3)]
     x = torch.randn(2, HIDDEN, device=device)
-    output, loops, one_by_one = run(model, x)
+    output, loops, one_by_one = forward_with_warnings(model, x)
     assert loops == 1 and not one_by_one
     close(output, reference(x), TRAINING)
 
@@ -104,20 +80,20 @@ def test_per_layer_arguments_are_chosen_inside_the_scan(device):
 def test_a_call_out_of_order_raises(device):
     _, model = converted(Loop(), device)
     x = torch.randn(2, HIDDEN, device=device)
-    run(model, x)  # planned: layers 0, 1, 2, as one scan
+    forward_with_warnings(model, x)  # planned: layers 0, 1, 2, as one scan
     model.order[1:] = [2, 1]  # no plain setting: the same kind of call
     with pytest.raises(RuntimeError, match=r"layer 2 is called out of order: layers 0-2 run as "
                                            r"one scan, and the calls so far were of layers 0-0"):
         model(x)
     # The forward's end was seen all the same: the next call runs by its plan.
     model.order[1:] = [1, 2]
-    assert run(model, x)[1:] == (1, [])
+    assert forward_with_warnings(model, x)[1:] == (1, [])
 
 
 def test_another_hidden_state_than_the_layer_before_returned_raises(device):
     _, model = converted(Loop(), device)
     x = torch.randn(2, HIDDEN, device=device)
-    run(model, x)
+    forward_with_warnings(model, x)
     model.doubles[0] = True
     with pytest.raises(RuntimeError, match=r"layer 1 got another hidden state than layer 0 "
                                            r"returned: layers 0-2 run as one scan"):
@@ -129,7 +105,7 @@ def test_another_shared_argument_or_another_form_raises(device):
     scale, shift = torch.randn(HIDDEN, device=device), torch.randn(HIDDEN, device=device)
     model.arguments = [dict(scale=scale, shift=shift) for _ in range(3)]
     x = torch.randn(2, HIDDEN, device=device)
-    run(model, x)  # planned with the same scale and shift for every layer
+    forward_with_warnings(model, x)  # planned with the same scale and shift for every layer
     model.arguments[2] = dict(scale=scale, shift=shift.clone())
     with pytest.raises(ValueError, match=r"layer 2 is called with another argument \(leaf 2 of "
                                          r"its arguments\) than layer 0, which the loop gave the "
@@ -155,7 +131,7 @@ def test_a_scan_that_cannot_run_runs_the_layers_one_by_one_with_a_warning(device
         block.layer_idx = index + 1
     reference, model = converted(model, device)
     x = torch.randn(2, HIDDEN, device=device)
-    output, loops, one_by_one = run(model, x)
+    output, loops, one_by_one = forward_with_warnings(model, x)
     assert loops == 0 and len(one_by_one) == 1
     assert one_by_one[0].startswith("The 3 layers ran one by one") and "layer_idx" in one_by_one[0]
     close(output, reference(x), TRAINING)

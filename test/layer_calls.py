@@ -1,0 +1,34 @@
+"""Small layers and a call that reports what ran, shared by the tests of the
+plan from calls (test/layer_stack/test_call_plan.py, test_execution.py) and
+T5's small loops (test_hf_t5.py)."""
+import warnings
+
+import torch_xla
+from torch import nn
+
+from torch_xla_ext.layer_stack import LayerByLayerWarning
+
+HIDDEN = 4
+
+
+class Block(nn.Module):
+    """A norm and a linear layer; scaled and shifted when given both."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.linear = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, scale=None, shift=None):
+        x = self.linear(self.norm(x))
+        return x if scale is None else x * scale + shift
+
+
+def forward_with_warnings(model, x) -> tuple:
+    """The output, the While loops of its graph (not run) and the
+    LayerByLayerWarnings of a call."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        output = model(x)
+    loops = torch_xla._XLAC._get_xla_tensors_hlo([output]).count(" while(")
+    return output, loops, [str(each.message) for each in caught
+                           if each.category is LayerByLayerWarning]
