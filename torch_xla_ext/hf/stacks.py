@@ -164,9 +164,9 @@ class StackedLayers(StackedList):
                                     plan.recording, state=plan.state)
         if isinstance(outcome, str):
             return outcome
-        last_hidden, recorded, kept = outcome
+        last_hidden, recorded, kept, handed = outcome
         plan.commit(recorded, hidden.shape[-2])
-        return scan_result(run, (last_hidden, kept))
+        return scan_result(run, (last_hidden, kept, handed))
 
 
 def _call_of(calls: tuple, period: int) -> tuple[tuple, dict]:

@@ -7,9 +7,13 @@ decides, once per kind of call, how each layer's call runs, as data
 * a scan (`how == "scan"`): consecutive layers of one segment (or whole
   groups of a repeating pattern), each called on what the one before
   returned, with arguments that are the same objects in every call
-  (`shared`) or that differ between layers (`chosen`: tensors, each layer
-  given its own, which the scan takes stacked); it runs when the call of
-  its `trigger` layer comes, the one by which every argument has been seen;
+  (`shared`), that differ between layers (`chosen`: tensors, each layer
+  given its own, which the scan takes stacked), or that each layer gets
+  from the one before besides its hidden state (`handed`: a value it
+  computed, which the scan carries with the hidden state; the run's first
+  layer gets it from the forward, and the forward gets the last layer's);
+  it runs when the call of its `trigger` layer comes, the one by which
+  every argument has been seen;
 * a layer that runs as itself (`itself`): a run of one layer;
 * layers run one by one (`one by one`), as the unconverted loop does, with
   the reason, which a `LayerByLayerWarning` gives.
@@ -39,10 +43,13 @@ SCAN, ITSELF, ONE_BY_ONE = "scan", "itself", "one by one"
 class Leaf:
     """How a run's calls give one leaf of their arguments: the same object
     in every call (`shared`), the hidden state each layer gets from the one
-    before (`carried`), or a tensor per layer (`chosen`: layer i of the run
-    gets variant `choice[i]`, the variants numbered by their first call)."""
+    before (`carried`), a tensor per layer (`chosen`: layer i of the run
+    gets variant `choice[i]`, the variants numbered by their first call), or
+    leaf `output` of what the layer before returned (`handed`; the run's
+    first layer gets it from the forward)."""
     kind: str
     choice: tuple[int, ...] = ()
+    output: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +68,11 @@ class Run:
     kept: tuple[tuple[int, ...], ...] = ()
     # Per position: the form of a layer's output, and where each of its leaves comes from.
     outputs: tuple[tuple, ...] = ()
+
+    def handed_outputs(self) -> frozenset[int]:
+        """The leaves of a layer's output that the next layer gets (`handed`)."""
+        return frozenset(leaf.output for each in self.leaves for leaf in each
+                         if leaf.kind == "handed")
 
     def __str__(self) -> str:
         return f"layers {self.start}-{self.stop - 1}" if self.stop - self.start > 1 \
@@ -130,8 +142,9 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
         return [_run(calls, number, period, record)]
     runs, begin = [], 0
     for offset in range(1, len(calls) + 1):
-        if offset == len(calls) or not _continues(calls[begin], calls[offset - 1],
-                                                  calls[offset]):
+        if offset == len(calls) or not (
+                _continues(calls[begin], calls[offset - 1], calls[offset])
+                and _takes_handed(calls[begin], calls[offset - 1], calls[offset])):
             runs += _by_program(stack, calls[begin:offset], number, record)
             begin = offset
     return _changed_between(runs, calls, record)
@@ -211,6 +224,26 @@ def _continues(reference: RecordedCall, before: RecordedCall, call: RecordedCall
                     for leaf, first in zip(call.leaves[1:], reference.leaves[1:])))
 
 
+def _takes_handed(first: RecordedCall, before: RecordedCall, call: RecordedCall) -> bool:
+    """Whether the first call of a run can give, as the scan's first carry,
+    each value that `call` gets from the call `before` it besides the
+    hidden state: there, it has a tensor of that value's shape and dtype.
+    (A run whose first layer gets None there starts at the next layer.)"""
+    return all(isinstance(first.leaves[position], Tensor)
+               and (tuple(first.leaves[position].shape), first.leaves[position].dtype)
+               == before.sources[output].value
+               for position, output in _handed(before, call))
+
+
+def _handed(before: RecordedCall, call: RecordedCall) -> tuple[tuple[int, int], ...]:
+    """(argument leaf, output leaf) of each value `call` gets (past its
+    hidden state) that the call `before` it computed and returned."""
+    computed = {id(output): number for number, (output, source)
+                in enumerate(zip(before.outputs, before.sources)) if source.kind == "computed"}
+    return tuple((position, computed[id(leaf)]) for position, leaf
+                 in enumerate(call.leaves[1:], start=1) if id(leaf) in computed)
+
+
 def _may_differ(leaf, first) -> bool:
     """Whether an argument may differ between the layers of a scan: a tensor
     each (the scan stacks them), or None for some layers and a tensor for
@@ -233,7 +266,8 @@ def _run(calls: list[RecordedCall], number: int, period: int, record: CallRecord
     reason = _unscannable(calls, period)
     if reason is not None:
         return Run(first, last, number, ONE_BY_ONE, reason)
-    leaves = tuple(_leaves(calls[position::period]) for position in range(period))
+    handed = _handed(calls[0], calls[1]) if period == 1 else ()
+    leaves = tuple(_leaves(calls[position::period], handed) for position in range(period))
     # The last layer's hidden state is the scan's result; any other output
     # the forward uses, it takes from what the scan stacks per layer.
     kept = tuple(tuple(sorted({leaf for call in calls[position::period]
@@ -271,26 +305,40 @@ def _unscannable(calls: list[RecordedCall], period: int) -> str | None:
             what = call.sources[kinds.index("object")].value
             return (f"layer {call.index} gives back a {what} it makes, which a scan "
                     f"cannot carry or stack")
-    for call in calls[period:]:
-        for position, leaf in enumerate(call.leaves[1:], start=1):
-            if any(leaf is output for output in _previous_outputs(calls, call)[1:]):
-                return (f"layer {call.index} gets, as its argument leaf {position}, a value "
-                        f"the layer before it computed besides its hidden state, and a scan "
-                        f"carries the hidden state only")
+    handed = [_handed(before, call) for before, call in zip(calls, calls[1:])]
+    if period > 1:
+        given = next(((call, pairs) for call, pairs in zip(calls[1:], handed) if pairs), None)
+        if given is not None:
+            return (f"layer {given[0].index} gets, as its argument leaf {given[1][0][0]}, a "
+                    f"value the layer before it computed besides its hidden state, and a scan "
+                    f"over groups of layers carries the hidden state only")
+        return None
+    for call, pairs in zip(calls[2:], handed[1:]):
+        if pairs != handed[0]:
+            return (f"layer {call.index} gets values that the layer before it computed, "
+                    f"besides its hidden state, as (argument leaf, output leaf) {list(pairs)}, "
+                    f"and layer {calls[1].index} as {list(handed[0])}, and a scan carries the "
+                    f"same values from layer to layer")
+    for position, output in handed[0] if handed else ():
+        leaf = calls[0].leaves[position]
+        if not (isinstance(leaf, Tensor) and (tuple(leaf.shape), leaf.dtype)
+                == calls[0].sources[output].value):
+            return (f"layer {calls[0].index} gets, as its argument leaf {position}, no tensor "
+                    f"of the shape and dtype of the value the next layers get there from the "
+                    f"layer before them, which a scan carries")
     return None
 
 
-def _previous_outputs(calls: list[RecordedCall], call: RecordedCall) -> list:
-    """What the call before `call` computed and gave back."""
-    before = next(each for each in calls if each.index == call.index - 1)
-    return [output for output, source in zip(before.outputs, before.sources)
-            if source.kind == "computed"]
-
-
-def _leaves(calls: list[RecordedCall]) -> tuple[Leaf, ...]:
-    """How the calls at one position of a run give each argument leaf."""
+def _leaves(calls: list[RecordedCall], handed: tuple[tuple[int, int], ...]) -> tuple[Leaf, ...]:
+    """How the calls at one position of a run give each argument leaf
+    (`handed`: (argument leaf, output leaf) of the values each gets from the
+    layer before)."""
     plans = [Leaf("carried")]
+    outputs = dict(handed)
     for position in range(1, len(calls[0].leaves)):
+        if position in outputs:
+            plans.append(Leaf("handed", output=outputs[position]))
+            continue
         variants, choice = [], []
         for call in calls:
             leaf = call.leaves[position]

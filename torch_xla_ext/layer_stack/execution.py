@@ -7,10 +7,10 @@ against the plan (each gets what the call before returned, the same
 objects as the first call where the plan shares them, a tensor per layer
 where it chooses them) and recorded; at the call of the run's trigger the
 scan runs (`StackedList.scan_run`), and each call returns what its layer
-would: its hidden state (the scan's result at the last layer, or a
-placeholder that the next call hands on), the arguments it hands back, its
-constants, and the per-layer values the forward keeps, from what the scan
-stacked.
+would: its hidden state and the values the next layer gets from it (the
+scan's results at the last layer, or placeholders that the next call hands
+on), the arguments it hands back, its constants, and the per-layer values
+the forward keeps, from what the scan stacked.
 
 If the scan cannot run (the run's reason, a `LayerByLayerWarning`), the
 layers recorded so far run one by one at the trigger, and the later ones
@@ -24,8 +24,8 @@ from typing import Any
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_xla_ext.layer_stack.call_plan import SCAN, CallPlan, Run
-from torch_xla_ext.layer_stack.kinds import PerLayerChoice, hidden_of, same_leaf
-from torch_xla_ext.layer_stack.running import warn_layer_by_layer
+from torch_xla_ext.layer_stack.kinds import PerLayerChoice, same_leaf
+from torch_xla_ext.layer_stack.running import HandedOn, warn_layer_by_layer
 from torch_xla_ext.placeholders import placeholder
 
 __all__ = ["Execution", "ScanResult"]
@@ -33,16 +33,19 @@ __all__ = ["Execution", "ScanResult"]
 
 @dataclasses.dataclass(frozen=True)
 class ScanResult:
-    """What a run's scan gives: the last layer's hidden state, and the
-    per-layer values the forward keeps, `(position, output leaf) -> [groups, ...]`."""
+    """What a run's scan gives: the last layer's hidden state, the
+    per-layer values the forward keeps, `(position, output leaf) -> [groups, ...]`,
+    and the last layer's output leaves that each layer hands the next
+    (`Run.handed_outputs`), by number."""
     hidden: Any
     kept: dict
+    handed: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class _RunState:
     calls: list = dataclasses.field(default_factory=list)  # (leaves, spec) of each call so far
-    returned: Any = None  # the hidden state the last call returned, which the next must get
+    returned: list = dataclasses.field(default_factory=list)  # the last call's output leaves
     result: ScanResult | None = None
     one_by_one: bool = False  # the scan could not run: each layer runs at its call
 
@@ -86,7 +89,7 @@ class Execution:
 
     def _finish(self, run: Run, index: int, output):
         state = self.states[run.start]
-        state.returned = hidden_of(output)
+        state.returned = tree_flatten(output)[0]
         if index == run.stop - 1:
             del self.states[run.start]  # its tensors are not kept past the loop
         return output
@@ -99,13 +102,21 @@ class Execution:
                 f"layer {index} is called out of order: {run} run as one scan, and the calls "
                 f"so far were of layers {run.start}-{run.start + len(state.calls) - 1}; call "
                 f"the layers in order.")
-        if offset and leaves[0] is not state.returned:
+        if offset and leaves[0] is not state.returned[0]:
             raise RuntimeError(
                 f"layer {index} got another hidden state than layer {index - 1} returned: "
                 f"{run} run as one scan, each layer on what the one before returned; call "
                 f"them in order, each on what the previous one returned, with nothing "
                 f"between them.")
         position, group = offset % run.period, offset // run.period
+        for number, plan in enumerate(run.leaves[position][1:], start=1):
+            if offset and plan.kind == "handed" and leaves[number] is not state.returned[
+                    plan.output]:
+                raise RuntimeError(
+                    f"layer {index} got another value (leaf {number} of its arguments) than "
+                    f"layer {index - 1} returned as its output leaf {plan.output}: {run} run as "
+                    f"one scan, which hands each layer that value of the one before; call the "
+                    f"layers as when this kind of call was planned.")
         if offset < run.period:
             return
         reference_leaves, reference_spec = state.calls[position]
@@ -136,7 +147,9 @@ class Execution:
             leaves, spec = state.calls[position]
             merged = list(leaves)
             for number, plan in enumerate(run.leaves[position][1:], start=1):
-                if plan.kind == "chosen":
+                if plan.kind == "handed":
+                    merged[number] = HandedOn(leaves[number], plan.output)
+                elif plan.kind == "chosen":
                     variants = tuple(state.calls[plan.choice.index(variant) * run.period
                                                  + position][0][number]
                                      for variant in range(max(plan.choice) + 1))
@@ -150,12 +163,19 @@ class Execution:
 
     def _recorded_one_by_one(self, run: Run, state: _RunState):
         """Runs the layers whose calls were recorded, one by one, each on what
-        the one before returned; the output of the last."""
-        hidden = state.calls[0][0][0]
+        the one before returned (its hidden state and the values it hands
+        on); the output of the last."""
+        handed = [(number, plan.output) for number, plan in enumerate(run.leaves[0])
+                  if plan.kind == "handed"]
+        returned = None
         for offset, (leaves, spec) in enumerate(state.calls):
-            args, kwargs = tree_unflatten([hidden, *leaves[1:]], spec)
+            if offset:
+                leaves = [returned[0], *leaves[1:]]
+                for number, output in handed:
+                    leaves[number] = returned[output]
+            args, kwargs = tree_unflatten(leaves, spec)
             output = self.stack.call_layer(run.start + offset, args, kwargs)
-            hidden = hidden_of(output)
+            returned = tree_flatten(output)[0]
         return output
 
     def _output(self, run: Run, state: _RunState, index: int, leaves: list):
@@ -171,6 +191,8 @@ class Execution:
                 values.append(source.value)
             elif number == 0 and index == run.stop - 1:
                 values.append(result.hidden)
+            elif index == run.stop - 1 and number in result.handed:
+                values.append(result.handed[number])
             elif result is not None and number in run.kept[position]:
                 values.append(result.kept[position, number][group])
             else:

@@ -66,6 +66,17 @@ class Layers:
 
 
 @dataclasses.dataclass(frozen=True)
+class HandedOn:
+    """A leaf of a scan's call arguments that each layer gets from the layer
+    before it, besides the hidden state: `value` is the first layer's, and
+    each later layer gets leaf `output` of the previous layer's output (its
+    `tree_flatten` leaves). The scan carries it with the hidden state, and
+    gives back the last layer's."""
+    value: torch.Tensor
+    output: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Recording:
     """Objects that each traced layer call gets as keyword arguments, made
     afresh for the call (a key/value cache that records what the layer puts
@@ -98,14 +109,15 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
 
 def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
     """`run`'s scan: (the last hidden state, the kept output leaves stacked
-    along the layers), or why one scan cannot stand for the loop (a str),
-    before anything ran."""
+    along the layers, the last layer's output leaves that HandedOn arguments
+    take, by number), or
+    why one scan cannot stand for the loop (a str), before anything ran."""
     def scanned(step, init, xs):
-        (last_hidden, _), (_, calls, kept) = scan(
+        (last_hidden, _, handed), (_, calls, kept) = scan(
             step, init, xs, partition_fn=layers.partition_fn, is_fn_pure=layers.is_layer_pure,
             unroll=layers.unroll)
         _replay_hooks(layers, calls)
-        return last_hidden, kept
+        return last_hidden, kept, handed
 
     reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
                                 if isinstance(leaf, torch.Tensor))), None)
@@ -129,21 +141,22 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
                   state: tuple[torch.Tensor, ...] = ()):
     """`run` with `recording`'s keyword arguments given to every layer: returns
     the last hidden state, the recorded tensors and the kept output leaves,
-    each stacked [num_layers, ...]. The layers may write the `state` tensors (a key/value cache stacked
+    each stacked [num_layers, ...], and the last layer's output leaves that
+    HandedOn arguments take, by number. The layers may write the `state` tensors (a key/value cache stacked
     along the layers, say) in place, through what `recording` gives them:
     state is a carry of the loop, so XLA writes it in place, a few positions
     at a time, and after the call `state` holds what the loop left. Raises
     Unscannable for a call that one trace cannot stand for; the caller then
     runs the layers one by one with what they record into."""
     def scanned(step, init, xs):
-        (last_hidden, _, final_state), (recorded, calls, kept) = scan(
+        (last_hidden, _, handed, final_state), (recorded, calls, kept) = scan(
             step, (*init, state), xs, partition_fn=layers.partition_fn,
             is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
         for tensor, final in zip(state, final_state):
             if final is not tensor:  # a read-only state leaves the loop as itself
                 tensor.copy_(final)
         _replay_hooks(layers, calls)
-        return last_hidden, recorded, kept
+        return last_hidden, recorded, kept, handed
 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
 
@@ -217,18 +230,27 @@ _TENSOR_ARGUMENT = object()
 _CHOSEN_ARGUMENT = object()
 
 
+@dataclasses.dataclass(frozen=True)
+class _HandedLeaf:
+    """Stands in the call key for a HandedOn argument: the carry gives it,
+    from leaf `output` of the previous layer's output."""
+    output: int
+
+
 def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                   stage: Callable[[Callable, tuple, Any], Any], recording: Recording | None = None,
                   state: tuple = ()):
     """`stage(step, init, xs)` for the scan step that runs one layer, its
     initial carry and what it scans over (the stacked tensors, with a
     recording each layer's index, and each PerLayerChoice's per-layer
-    choice); raises Unscannable when the scan cannot stand for the loop."""
+    choice); raises Unscannable when the scan cannot stand for the loop. The
+    carry is the hidden state, the tensor arguments, the HandedOn arguments'
+    values (and a recording's state)."""
     _check_carried(hidden, "input_data" if layers.drop_in else "hidden")
     unreplayed = unreplayable(layers.template) if layers.hooks_replayed else None
     if unreplayed is not None:
         raise Unscannable(unreplayed)
-    tensor_arguments, arguments, choices = _split_arguments(args, kwargs)
+    tensor_arguments, handed, arguments, choices = _split_arguments(args, kwargs)
     key = (layers.layout.trace_key(), arguments, layers.drop_in,
            recording.key if recording else None, layers.hooks_replayed, layers.kept,
            layers.positions)
@@ -248,7 +270,8 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                     xs["index"] = torch.arange(layers.num_layers, device=device)
                 if choices:
                     xs["choices"] = [_choice_tensor(choice, device) for choice in choices]
-                return stage(step, (entering(layers.unit_output, hidden), tensor_arguments), xs)
+                return stage(step, (entering(layers.unit_output, hidden), tensor_arguments,
+                                    handed), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
     read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads]
@@ -275,15 +298,19 @@ def _check_carried(hidden, name: str) -> None:
                                f"what goes from layer to layer in a scan must be tensors")
 
 
-def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
+def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple, list]:
     """Splits layer call arguments into tensors (a PerLayerChoice's variants
-    stacked), a hashable description of the rest, and the PerLayerChoices'
-    per-layer choices; raises Unscannable for an argument that is none of
-    these."""
+    stacked), the HandedOn arguments' first values (by the output leaf that
+    the next layer gets them from), a hashable description of
+    the rest, and the PerLayerChoices' per-layer choices; raises Unscannable
+    for an argument that is none of these."""
     leaves, spec = tree_flatten((args, kwargs))
-    tensors, constants, choices = [], [], []
+    tensors, handed, constants, choices = [], {}, [], []
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, HandedOn):
+            handed.setdefault(leaf.output, leaf.value)
+            constants.append(_HandedLeaf(leaf.output))
+        elif isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             constants.append(_TENSOR_ARGUMENT)
         elif is_choice(leaf):
@@ -300,7 +327,7 @@ def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
                 f"argument {argument_path(path)} is of type {type(leaf).__name__}, and only "
                 f"tensors and plain constants (None, bool, int, float, str) can enter a "
                 f"traced loop")
-    return tuple(tensors), (spec, tuple(constants)), choices
+    return tuple(tensors), handed, (spec, tuple(constants)), choices
 
 
 def _stacked_variants(choice, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -336,7 +363,7 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
     def run_one_layer(carry, x):
         # With a recording, the carry ends with the state tensors, and each
         # step also gets its layer's index.
-        hidden, tensor_arguments, *with_state = carry
+        hidden, tensor_arguments, handed, *with_state = carry
         layer_tensors, index = x["tensors"], x.get("index")
         if positions:
             layer_tensors = {f"layers.{position}.{name}": tensor[position]
@@ -345,7 +372,9 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
         supplied, picks = iter(tensor_arguments), iter(x.get("choices", ()))
         leaves = [next(supplied) if constant is _TENSOR_ARGUMENT
                   else torch.index_select(next(supplied), 0, next(picks).view(1))[0]
-                  if constant is _CHOSEN_ARGUMENT else constant[1]
+                  if constant is _CHOSEN_ARGUMENT
+                  else handed[constant.output] if isinstance(constant, _HandedLeaf)
+                  else constant[1]
                   for constant in constants]
         args, kwargs = tree_unflatten(leaves, spec)
 
@@ -365,7 +394,8 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
                 hidden = hidden_of(output)
         _check_recorded_calls(calls)
         output_leaves = tree_flatten(output)[0]
-        return ((hidden, tensor_arguments, *with_state),
+        handed = {number: output_leaves[number] for number in handed}
+        return ((hidden, tensor_arguments, handed, *with_state),
                 (recording.recorded(given) if recording else None, calls,
                  tuple(output_leaves[leaf] for leaf in kept)))
 

@@ -329,9 +329,9 @@ def scan_result(run, outcome) -> ScanResult | str:
     """`running.attempt`'s outcome for `run` as its execution takes it."""
     if isinstance(outcome, str):
         return outcome
-    hidden, kept = outcome
+    hidden, kept, handed = outcome
     return ScanResult(hidden, {(0, leaf): stacked for leaf, stacked in zip(run.kept[0], kept)}
-                      if run.kept else {})
+                      if run.kept else {}, handed)
 
 
 def _kinds(layouts: list, per_layer_attributes: frozenset[str]) -> tuple[int, ...]:
