@@ -268,12 +268,16 @@ def _run(calls: list[RecordedCall], number: int, period: int, record: CallRecord
         return Run(first, last, number, ONE_BY_ONE, reason)
     handed = _handed(calls[0], calls[1]) if period == 1 else ()
     leaves = tuple(_leaves(calls[position::period], handed) for position in range(period))
-    # The last layer's hidden state is the scan's result; any other output
-    # the forward uses, it takes from what the scan stacks per layer.
+    # The last layer's hidden state and handed values are the scan's results;
+    # any other output the forward uses, or hands a layer of another run, it
+    # takes from what the scan stacks per layer.
+    needed = _taken_outside(calls, record) | record.used.keys()
+    results = {0} | {output for _, output in handed}
     kept = tuple(tuple(sorted({leaf for call in calls[position::period]
-                               for leaf, output in enumerate(call.outputs)
-                               if id(output) in record.used
-                               and (leaf or call is not calls[-1])}))
+                               for leaf, (output, source)
+                               in enumerate(zip(call.outputs, call.sources))
+                               if source.kind == "computed" and id(output) in needed
+                               and not (call is calls[-1] and leaf in results)}))
                  for position in range(period))
     outputs = tuple((call.output_spec, call.sources) for call in calls[:period])
     # The call by which every variant of every chosen argument has been given.
@@ -289,6 +293,13 @@ def _run(calls: list[RecordedCall], number: int, period: int, record: CallRecord
         return Run(first, last, number, ONE_BY_ONE,
                    "the groups of layers get arguments that differ from group to group")
     return Run(first, last, number, SCAN, None, period, trigger, leaves, kept, outputs)
+
+
+def _taken_outside(calls: list[RecordedCall], record: CallRecord) -> set[int]:
+    """ids of what layer calls other than `calls` get past their hidden state."""
+    inside = {id(call) for call in calls}
+    return {id(leaf) for each in record.calls.values() for call in each
+            if id(call) not in inside for leaf in call.leaves[1:]}
 
 
 def _unscannable(calls: list[RecordedCall], period: int) -> str | None:
