@@ -229,10 +229,13 @@ def _takes_handed(first: RecordedCall, before: RecordedCall, call: RecordedCall)
     each value that `call` gets from the call `before` it besides the
     hidden state: there, it has a tensor of that value's shape and dtype.
     (A run whose first layer gets None there starts at the next layer.)"""
-    return all(isinstance(first.leaves[position], Tensor)
-               and (tuple(first.leaves[position].shape), first.leaves[position].dtype)
-               == before.sources[output].value
+    return all(_fits(first.leaves[position], before.sources[output])
                for position, output in _handed(before, call))
+
+
+def _fits(leaf, source) -> bool:
+    """Whether `leaf` is a tensor of the shape and dtype of a computed output."""
+    return isinstance(leaf, Tensor) and (tuple(leaf.shape), leaf.dtype) == source.value
 
 
 def _handed(before: RecordedCall, call: RecordedCall) -> tuple[tuple[int, int], ...]:
@@ -331,9 +334,7 @@ def _unscannable(calls: list[RecordedCall], period: int) -> str | None:
                     f"and layer {calls[1].index} as {list(handed[0])}, and a scan carries the "
                     f"same values from layer to layer")
     for position, output in handed[0] if handed else ():
-        leaf = calls[0].leaves[position]
-        if not (isinstance(leaf, Tensor) and (tuple(leaf.shape), leaf.dtype)
-                == calls[0].sources[output].value):
+        if not _fits(calls[0].leaves[position], calls[0].sources[output]):
             return (f"layer {calls[0].index} gets, as its argument leaf {position}, no tensor "
                     f"of the shape and dtype of the value the next layers get there from the "
                     f"layer before them, which a scan carries")
