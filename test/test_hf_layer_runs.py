@@ -1,7 +1,9 @@
 """Layers stored as runs of different structures: DeepSeek-V3's first dense
 layers, then its mixture-of-experts layers, as two scans, trained and
 decoded (generate() with a DynamicCache, tx.generate with a StaticCache)
-with the unconverted model's results and no layer run one by one."""
+with the unconverted model's results and no layer run one by one; Gemma 4's
+layers that reuse the key/value states earlier layers store in a mapping
+every layer gets, scanned around the layers that store them."""
 import copy
 import warnings
 
@@ -64,3 +66,46 @@ def test_dense_then_experts_decode_the_unconverted_tokens_as_scans(device, gener
                            if generate == "generate" else
                            tx.generate(which, prompt, max_new_tokens=3, max_cache_len=16)).cpu())
     assert tokens[1].tolist() == tokens[0].tolist()
+
+
+def gemma4_sharing_pair():
+    """A small Gemma 4 text model whose last 2 of 6 layers (full attention)
+    reuse the key/value states that layer 3 stores (layer 2 stores the
+    sliding attention layers', which none reuses), and a converted copy with
+    the same weights."""
+    config = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+        layer_types=["sliding_attention", "full_attention"] * 2 + ["full_attention"] * 2,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+        sliding_window=4, attn_implementation="eager")
+    assert config.kv_sharing_modes == [None, None, "store", "store", "reuse", "reuse"]
+    torch.manual_seed(0)
+    reference = transformers.Gemma4ForCausalLM(config)
+    return reference, stack_layers(copy.deepcopy(reference))
+
+
+def test_layers_reusing_stored_key_values_train_as_scans_around_the_storing_layers(device):
+    reference, model = gemma4_sharing_pair()
+    step = training_step_of_both(reference, model, device)
+    assert_same_step(step)
+    assert step["one_by_one"] == []
+    # Layers 0-1 and the reusing layers 4-5: a forward and a backward loop each.
+    assert step["while_loops"] == 4
+
+
+def test_layers_reusing_stored_key_values_decode_the_unconverted_tokens(device):
+    reference, model = gemma4_sharing_pair()
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    prompt = prompt.to(device)
+    tokens = []
+    for which in (reference, model):
+        which.to(device).eval()
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tokens.append(which.generate(prompt, max_new_tokens=2, do_sample=False).cpu())
+    assert tokens[1].tolist() == tokens[0].tolist()
+    # With a cache, the sliding and full attention layers 0-1 compute
+    # differently and run one by one; the reusing layers 4-5 scan.
+    one_by_one = {str(each.message) for each in caught if each.category is LayerByLayerWarning}
+    assert len(one_by_one) == 1 and "layers 0-1 compute differently" in one_by_one.pop()

@@ -62,7 +62,8 @@ The modules, one job each:
   (optimizer state dicts saved and loaded in the unconverted layout);
 * calls: `loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
   running a layer on no data), `dry_run`, `call_plan`, `plans`,
-  `execution`; `running` (one scan over stacked tensors, `lower`, the
+  `execution`, `shared_mappings` (a mapping every layer call gets, whose
+  entries layers write and read); `running` (one scan over stacked tensors, `lower`, the
   layer-by-layer loop), `hooks` (the layers' forward hooks, replayed after
   the scan), `layer_list` (`scan_layers`), `sharding` (FSDPv2: stacked
   weights and the hidden state a scan carries).

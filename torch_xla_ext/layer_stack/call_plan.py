@@ -19,8 +19,9 @@ decides, once per kind of call, how each layer's call runs, as data
   the reason, which a `LayerByLayerWarning` gives.
 
 A run ends where the loop does more than hand a layer's output to the next
-layer (it changes it, or passes other arguments of another form), and where
-the stored segments end. The whole call runs one by one when the dry run
+layer (it changes it, or passes other arguments of another form), where
+the stored segments end, and around a layer that writes entries of a
+mapping every layer gets (`shared_mappings`). The whole call runs one by one when the dry run
 did not complete, read a tensor's value while looping (which layers run
 could then change from call to call), or called the layers out of order.
 """
@@ -127,6 +128,11 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
             return [Run(first, last, number, ONE_BY_ONE,
                         f"{segment} run as one scan over groups of {period} layers, and the "
                         f"forward calls layers {first}-{last - 1}, not whole groups")]
+        writer = next((call for call in calls if call.writes), None)
+        if writer is not None:
+            return [Run(first, last, number, ONE_BY_ONE,
+                        f"{segment} run as one scan over groups of {period} layers, and layer "
+                        f"{writer.index} {_WRITES}")]
         if not all(_continues(calls[offset - period], calls[offset - 1], calls[offset])
                    for offset in range(period, len(calls))):
             return [Run(first, last, number, ONE_BY_ONE,
@@ -212,13 +218,19 @@ def _by_program(stack, calls: list[RecordedCall], number: int, record: CallRecor
 # The reason of consecutive layers whose programs differ, until it is written out.
 _APART = "compute differently"
 
+# Why a layer that writes entries of a mapping every layer gets runs outside a scan.
+_WRITES = ("writes entries of a mapping that every layer gets, and a scan's layers all see "
+           "the mapping as it was before the scan")
+
 
 def _continues(reference: RecordedCall, before: RecordedCall, call: RecordedCall) -> bool:
     """Whether `call` can be a later step of the scan whose first call at
     its position was `reference`: called alike (the same arguments' form,
     the same objects but for tensors, the same form of output) on what the
-    call `before` it returned."""
-    return (call.spec == reference.spec and call.output_spec == reference.output_spec
+    call `before` it returned. A layer that writes entries of a mapping
+    every layer gets is a run of its own: the entries there at a layer's
+    call count as read by it (`shared_mappings`)."""
+    return (not before.writes and not call.writes and call.spec == reference.spec and call.output_spec == reference.output_spec
             and call.sources == reference.sources and _carries(before, call)
             and all(_may_differ(leaf, first) or same_leaf(leaf, first)
                     for leaf, first in zip(call.leaves[1:], reference.leaves[1:])))

@@ -9,7 +9,10 @@ back: its output's structure, found by running the layer once per kind of
 call on fake tensors (no data); values it hands back unchanged are the
 very arguments it got, and values it computes are placeholders (tensors
 with a shape and no data), so that using one's value raises
-`PlaceholderError` instead of computing anything.
+`PlaceholderError` instead of computing anything. What a layer writes in a
+mapping that every layer gets (`shared_mappings`) is written, as
+placeholders, in the forward's mapping, and recorded; each mapping is put
+back as the call gave it afterwards.
 
 Meanwhile a torch function mode watches the forward between the layer
 calls: which placeholders it uses other than by handing them to a layer
@@ -36,6 +39,7 @@ from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import program_of
 from torch_xla_ext.layer_stack.loops import driving, iterating
+from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping, written_keys
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.placeholders import placeholder
 from torch_xla_ext.scan.loop import xla_rng_kept
@@ -72,6 +76,9 @@ class RecordedCall:
     # What the layer computes (`kinds.program_of`), where its list's layers
     # are of several kinds, else None.
     program: tuple | None = None
+    # (argument leaf, key) of each entry the layer set or deleted in a
+    # mapping every layer gets (`shared_mappings`).
+    writes: tuple = ()
 
 
 @dataclasses.dataclass
@@ -113,6 +120,10 @@ def record_calls(owner: nn.Module, stacks: dict[str, nn.Module], args: tuple,
         return record
     finally:
         torch.set_rng_state(cpu_state)
+        for recorder in recorders.values():  # the mappings as the call gave them
+            for mapping, entries in recorder.originals.values():
+                mapping.clear()
+                mapping.update(entries)
     for leaf in tree_flatten(result)[0]:
         if id(leaf) in record.outputs:
             record.used.setdefault(id(leaf), f"{type(owner).__qualname__}.forward's result")
@@ -136,28 +147,39 @@ class _Recorder:
         self.calls = calls
         self.outputs = outputs  # ids of the computed outputs of every list's calls
         self.inside = False  # a layer's fake run is under way
-        self._found: dict[tuple, tuple] = {}  # per kind of call: (sources, output spec)
+        self._found: dict[tuple, tuple] = {}  # per kind of call: what `_fake_run` found
+        # The shared mappings the layers wrote in, by id: (mapping, its entries before).
+        self.originals: dict[int, tuple] = {}
 
     def call(self, index: int, args: tuple, kwargs: dict):
         leaves, spec = tree_flatten((args, kwargs))
         self.inside = True
         try:
-            sources, output_spec, requires_grad = self._sources(index, leaves, spec)
+            sources, output_spec, requires_grad, writes = self._sources(index, leaves, spec)
         finally:
             self.inside = False
-        grads = iter(requires_grad)
-        outputs = [leaves[source.value] if source.kind == "argument"
-                   else source.value if source.kind == "constant"
-                   else placeholder(*source.value, requires_grad=next(grads))
-                   if source.kind == "computed" else None for source in sources]
+        outputs = _values(sources, leaves, requires_grad)
+        for position, key, written in writes:
+            self._write(leaves[position], key, written and tree_unflatten(
+                _values(written[0], leaves, written[2]), written[1]))
         program = None
         if self.stack.kinds_in_segment_of(index) > 1:
             program = self._program(index, leaves, spec)
         self.calls.append(RecordedCall(index, leaves, spec, sources, output_spec, outputs,
-                                       program))
+                                       program, tuple((position, key)
+                                                      for position, key, _ in writes)))
         self.outputs.update(id(each) for each, source in zip(outputs, sources)
                             if source.kind == "computed")
         return tree_unflatten(outputs, output_spec)
+
+    def _write(self, mapping, key, value) -> None:
+        """Sets (a None `value`: deletes) `mapping[key]` as the layer did, the
+        mapping's own entries kept to be put back after the dry run."""
+        self.originals.setdefault(id(mapping), (mapping, dict(mapping.items())))
+        if value is None:
+            mapping.pop(key, None)
+        else:
+            mapping[key] = value
 
     def _sources(self, index: int, leaves: list, spec: TreeSpec) -> tuple:
         key = (self.stack.call_kind(index), spec, tuple(_leaf_key(leaf) for leaf in leaves))
@@ -183,24 +205,64 @@ def _leaf_key(leaf) -> tuple:
         return (tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
     if isinstance(leaf, VALUE_TYPES):
         return (type(leaf), leaf)
+    if is_shared_mapping(leaf):  # what a layer finds in it can change what it does
+        return (type(leaf), id(leaf), tuple(
+            (key, tuple(_leaf_key(each) for each in tree_flatten(value)[0]))
+            for key, value in leaf.items()))
     return (type(leaf), id(leaf))
+
+
+def _values(sources: tuple, leaves: list, requires_grad: tuple) -> list:
+    """What the recorder gives for leaves of `sources`: the call's own
+    leaves, constants, and placeholders for what the layer computed."""
+    grads = iter(requires_grad)
+    return [leaves[source.value] if source.kind == "argument"
+            else source.value if source.kind == "constant"
+            else placeholder(*source.value, requires_grad=next(grads))
+            if source.kind == "computed" else None for source in sources]
 
 
 def _fake_run(layer: nn.Module, leaves: list, spec: TreeSpec) -> tuple:
     """(the sources of the output's leaves, the output's spec, whether each
-    computed leaf requires grad) of `layer` called on stand-ins of `leaves`
-    (`fakes`), its weights fakes too and its forward hooks held."""
+    computed leaf requires grad, the layer's writes into shared mappings)
+    of `layer` called on stand-ins of `leaves` (`fakes`), its weights fakes
+    too and its forward hooks held. Each write is (argument leaf, key, and
+    the value's sources, spec and requires grad, or None where the layer
+    deleted the entry)."""
     mode = fake_mode()
     given = fake_leaves(mode, leaves)
     args, kwargs = tree_unflatten(given, spec)
+    before = {position: dict(each.items()) for position, each in enumerate(given)
+              if is_shared_mapping(each)}
     with mode, hooks_held(layer):
         output = torch.func.functional_call(layer, fake_weights(mode, layer), args, kwargs,
                                             strict=True)
     positions = {id(each): position for position, each in enumerate(given)
                  if not isinstance(each, VALUE_TYPES)}
     output_leaves, output_spec = tree_flatten(output)
+    writes = []
+    for position, entries in before.items():
+        for key in written_keys(entries, given[position]):
+            if key not in given[position]:
+                writes.append((position, key, None))
+                continue
+            value = given[position][key]
+            value_leaves, value_spec = tree_flatten(value)
+            value_sources, value_grads = _sources_of(value_leaves, positions)
+            if any(source.kind == "object" for source in value_sources):
+                raise TypeError(f"the layer puts a {type(value).__name__} holding objects other "
+                                f"than tensors and constants in entry {key!r} of a mapping "
+                                f"that every layer gets, which the dry run cannot stand for")
+            writes.append((position, key, (value_sources, value_spec, value_grads)))
+    sources, requires_grad = _sources_of(output_leaves, positions)
+    return sources, output_spec, requires_grad, tuple(writes)
+
+
+def _sources_of(leaves: list, positions: dict) -> tuple[tuple, tuple]:
+    """The `Source` of each of a fake run's result `leaves`, and whether each
+    computed one requires grad (`positions`: the call's leaves by id)."""
     sources, requires_grad = [], []
-    for leaf in output_leaves:
+    for leaf in leaves:
         if id(leaf) in positions:
             sources.append(Source("argument", positions[id(leaf)]))
         elif isinstance(leaf, VALUE_TYPES):
@@ -210,7 +272,7 @@ def _fake_run(layer: nn.Module, leaves: list, spec: TreeSpec) -> tuple:
             requires_grad.append(leaf.requires_grad)
         else:
             sources.append(Source("object", type(leaf).__name__))
-    return tuple(sources), output_spec, tuple(requires_grad)
+    return tuple(sources), tuple(requires_grad)
 
 
 class _Watch(TorchFunctionMode):

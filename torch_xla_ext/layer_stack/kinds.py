@@ -27,6 +27,7 @@ from torch.utils._pytree import keystr, tree_map, tree_unflatten
 
 from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
 from torch_xla_ext.layer_stack.hooks import hooks_held
+from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 from torch_xla_ext.object_graph import VALUE_TYPES
 
 __all__ = ["PerLayerChoice", "call_for_layer", "hidden_of", "is_choice", "program_of", "same_leaf"]
@@ -88,7 +89,12 @@ def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
     of kinds whose programs are equal can share one scan's trace."""
     mode = fake_mode()
     weights = fake_weights(mode, layer)
-    args, kwargs = tree_unflatten(fake_leaves(mode, leaves), spec)
+    given = fake_leaves(mode, leaves)
+    args, kwargs = tree_unflatten(given, spec)
+    # The entries of a mapping every layer gets are inputs of their own, so
+    # that layers reading different entries (by a setting) differ.
+    mappings = [each for each in given if is_shared_mapping(each)]
+    entries = [dict(each.items()) for each in mappings]
     # As a step of a scan: where the weights require grad, so does the hidden
     # state each layer but the first gets; the first's (an input, a frozen
     # embedding's output) must too, or its program would differ from theirs.
@@ -97,14 +103,18 @@ def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
         args[0].requires_grad_(True)
     differentiated = _Differentiated(layer)
 
-    def forward_and_backward(weights, args, kwargs):
+    def forward_and_backward(weights, args, kwargs, entries):
+        for mapping, held in zip(mappings, entries):
+            mapping.clear()
+            mapping.update(held)
         return torch.func.functional_call(
             differentiated, {f"layer.{name}": each for name, each in weights.items()},
             (tuple(weights.values()), args, kwargs))
 
     # The layer's forward hooks would see the fakes (a stack replays them after its loop).
     with mode, hooks_held(layer):
-        graph = make_fx(forward_and_backward, tracing_mode="real")(weights, args, kwargs)
+        graph = make_fx(forward_and_backward, tracing_mode="real")(weights, args, kwargs,
+                                                                   entries)
     constants = [operator.attrgetter(node.target)(graph)
                  for node in graph.graph.nodes if node.op == "get_attr"]
     return graph.code, tuple((tuple(each.shape), each.dtype, _value(each))

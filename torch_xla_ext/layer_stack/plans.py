@@ -23,6 +23,7 @@ from torch_xla_ext.layer_stack.call_plan import CallPlan, plan_calls
 from torch_xla_ext.layer_stack.dry_run import record_calls
 from torch_xla_ext.layer_stack.execution import Execution
 from torch_xla_ext.layer_stack.running import device_reason
+from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 from torch_xla_ext.object_graph import VALUE_TYPES
 
 __all__ = ["OwnerPlans"]
@@ -64,6 +65,9 @@ def _leaf_kind(leaf) -> tuple:
         return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
     if isinstance(leaf, VALUE_TYPES):
         return (type(leaf), leaf)
+    if is_shared_mapping(leaf):  # which entries it holds can change what the layers do
+        return (type(leaf), tuple((key, tuple(_leaf_kind(each) for each in tree_flatten(value)[0]))
+                                  for key, value in leaf.items()))
     return (type(leaf),)
 
 

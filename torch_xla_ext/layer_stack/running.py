@@ -22,6 +22,7 @@ from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
 from torch_xla_ext.layer_stack.kinds import (
     argument_path, call_for_layer, hidden_of, is_choice)
 from torch_xla_ext.layer_stack.sharding import entering
+from torch_xla_ext.layer_stack.shared_mappings import gathered, holding, is_shared_mapping
 from torch_xla_ext.layer_stack.per_layer import (
     PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -228,6 +229,12 @@ _STEPS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 # carry, and for a PerLayerChoice, whose variants are (stacked).
 _TENSOR_ARGUMENT = object()
 _CHOSEN_ARGUMENT = object()
+# Stands in the call key for a shared mapping, followed by its entries' leaves.
+_SHARED_MAPPING = object()
+
+# The shared mappings of the call whose scan step is being traced (the step
+# holds no mapping: a new one at every forward would make it trace anew).
+_MAPPINGS_TRACED: list = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +257,7 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
     unreplayed = unreplayable(layers.template) if layers.hooks_replayed else None
     if unreplayed is not None:
         raise Unscannable(unreplayed)
-    tensor_arguments, handed, arguments, choices = _split_arguments(args, kwargs)
+    tensor_arguments, handed, arguments, choices, mappings = _split_arguments(args, kwargs)
     key = (layers.layout.trace_key(), arguments, layers.drop_in,
            recording.key if recording else None, layers.hooks_replayed, layers.kept,
            layers.positions)
@@ -270,8 +277,9 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                     xs["index"] = torch.arange(layers.num_layers, device=device)
                 if choices:
                     xs["choices"] = [_choice_tensor(choice, device) for choice in choices]
-                return stage(step, (entering(layers.unit_output, hidden), tensor_arguments,
-                                    handed), xs)
+                with _traced_with(mappings):
+                    return stage(step, (entering(layers.unit_output, hidden), tensor_arguments,
+                                        handed), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
     read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads]
@@ -298,36 +306,48 @@ def _check_carried(hidden, name: str) -> None:
                                f"what goes from layer to layer in a scan must be tensors")
 
 
-def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple, list]:
+def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple, list, list]:
     """Splits layer call arguments into tensors (a PerLayerChoice's variants
     stacked), the HandedOn arguments' first values (by the output leaf that
-    the next layer gets them from), a hashable description of
-    the rest, and the PerLayerChoices' per-layer choices; raises Unscannable
-    for an argument that is none of these."""
+    the next layer gets them from), a hashable description of the rest, the
+    PerLayerChoices' per-layer choices and the shared mappings
+    (`shared_mappings`), whose entries' leaves follow each mapping's
+    description; raises Unscannable for an argument that is none of these."""
     leaves, spec = tree_flatten((args, kwargs))
-    tensors, handed, constants, choices = [], {}, [], []
-    for leaf in leaves:
-        if isinstance(leaf, HandedOn):
+    paths = None
+    tensors, handed, constants, choices, mappings = [], {}, [], [], []
+    pending = [(leaf, None) for leaf in reversed(leaves)]
+    while pending:
+        leaf, entry_path = pending.pop()
+        if isinstance(leaf, HandedOn) and entry_path is None:
             handed.setdefault(leaf.output, leaf.value)
             constants.append(_HandedLeaf(leaf.output))
         elif isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             constants.append(_TENSOR_ARGUMENT)
-        elif is_choice(leaf):
+        elif is_choice(leaf) and entry_path is None:
             tensors.append(_stacked_variants(leaf, args, kwargs))
             constants.append(_CHOSEN_ARGUMENT)
             choices.append(leaf.choice)
         elif isinstance(leaf, VALUE_TYPES):
             # With its type, since True == 1 == 1.0 would otherwise share one trace.
             constants.append((type(leaf), leaf))
+        elif is_shared_mapping(leaf) and entry_path is None:
+            paths = paths or tree_flatten_with_path((args, kwargs))[0]
+            path = argument_path(next(path for path, value in paths if value is leaf))
+            entries, entries_spec = tree_flatten_with_path(dict(leaf.items()))
+            mappings.append((leaf, path))
+            constants.append((_SHARED_MAPPING, len(entries), entries_spec))
+            pending += [(value, path + keystr(key)) for key, value in reversed(entries)]
         else:
-            path = next(path for path, value in tree_flatten_with_path((args, kwargs))[0]
-                        if value is leaf)
+            paths = paths or tree_flatten_with_path((args, kwargs))[0]
+            path = entry_path or argument_path(next(path for path, value in paths
+                                                    if value is leaf))
             raise Unscannable(
-                f"argument {argument_path(path)} is of type {type(leaf).__name__}, and only "
-                f"tensors and plain constants (None, bool, int, float, str) can enter a "
-                f"traced loop")
-    return tuple(tensors), handed, (spec, tuple(constants)), choices
+                f"argument {path} is of type {type(leaf).__name__}, and only tensors and plain "
+                f"constants (None, bool, int, float, str), or mappings of them that every "
+                f"layer gets, can enter a traced loop")
+    return tuple(tensors), handed, (spec, tuple(constants)), choices, mappings
 
 
 def _stacked_variants(choice, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -370,12 +390,13 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
                              for name, tensor in layer_tensors.items()
                              for position in range(positions)}
         supplied, picks = iter(tensor_arguments), iter(x.get("choices", ()))
-        leaves = [next(supplied) if constant is _TENSOR_ARGUMENT
+        values = [next(supplied) if constant is _TENSOR_ARGUMENT
                   else torch.index_select(next(supplied), 0, next(picks).view(1))[0]
                   if constant is _CHOSEN_ARGUMENT
                   else handed[constant.output] if isinstance(constant, _HandedLeaf)
-                  else constant[1]
+                  else constant if constant[0] is _SHARED_MAPPING else constant[1]
                   for constant in constants]
+        leaves, filled = gathered(values, _SHARED_MAPPING, _MAPPINGS_TRACED[-1])
         args, kwargs = tree_unflatten(leaves, spec)
 
         def layer(*layer_args, **layer_kwargs):
@@ -385,13 +406,19 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
         given = recording.make(index, *with_state) if recording else {}
         calls = [] if hooks_replayed else None
         with reads_recorded_in(reads, opaque=recording is not None), (
-                hooks_held(template_ref(), calls) if hooks_replayed else contextlib.nullcontext()):
+                hooks_held(template_ref(), calls) if hooks_replayed else contextlib.nullcontext()
+        ), holding(filled) as written:
             if drop_in:
                 hidden = _next_hidden(layer, hidden, args, kwargs, drop_in)
                 output = hidden
             else:
                 output = layer(hidden, *args, **{**kwargs, **given})
                 hidden = hidden_of(output)
+        if written:
+            path, keys = written[0]
+            raise Unscannable(f"the layer writes entries {keys} of argument {path}, a mapping "
+                              f"every layer gets, and a scan's layers all see it as it was "
+                              f"before the scan")
         _check_recorded_calls(calls)
         output_leaves = tree_flatten(output)[0]
         handed = {number: output_leaves[number] for number in handed}
@@ -400,6 +427,16 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
                  tuple(output_leaves[leaf] for leaf in kept)))
 
     return run_one_layer
+
+
+@contextlib.contextmanager
+def _traced_with(mappings: list):
+    """The shared mappings of the call whose step a scan may trace meanwhile."""
+    _MAPPINGS_TRACED.append(mappings)
+    try:
+        yield
+    finally:
+        _MAPPINGS_TRACED.pop()
 
 
 def _check_recorded_calls(calls: list | None) -> None:
