@@ -32,12 +32,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
+from torch_xla_ext.layer_stack.exporting import stand_in
+from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights, faking
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import program_of
 from torch_xla_ext.layer_stack.loops import driving, iterating
 from torch_xla_ext.object_graph import VALUE_TYPES
-from torch_xla_ext.placeholders import placeholder
 from torch_xla_ext.scan.loop import xla_rng_kept
 
 __all__ = ["CallRecord", "RecordedCall", "Source", "record_calls"]
@@ -146,9 +146,10 @@ class _Recorder:
         finally:
             self.inside = False
         grads = iter(requires_grad)
+        device = next(leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor))
         outputs = [leaves[source.value] if source.kind == "argument"
                    else source.value if source.kind == "constant"
-                   else placeholder(*source.value, requires_grad=next(grads))
+                   else stand_in(*source.value, device, requires_grad=next(grads))[0]
                    if source.kind == "computed" else None for source in sources]
         program = None
         if self.stack.kinds_in_segment_of(index) > 1:
@@ -193,7 +194,7 @@ def _fake_run(layer: nn.Module, leaves: list, spec: TreeSpec) -> tuple:
     mode = fake_mode()
     given = fake_leaves(mode, leaves)
     args, kwargs = tree_unflatten(given, spec)
-    with mode, hooks_held(layer):
+    with faking(mode), hooks_held(layer):
         output = torch.func.functional_call(layer, fake_weights(mode, layer), args, kwargs,
                                             strict=True)
     positions = {id(each): position for position, each in enumerate(given)

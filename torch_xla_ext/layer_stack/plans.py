@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch_xla_ext.layer_stack.call_plan import CallPlan, plan_calls
 from torch_xla_ext.layer_stack.dry_run import record_calls
 from torch_xla_ext.layer_stack.execution import Execution
+from torch_xla_ext.layer_stack.fakes import apart_from_trace
 from torch_xla_ext.layer_stack.running import device_reason
 from torch_xla_ext.object_graph import VALUE_TYPES
 
@@ -46,7 +47,8 @@ class OwnerPlans:
             return {name: Execution(stack, CallPlan((), reason)) for name, stack in stacks.items()}
         key = _kind_of_call(owner, args, kwargs)
         if key not in self.plans:
-            record = record_calls(owner, stacks, args, kwargs)
+            with apart_from_trace():
+                record = record_calls(owner, stacks, args, kwargs)
             self.plans[key] = {name: (plan_calls(stack, record.calls[name], record), {})
                                for name, stack in stacks.items()}
         return {name: Execution(stacks[name], plan, stand_ins)

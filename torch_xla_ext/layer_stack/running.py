@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from torch_xla_ext.layer_stack.alike import LayerLayout
+from torch_xla_ext.layer_stack.exporting import exporting, scan_as_operator
 from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
 from torch_xla_ext.layer_stack.kinds import (
     argument_path, call_for_layer, hidden_of, is_choice)
@@ -101,14 +102,11 @@ def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
     along the layers), or why one scan cannot stand for the loop (a str),
     before anything ran."""
     def scanned(step, init, xs):
-        (last_hidden, _), (_, calls, kept) = scan(
-            step, init, xs, partition_fn=layers.partition_fn, is_fn_pure=layers.is_layer_pure,
-            unroll=layers.unroll)
+        (last_hidden, _), (_, calls, kept) = _loop(layers)(step, init, xs)
         _replay_hooks(layers, calls)
         return last_hidden, kept
 
-    reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
-                                if isinstance(leaf, torch.Tensor))), None)
+    reason = _device_reason_of(hidden)
     if reason is not None:
         return reason
     try:
@@ -118,11 +116,35 @@ def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
 
 
 def device_reason(device: torch.device) -> str | None:
-    """Why layers on `device` run one by one, or None on an XLA device: the scan
-    is an XLA loop (a model moved to the CPU to be saved still runs)."""
-    if device.type != "xla":
+    """Why layers on `device` run one by one, or None: on an XLA device the
+    scan is `scan`'s XLA loop (a model moved to the CPU to be saved still
+    runs), and under `torch.export` it is torch's scan operator on any device
+    (`exporting`)."""
+    if device.type != "xla" and not exporting():
         return f"the layers run on {device.type}, and the scan is an XLA loop"
     return None
+
+
+def _device_reason_of(hidden) -> str | None:
+    return next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
+                              if isinstance(leaf, torch.Tensor))), None)
+
+
+def _loop(layers: Layers) -> Callable:
+    """`scan(step, init, xs) -> (carry, ys)` as this call runs it: `scan`'s
+    loop with the stack's options, or under export one call of torch's scan
+    operator (`exporting`), raising Unscannable when the operator cannot take
+    the step (found before anything is traced)."""
+    if not exporting():
+        return functools.partial(scan, partition_fn=layers.partition_fn,
+                                 is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
+
+    def through_operator(step, init, xs):
+        outcome = scan_as_operator(step, init, xs)
+        if isinstance(outcome, str):
+            raise Unscannable(outcome)
+        return outcome
+    return through_operator
 
 
 def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording,
@@ -136,9 +158,8 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
     Unscannable for a call that one trace cannot stand for; the caller then
     runs the layers one by one with what they record into."""
     def scanned(step, init, xs):
-        (last_hidden, _, final_state), (recorded, calls, kept) = scan(
-            step, (*init, state), xs, partition_fn=layers.partition_fn,
-            is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
+        (last_hidden, _, final_state), (recorded, calls, kept) = _loop(layers)(
+            step, (*init, state), xs)
         for tensor, final in zip(state, final_state):
             if final is not tensor:  # a read-only state leaves the loop as itself
                 tensor.copy_(final)
@@ -152,8 +173,7 @@ def attempt_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recordi
                       state: tuple[torch.Tensor, ...] = ()):
     """`run_recording`, or why one scan cannot stand for the loop (a str),
     before anything ran (the state unchanged)."""
-    reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
-                                if isinstance(leaf, torch.Tensor))), None)
+    reason = _device_reason_of(hidden)
     if reason is not None:
         return reason
     try:
