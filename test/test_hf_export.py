@@ -3,7 +3,9 @@ flow does it (export on the CPU, then `exported_program_to_stablehlo`): one
 node of torch's scan operator per run of layers, not a copy of the layer per
 layer; one `stablehlo.while` per run once lowered with `register_torch_scan`;
 the exported program and its StableHLO give the unconverted model's logits,
-and the exported program, run on XLA, its gradients."""
+and the exported program, run on XLA, its gradients. A key/value cache
+written in place is the carry of its scan; what torch's operator cannot take
+runs one by one, saying so."""
 import copy
 import warnings
 
@@ -23,6 +25,7 @@ from test_hf_layer_kinds import COMMON, FAMILIES as KIND_FAMILIES, \
 from tolerances import TRAINING, close
 from torch_xla_ext.hf import stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
+from torch_xla_ext.layer_stack.exporting import ExportWarning
 
 SCAN = torch.ops.higher_order.scan
 
@@ -119,11 +122,13 @@ def test_an_exported_training_loss_run_on_xla_has_the_unconverted_gradients():
     # exported transformers model asserting the CPU, converted or not), run as
     # a module: the scan node runs as one loop each way while registered.
     device = torch_xla.device()
-    reference = make_model(layers=4)
+    reference = make_model(layers=2)
     model = stack_layers(copy.deepcopy(reference)).to(device)
     ids = ids_batch().to(device)
+    model(ids, labels=ids)  # planned on XLA first: the export's call is a kind of its own
     exported = torch.export.export(Loss(model).train(), (ids,))
     assert scan_nodes(exported) == 1
+    assert not [name for name in exported.constants if "lifted" in name], exported.constants
     program = exported.module()
     with tx.register_torch_scan():
         loss = program(ids)
@@ -135,7 +140,7 @@ def test_an_exported_training_loss_run_on_xla_has_the_unconverted_gradients():
     # On the CPU, read once: a slice of an XLA tensor compiles a graph of its own.
     got = {name: param.grad.cpu() for name, param in program.named_parameters()}
     grads = {name: grad.cpu() for name, grad in per_layer_grads(reference).items()}
-    assert len(grads) == 1 + 9 * 4 + 2  # embeddings, 9 per layer, the final norm, the head
+    assert len(grads) == 1 + 9 * 2 + 2  # embeddings, 9 per layer, the final norm, the head
     for name, grad in grads.items():
         if ".layers." in name:
             index, _, local = name.partition(".layers.")[2].partition(".")
@@ -143,3 +148,48 @@ def test_an_exported_training_loss_run_on_xla_has_the_unconverted_gradients():
                   TRAINING)
         else:
             close(got[f"model.{name}"], grad, TRAINING)
+
+
+class PrefillAndDecode(nn.Module):
+    """A prompt, then one token more, through a StaticCache made in the forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        cache = transformers.StaticCache(config=self.model.config, max_cache_len=16)
+        first = self.model(ids, past_key_values=cache, use_cache=True).logits
+        following = first[:, -1:].argmax(-1)
+        return self.model(following, past_key_values=cache, use_cache=True).logits
+
+
+@pytest.mark.parametrize("gradients", [False, True], ids=["no_grad", "grad"])
+def test_a_cache_written_in_place_exports_as_a_scan_whose_carry_it_is(gradients):
+    # The decode writes the cache's stacked buffers in place: inside the
+    # operator's body, a copy of the carried buffers is written and returned.
+    # With gradients, the cache plan runs the decode one by one, saying so.
+    reference = make_model(layers=3, use_cache=True).eval()
+    model = stack_layers(copy.deepcopy(reference))
+    ids = ids_batch()
+    with torch.set_grad_enabled(gradients), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = torch.export.export(PrefillAndDecode(model), (ids,))
+    warned = [str(each.message) for each in caught if each.category is LayerByLayerWarning]
+    assert scan_nodes(exported) == (1 if gradients else 2)
+    assert len(warned) == gradients and all("StaticCache" in each for each in warned), warned
+    with torch.no_grad():
+        expected = PrefillAndDecode(reference)(ids)
+        close(exported.module()(ids), expected, TRAINING)
+    if not gradients:
+        with tx.register_torch_scan():
+            lowered = exported_program_to_stablehlo(exported)
+        assert lowered.get_stablehlo_text().count("stablehlo.while") == 2
+        close(lowered(ids).cpu(), expected, TRAINING)
+
+
+def test_a_policy_the_exported_program_cannot_hold_is_warned_of():
+    model = stack_layers(make_model(layers=2), partition_fn="save_nothing").eval()
+    with pytest.warns(ExportWarning, match="partition_fn=save_nothing .*register_torch_scan"):
+        exported = torch.export.export(model, (ids_batch(),))
+    assert scan_nodes(exported) == 1

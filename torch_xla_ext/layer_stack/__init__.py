@@ -63,7 +63,8 @@ The modules, one job each:
 * calls: `loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
   running a layer on no data), `dry_run`, `call_plan`, `plans`,
   `execution`; `running` (one scan over stacked tensors, `lower`, the
-  layer-by-layer loop), `hooks` (the layers' forward hooks, replayed after
+  layer-by-layer loop), `exporting` (under `torch.export`: the scan as
+  torch's scan operator, stand-ins of the trace), `hooks` (the layers' forward hooks, replayed after
   the scan), `layer_list` (`scan_layers`), `sharding` (FSDPv2: stacked
   weights and the hidden state a scan carries).
 """

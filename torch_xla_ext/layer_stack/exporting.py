@@ -21,19 +21,28 @@ run and the comparison of programs run on fakes of their own); what changes:
 
 What `scan` takes that the operator has no place for (a stack's
 `partition_fn` and `unroll`) is the lowering's: `register_torch_scan`'s
-options when the exported program runs or lowers on XLA.
+options when the exported program runs or lowers on XLA; a stack's own that
+differ from the defaults are warned of (`ExportWarning`).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 
 from torch_xla_ext.layer_stack.fakes import apart_from_trace
 from torch_xla_ext.placeholders import placeholder
+from torch_xla_ext.policies import save_everything
 from torch_xla_ext.torch_scan.operator_call import rehearse, scan_through_operator
 
-__all__ = ["exporting", "scan_as_operator", "stand_in"]
+__all__ = ["ExportWarning", "exporting", "scan_as_operator", "stand_in"]
+
+
+class ExportWarning(UserWarning):
+    """An option of a stack that an exported program does not hold (its
+    `partition_fn`, its `unroll`): torch's scan operator has no place for
+    them; `register_torch_scan`'s options apply where the program runs."""
 
 
 def exporting() -> bool:
@@ -41,10 +50,18 @@ def exporting() -> bool:
     return torch.compiler.is_exporting()
 
 
-def scan_as_operator(step: Callable, init, xs):
+def scan_as_operator(step: Callable, init, xs, partition_fn, unroll):
     """`scan(step, init, xs)`'s `(carry, ys)` as one call of torch's scan
     operator, or why the operator cannot take `step` (a str), found by a run
-    on fakes before anything is traced."""
+    on fakes before anything is traced. A `partition_fn` or `unroll` other
+    than the defaults is warned of (`ExportWarning`)."""
+    if partition_fn is not save_everything or unroll != 1:
+        warnings.warn(
+            f"torch.export: the exported program's scan has no place for the layers' "
+            f"partition_fn={partition_fn!r} and "
+            f"unroll={unroll!r} (transformers' gradient checkpointing is save_nothing); pass "
+            f"them to register_torch_scan where the exported program runs or lowers",
+            ExportWarning, stacklevel=6)
     rehearsed = rehearse(step, init, xs)
     if isinstance(rehearsed, str):
         return rehearsed

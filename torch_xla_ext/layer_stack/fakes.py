@@ -11,12 +11,13 @@ import contextlib
 import copy
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from torch_xla_ext.object_graph import VALUE_TYPES, tensors_in
 
-__all__ = ["apart_from_trace", "fake_leaves", "fake_mode", "fake_tensor", "fake_weights", "faking"]
+__all__ = ["apart_from_trace", "fake_leaves", "fake_mode", "fake_tensor", "fake_weights",
+           "faking", "template_copy"]
 
 
 def fake_mode() -> FakeTensorMode:
@@ -31,6 +32,14 @@ def apart_from_trace():
     """What runs in the block is no part of a trace in progress (`torch.export`'s)."""
     with disable_proxy_modes_tracing():
         yield
+
+
+def template_copy(template: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of a stack's template (its tensors meta tensors), made
+    apart from any trace: under `torch.export`, copying its tensors would be
+    ops of the exported graph on constants."""
+    with apart_from_trace(), unset_fake_temporarily():
+        return copy.deepcopy(template)
 
 
 @contextlib.contextmanager

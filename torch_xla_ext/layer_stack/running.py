@@ -3,7 +3,8 @@ same handing out what each layer recorded (`run_recording`), the HLO of that
 scan without running it (`lower`), and the for loop itself
 (`run_layer_by_layer`) for a call that one trace cannot stand for. A stack
 whose `Layers.hooks_replayed` is set runs its layers' forward hooks after the
-loop, once per layer (see `hooks`)."""
+loop, once per layer (see `hooks`). While `torch.export` traces, the scan
+is one call of torch's scan operator instead (`exporting`), on any device."""
 from __future__ import annotations
 
 import contextlib
@@ -140,7 +141,7 @@ def _loop(layers: Layers) -> Callable:
                                  is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
 
     def through_operator(step, init, xs):
-        outcome = scan_as_operator(step, init, xs)
+        outcome = scan_as_operator(step, init, xs, layers.partition_fn, layers.unroll)
         if isinstance(outcome, str):
             raise Unscannable(outcome)
         return outcome

@@ -11,16 +11,20 @@ its own fake mode, apart from the caller's trace, so that nothing of it enters
 the traced graph) and decides
 what the call can be:
 
-* the carry leaves `fn` hands back as it got them are read-only: they enter
-  the operator as additional inputs (loop-invariant, gradients flowing to
-  them), and the final carry holds them as they were;
+* the carry leaves `fn` hands back as it got them, unwritten, are read-only:
+  they enter the operator as additional inputs (loop-invariant, gradients
+  flowing to them), and the final carry holds them as they were;
+* a carry leaf `fn` writes in place (a state the loop updates: a key/value
+  cache's stacked buffers) is given to `fn` as a copy inside the body, which
+  `fn` writes and the body returns as the new carry: the write is the
+  loop's output, not a change of the operator's input;
 * an output that is one of the step's inputs, or an output already given,
   is cloned in the body; an output that is None is no output of the
   operator's, and None in `ys`;
-* an input written in place (its version counter moved), a carry whose
-  shape or dtype changes, or an output that is not a tensor: the operator
-  cannot take `fn`, and the rehearsal says why (a str), before anything of
-  the call is traced.
+* a slice of `xs` written in place (its version counter moved), a carry
+  whose shape or dtype changes, or an output that is not a tensor: the
+  operator cannot take `fn`, and the rehearsal says why (a str), before
+  anything of the call is traced.
 
 The caller's own checks of `fn` (a reading of a value that differs between
 steps, say) run in the rehearsal too, since it runs `fn` as the operator's
@@ -42,9 +46,10 @@ __all__ = ["Rehearsed", "rehearse", "scan_through_operator"]
 @dataclasses.dataclass(frozen=True)
 class Rehearsed:
     """What one run of `fn` on fakes showed: which carry leaves it hands back
-    unchanged (`read_only`, by position among the carry's leaves) and the
-    form of what it returns."""
+    unchanged (`read_only`) and which it writes in place (`written`), by
+    position among the carry's leaves, and the form of what it returns."""
     read_only: tuple[int, ...]
+    written: tuple[int, ...]  # the carry leaves it writes in place
     carry_spec: TreeSpec
     ys_spec: TreeSpec
     nones: tuple[int, ...]  # the output leaves that are None (the operator returns none of them)
@@ -64,9 +69,11 @@ def rehearse(fn: Callable, init, xs) -> Rehearsed | str:
         carry, y = fn(tree_unflatten(carry_fakes, init_spec), tree_unflatten(x_fakes, xs_spec))
     written = [number for number, (fake, version) in enumerate(
         zip((*carry_fakes, *x_fakes), versions)) if fake._version != version]
-    if written:
-        return (f"the step writes {_described(written, len(carry_fakes))} in place, and torch's "
-                f"scan operator takes a step that writes none of its inputs")
+    scanned_written = [number - len(carry_fakes) for number in written
+                       if number >= len(carry_fakes)]
+    if scanned_written:
+        return (f"the step writes its slices of xs leaves {scanned_written} in place, and "
+                f"torch's scan operator takes a step that writes none of its inputs")
     carry_leaves, carry_spec = tree_flatten(carry)
     if carry_spec != init_spec:
         return (f"the step returns a carry of another form ({carry_spec}) than it gets "
@@ -82,8 +89,8 @@ def rehearse(fn: Callable, init, xs) -> Rehearsed | str:
             return (f"the step's output leaf {number} is a {type(leaf).__name__}, and torch's "
                     f"scan operator stacks tensors only")
     read_only = tuple(number for number, (given, returned) in enumerate(
-        zip(carry_fakes, carry_leaves)) if returned is given)
-    return Rehearsed(read_only, carry_spec, ys_spec,
+        zip(carry_fakes, carry_leaves)) if returned is given and number not in written)
+    return Rehearsed(read_only, tuple(written), carry_spec, ys_spec,
                      tuple(number for number, leaf in enumerate(y_leaves) if leaf is None))
 
 
@@ -110,7 +117,7 @@ def scan_through_operator(fn: Callable, init, xs, rehearsed: Rehearsed):
     def body(*leaves):
         carry_leaves = list(init_leaves)  # each position is set below
         for position, leaf in zip(carried, leaves):
-            carry_leaves[position] = leaf
+            carry_leaves[position] = leaf.clone() if position in rehearsed.written else leaf
         rest = leaves[len(carried):]
         x_leaves, invariant = rest[:len(xs_leaves)], rest[len(xs_leaves):]
         for position, place in zip(read_only, invariant_at):
@@ -147,8 +154,3 @@ def _aval(leaf) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"{tuple(leaf.shape)} {leaf.dtype}"
     return type(leaf).__name__
-
-
-def _described(numbers: list[int], carry_count: int) -> str:
-    return ", ".join(f"carry leaf {number}" if number < carry_count
-                     else f"x leaf {number - carry_count}" for number in numbers)
