@@ -63,8 +63,11 @@ The modules, one job each:
 * calls: `loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
   running a layer on no data), `dry_run`, `call_plan`, `plans`,
   `execution`, `shared_mappings` (a mapping every layer call gets, whose
-  entries layers write and read); `running` (one scan over stacked tensors, `lower`, the
-  layer-by-layer loop), `hooks` (the layers' forward hooks, replayed after
+  entries layers write and read); `running` (one scan over stacked tensors,
+  `lower`, the layer-by-layer loop), `operands` (a call's arguments as the
+  scan's operands), `exporting` (under `torch.export`: the
+  scan as torch's scan operator, stand-ins of the trace), `hooks` (the
+  layers' forward hooks, replayed after
   the scan), `layer_list` (`scan_layers`), `sharding` (FSDPv2: stacked
   weights and the hidden state a scan carries).
 """

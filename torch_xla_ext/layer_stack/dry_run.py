@@ -35,13 +35,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
+from torch_xla_ext.layer_stack.exporting import stand_in
+from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights, faking
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import program_of
 from torch_xla_ext.layer_stack.loops import driving, iterating
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping, written_keys
 from torch_xla_ext.object_graph import VALUE_TYPES
-from torch_xla_ext.placeholders import placeholder
 from torch_xla_ext.scan.loop import xla_rng_kept
 
 __all__ = ["CallRecord", "RecordedCall", "Source", "record_calls"]
@@ -214,11 +214,13 @@ def _leaf_key(leaf) -> tuple:
 
 def _values(sources: tuple, leaves: list, requires_grad: tuple) -> list:
     """What the recorder gives for leaves of `sources`: the call's own
-    leaves, constants, and placeholders for what the layer computed."""
+    leaves, constants, and stand-ins (`exporting.stand_in`) for what the
+    layer computed."""
     grads = iter(requires_grad)
+    device = next(leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor))
     return [leaves[source.value] if source.kind == "argument"
             else source.value if source.kind == "constant"
-            else placeholder(*source.value, requires_grad=next(grads))
+            else stand_in(*source.value, device, requires_grad=next(grads))[0]
             if source.kind == "computed" else None for source in sources]
 
 
@@ -234,7 +236,7 @@ def _fake_run(layer: nn.Module, leaves: list, spec: TreeSpec) -> tuple:
     args, kwargs = tree_unflatten(given, spec)
     before = {position: dict(each.items()) for position, each in enumerate(given)
               if is_shared_mapping(each)}
-    with mode, hooks_held(layer):
+    with faking(mode), hooks_held(layer):
         output = torch.func.functional_call(layer, fake_weights(mode, layer), args, kwargs,
                                             strict=True)
     positions = {id(each): position for position, each in enumerate(given)

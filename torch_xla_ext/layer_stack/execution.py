@@ -23,10 +23,11 @@ from typing import Any
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torch_xla_ext.layer_stack.exporting import stand_in
 from torch_xla_ext.layer_stack.call_plan import SCAN, CallPlan, Run
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, same_leaf
-from torch_xla_ext.layer_stack.running import HandedOn, warn_layer_by_layer
-from torch_xla_ext.placeholders import placeholder
+from torch_xla_ext.layer_stack.operands import HandedOn
+from torch_xla_ext.layer_stack.running import warn_layer_by_layer
 
 __all__ = ["Execution", "ScanResult"]
 
@@ -196,7 +197,14 @@ class Execution:
             elif result is not None and number in run.kept[position]:
                 values.append(result.kept[position, number][group])
             else:
-                if (index, number) not in self.stand_ins:
-                    self.stand_ins[index, number] = placeholder(*source.value)
-                values.append(self.stand_ins[index, number])
+                values.append(self._stand_in(index, number, source.value, leaves[0].device))
         return tree_unflatten(values, spec)
+
+    def _stand_in(self, index: int, number: int, aval: tuple, device):
+        """The stand-in for output leaf `number` of layer `index` (see `exporting.stand_in`)."""
+        if (index, number) in self.stand_ins:
+            return self.stand_ins[index, number]
+        made, kept = stand_in(*aval, device)
+        if kept:
+            self.stand_ins[index, number] = made
+        return made

@@ -3,17 +3,21 @@ shapes and dtypes, no data), for running a layer to see what it gives back
 or what it computes, without computing anything: tensors become fakes on
 the CPU (a layer's own constants then hold their values), other objects
 (a key/value cache) deep copies holding fakes, which the layer may change
-as it likes; constants stay as they are."""
+as it likes; constants stay as they are. What runs on them runs apart from
+any trace in progress (`torch.export`'s): it is no part of the traced graph."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from torch_xla_ext.object_graph import VALUE_TYPES, tensors_in
 
-__all__ = ["fake_leaves", "fake_mode", "fake_tensor", "fake_weights"]
+__all__ = ["apart_from_trace", "fake_leaves", "fake_mode", "fake_tensor", "fake_weights",
+           "faking", "template_copy"]
 
 
 def fake_mode() -> FakeTensorMode:
@@ -23,10 +27,34 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+@contextlib.contextmanager
+def apart_from_trace():
+    """What runs in the block is no part of a trace in progress (`torch.export`'s)."""
+    with disable_proxy_modes_tracing():
+        yield
+
+
+def template_copy(template: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of a stack's template (its tensors meta tensors), made
+    apart from any trace: under `torch.export`, copying its tensors would be
+    ops of the exported graph on constants."""
+    with apart_from_trace(), unset_fake_temporarily():
+        return copy.deepcopy(template)
+
+
+@contextlib.contextmanager
+def faking(mode: FakeTensorMode):
+    """`mode` entered apart from any trace in progress: a trace by
+    `torch.export` would otherwise record the ops on the fakes (of another
+    fake mode than its own) in its graph."""
+    with apart_from_trace(), mode:
+        yield
+
+
 def fake_tensor(mode: FakeTensorMode, tensor: torch.Tensor, shape=None) -> torch.Tensor:
     """A fake of `tensor`'s shape (or `shape`) and dtype, on the CPU, that
     requires grad as it does."""
-    with mode:
+    with faking(mode):
         made = torch.empty(tuple(tensor.shape if shape is None else shape), dtype=tensor.dtype)
     return made.requires_grad_(tensor.requires_grad and tensor.dtype.is_floating_point)
 

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import keystr, tree_map, tree_unflatten
 
-from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
+from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights, faking
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -112,7 +112,7 @@ def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
             (tuple(weights.values()), args, kwargs))
 
     # The layer's forward hooks would see the fakes (a stack replays them after its loop).
-    with mode, hooks_held(layer):
+    with faking(mode), hooks_held(layer):
         graph = make_fx(forward_and_backward, tracing_mode="real")(weights, args, kwargs,
                                                                    entries)
     constants = [operator.attrgetter(node.target)(graph)

@@ -5,13 +5,15 @@ owner: the driver of each of its stacked lists' loops, an `Execution` of
 the plan for this kind of call. A kind of call is what the plan can depend
 on: the forward's arguments' form, the tensors' shapes and dtypes, the
 constants, the classes of other objects, the owner's mode and settings,
-and whether gradients are computed. A kind met for the first time is
-planned from a dry run (`dry_run`, `call_plan`); later calls of that kind
-reuse the plan, whose every call is checked as it runs (`execution`).
-Layers away from an XLA device are planned to run one by one, with no dry
-run: the scan is an XLA loop; so are layers whose stack says that no call
-can scan them now (`StackedList.unscannable`: layers whose shapes depend
-on the data, which the dry run's fakes cannot run either).
+whether gradients are computed, and whether `torch.export` traces. A kind
+met for the first time is planned from a dry run (`dry_run`, `call_plan`),
+run apart from an export's trace; later calls of that kind reuse the plan,
+whose every call is checked as it runs (`execution`). Layers away from an
+XLA device are planned to run one by one, with no dry run: the scan is an
+XLA loop (under `torch.export`, torch's scan operator on any device); so are
+layers whose stack says that no call can scan them now
+(`StackedList.unscannable`: layers whose shapes depend on the data, which
+the dry run's fakes cannot run either).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from torch.utils._pytree import tree_flatten
 from torch_xla_ext.layer_stack.call_plan import CallPlan, plan_calls
 from torch_xla_ext.layer_stack.dry_run import record_calls
 from torch_xla_ext.layer_stack.execution import Execution
+from torch_xla_ext.layer_stack.exporting import exporting
+from torch_xla_ext.layer_stack.fakes import apart_from_trace
 from torch_xla_ext.layer_stack.running import device_reason
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -47,7 +51,8 @@ class OwnerPlans:
             return {name: Execution(stack, CallPlan((), reason)) for name, stack in stacks.items()}
         key = _kind_of_call(owner, args, kwargs)
         if key not in self.plans:
-            record = record_calls(owner, stacks, args, kwargs)
+            with apart_from_trace():
+                record = record_calls(owner, stacks, args, kwargs)
             self.plans[key] = {name: (plan_calls(stack, record.calls[name], record), {})
                                for name, stack in stacks.items()}
         return {name: Execution(stacks[name], plan, stand_ins)
@@ -56,8 +61,10 @@ class OwnerPlans:
 
 def _kind_of_call(owner: nn.Module, args: tuple, kwargs: dict) -> tuple:
     leaves, spec = tree_flatten((args, kwargs))
+    # Under torch.export, the stand-ins are the trace's: its calls are a kind of their own.
     return (spec, tuple(_leaf_kind(leaf) for leaf in leaves), owner.training,
-            torch.is_grad_enabled(), _settings(owner), _settings(getattr(owner, "config", None)))
+            torch.is_grad_enabled(), exporting(), _settings(owner),
+            _settings(getattr(owner, "config", None)))
 
 
 def _leaf_kind(leaf) -> tuple:

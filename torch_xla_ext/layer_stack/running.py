@@ -3,7 +3,8 @@ same handing out what each layer recorded (`run_recording`), the HLO of that
 scan without running it (`lower`), and the for loop itself
 (`run_layer_by_layer`) for a call that one trace cannot stand for. A stack
 whose `Layers.hooks_replayed` is set runs its layers' forward hooks after the
-loop, once per layer (see `hooks`)."""
+loop, once per layer (see `hooks`). While `torch.export` traces, the scan
+is one call of torch's scan operator instead (`exporting`), on any device."""
 from __future__ import annotations
 
 import contextlib
@@ -18,14 +19,15 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from torch_xla_ext.layer_stack.alike import LayerLayout
+from torch_xla_ext.layer_stack.exporting import exporting, scan_as_operator
 from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
-from torch_xla_ext.layer_stack.kinds import (
-    argument_path, call_for_layer, hidden_of, is_choice)
+from torch_xla_ext.layer_stack.kinds import call_for_layer, hidden_of
+from torch_xla_ext.layer_stack.operands import (
+    Unscannable, choice_tensor, leaves_in_step, split_arguments, traced_with)
 from torch_xla_ext.layer_stack.sharding import entering
-from torch_xla_ext.layer_stack.shared_mappings import gathered, holding, is_shared_mapping
+from torch_xla_ext.layer_stack.shared_mappings import holding
 from torch_xla_ext.layer_stack.per_layer import (
     PerLayerAttributeRead, reads_recorded_in, reads_watched)
-from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.scan import Lowered, lower as lower_scan, scan
 
 
@@ -67,17 +69,6 @@ class Layers:
 
 
 @dataclasses.dataclass(frozen=True)
-class HandedOn:
-    """A leaf of a scan's call arguments that each layer gets from the layer
-    before it, besides the hidden state: `value` is the first layer's, and
-    each later layer gets leaf `output` of the previous layer's output (its
-    `tree_flatten` leaves). The scan carries it with the hidden state, and
-    gives back the last layer's."""
-    value: torch.Tensor
-    output: int
-
-
-@dataclasses.dataclass(frozen=True)
 class Recording:
     """Objects that each traced layer call gets as keyword arguments, made
     afresh for the call (a key/value cache that records what the layer puts
@@ -114,14 +105,11 @@ def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
     take, by number), or
     why one scan cannot stand for the loop (a str), before anything ran."""
     def scanned(step, init, xs):
-        (last_hidden, _, handed), (_, calls, kept) = scan(
-            step, init, xs, partition_fn=layers.partition_fn, is_fn_pure=layers.is_layer_pure,
-            unroll=layers.unroll)
+        (last_hidden, _, handed), (_, calls, kept) = _loop(layers)(step, init, xs)
         _replay_hooks(layers, calls)
         return last_hidden, kept, handed
 
-    reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
-                                if isinstance(leaf, torch.Tensor))), None)
+    reason = _device_reason_of(hidden)
     if reason is not None:
         return reason
     try:
@@ -131,11 +119,35 @@ def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
 
 
 def device_reason(device: torch.device) -> str | None:
-    """Why layers on `device` run one by one, or None on an XLA device: the scan
-    is an XLA loop (a model moved to the CPU to be saved still runs)."""
-    if device.type != "xla":
+    """Why layers on `device` run one by one, or None: on an XLA device the
+    scan is `scan`'s XLA loop (a model moved to the CPU to be saved still
+    runs), and under `torch.export` it is torch's scan operator on any device
+    (`exporting`)."""
+    if device.type != "xla" and not exporting():
         return f"the layers run on {device.type}, and the scan is an XLA loop"
     return None
+
+
+def _device_reason_of(hidden) -> str | None:
+    return next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
+                              if isinstance(leaf, torch.Tensor))), None)
+
+
+def _loop(layers: Layers) -> Callable:
+    """`scan(step, init, xs) -> (carry, ys)` as this call runs it: `scan`'s
+    loop with the stack's options, or under export one call of torch's scan
+    operator (`exporting`), raising Unscannable when the operator cannot take
+    the step (found before anything is traced)."""
+    if not exporting():
+        return functools.partial(scan, partition_fn=layers.partition_fn,
+                                 is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
+
+    def through_operator(step, init, xs):
+        outcome = scan_as_operator(step, init, xs, layers.partition_fn, layers.unroll)
+        if isinstance(outcome, str):
+            raise Unscannable(outcome)
+        return outcome
+    return through_operator
 
 
 def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording,
@@ -150,9 +162,8 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
     Unscannable for a call that one trace cannot stand for; the caller then
     runs the layers one by one with what they record into."""
     def scanned(step, init, xs):
-        (last_hidden, _, handed, final_state), (recorded, calls, kept) = scan(
-            step, (*init, state), xs, partition_fn=layers.partition_fn,
-            is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
+        (last_hidden, _, handed, final_state), (recorded, calls, kept) = _loop(layers)(
+            step, (*init, state), xs)
         for tensor, final in zip(state, final_state):
             if final is not tensor:  # a read-only state leaves the loop as itself
                 tensor.copy_(final)
@@ -166,8 +177,7 @@ def attempt_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recordi
                       state: tuple[torch.Tensor, ...] = ()):
     """`run_recording`, or why one scan cannot stand for the loop (a str),
     before anything ran (the state unchanged)."""
-    reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
-                                if isinstance(leaf, torch.Tensor))), None)
+    reason = _device_reason_of(hidden)
     if reason is not None:
         return reason
     try:
@@ -208,10 +218,6 @@ def warn_layer_by_layer(num_layers: int, reason: str, stacklevel: int) -> None:
                   f"of as one scan: {reason}.", LayerByLayerWarning, stacklevel=stacklevel)
 
 
-class Unscannable(Exception):
-    """Why a call cannot run as one scan; the message says it."""
-
-
 def _replay_hooks(layers: Layers, calls: list | None) -> None:
     """The template's forward hooks, once per layer, on what the scan's
     steps recorded (`calls`: None unless `layers.hooks_replayed`)."""
@@ -224,25 +230,6 @@ def _replay_hooks(layers: Layers, calls: list | None) -> None:
 # step's identity, so each combination of layer settings and constant call
 # arguments keeps its own step.
 _STEPS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
-
-# Stand in the call key for a tensor argument, which is passed through the
-# carry, and for a PerLayerChoice, whose variants are (stacked).
-_TENSOR_ARGUMENT = object()
-_CHOSEN_ARGUMENT = object()
-# Stands in the call key for a shared mapping, followed by its entries' leaves.
-_SHARED_MAPPING = object()
-
-# The shared mappings of the call whose scan step is being traced (the step
-# holds no mapping: a new one at every forward would make it trace anew).
-_MAPPINGS_TRACED: list = []
-
-
-@dataclasses.dataclass(frozen=True)
-class _HandedLeaf:
-    """Stands in the call key for a HandedOn argument: the carry gives it,
-    from leaf `output` of the previous layer's output."""
-    output: int
-
 
 def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                   stage: Callable[[Callable, tuple, Any], Any], recording: Recording | None = None,
@@ -257,7 +244,7 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
     unreplayed = unreplayable(layers.template) if layers.hooks_replayed else None
     if unreplayed is not None:
         raise Unscannable(unreplayed)
-    tensor_arguments, handed, arguments, choices, mappings = _split_arguments(args, kwargs)
+    tensor_arguments, handed, arguments, choices, mappings = split_arguments(args, kwargs)
     key = (layers.layout.trace_key(), arguments, layers.drop_in,
            recording.key if recording else None, layers.hooks_replayed, layers.kept,
            layers.positions)
@@ -276,8 +263,8 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                 if recording is not None:
                     xs["index"] = torch.arange(layers.num_layers, device=device)
                 if choices:
-                    xs["choices"] = [_choice_tensor(choice, device) for choice in choices]
-                with _traced_with(mappings):
+                    xs["choices"] = [choice_tensor(choice, device) for choice in choices]
+                with traced_with(mappings):
                     return stage(step, (entering(layers.unit_output, hidden), tensor_arguments,
                                         handed), xs)
         except PerLayerAttributeRead:
@@ -286,12 +273,6 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
     raise Unscannable(
         f"the layer reads {read}, which differ between layers, so one trace cannot stand for "
         f"all of them (a key/value cache passed to the layers reads its layer index)")
-
-
-@functools.lru_cache(maxsize=64)
-def _choice_tensor(choice: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Each layer's variant index on the device, uploaded once, not at every call."""
-    return torch.tensor(choice, device=device)
 
 
 def _device_of(hidden) -> torch.device:
@@ -304,66 +285,6 @@ def _check_carried(hidden, name: str) -> None:
         if not isinstance(leaf, torch.Tensor):
             raise Unscannable(f"{name}{keystr(path)} is of type {type(leaf).__name__}, and "
                                f"what goes from layer to layer in a scan must be tensors")
-
-
-def _split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple, list, list]:
-    """Splits layer call arguments into tensors (a PerLayerChoice's variants
-    stacked), the HandedOn arguments' first values (by the output leaf that
-    the next layer gets them from), a hashable description of the rest, the
-    PerLayerChoices' per-layer choices and the shared mappings
-    (`shared_mappings`), whose entries' leaves follow each mapping's
-    description; raises Unscannable for an argument that is none of these."""
-    leaves, spec = tree_flatten((args, kwargs))
-    paths = None
-    tensors, handed, constants, choices, mappings = [], {}, [], [], []
-    pending = [(leaf, None) for leaf in reversed(leaves)]
-    while pending:
-        leaf, entry_path = pending.pop()
-        if isinstance(leaf, HandedOn) and entry_path is None:
-            handed.setdefault(leaf.output, leaf.value)
-            constants.append(_HandedLeaf(leaf.output))
-        elif isinstance(leaf, torch.Tensor):
-            tensors.append(leaf)
-            constants.append(_TENSOR_ARGUMENT)
-        elif is_choice(leaf) and entry_path is None:
-            tensors.append(_stacked_variants(leaf, args, kwargs))
-            constants.append(_CHOSEN_ARGUMENT)
-            choices.append(leaf.choice)
-        elif isinstance(leaf, VALUE_TYPES):
-            # With its type, since True == 1 == 1.0 would otherwise share one trace.
-            constants.append((type(leaf), leaf))
-        elif is_shared_mapping(leaf) and entry_path is None:
-            paths = paths or tree_flatten_with_path((args, kwargs))[0]
-            path = argument_path(next(path for path, value in paths if value is leaf))
-            entries, entries_spec = tree_flatten_with_path(dict(leaf.items()))
-            mappings.append((leaf, path))
-            constants.append((_SHARED_MAPPING, len(entries), entries_spec))
-            pending += [(value, path + keystr(key)) for key, value in reversed(entries)]
-        else:
-            paths = paths or tree_flatten_with_path((args, kwargs))[0]
-            path = entry_path or argument_path(next(path for path, value in paths
-                                                    if value is leaf))
-            raise Unscannable(
-                f"argument {path} is of type {type(leaf).__name__}, and only tensors and plain "
-                f"constants (None, bool, int, float, str), or mappings of them that every "
-                f"layer gets, can enter a traced loop")
-    return tuple(tensors), handed, (spec, tuple(constants)), choices, mappings
-
-
-def _stacked_variants(choice, args: tuple, kwargs: dict) -> torch.Tensor:
-    """A PerLayerChoice's variants as one tensor; raises Unscannable unless
-    they are tensors of one shape, dtype and device."""
-    variants = choice.variants
-    if all(isinstance(each, torch.Tensor) for each in variants) and len(
-            {(each.shape, each.dtype, each.device) for each in variants}) == 1:
-        return torch.stack(variants)
-    path = next(path for path, value in tree_flatten_with_path((args, kwargs))[0]
-                if value is choice)
-    described = ", ".join(f"{tuple(each.shape)} {each.dtype}" if isinstance(each, torch.Tensor)
-                          else type(each).__name__ for each in variants)
-    raise Unscannable(f"argument {argument_path(path)} differs between the layers' kinds "
-                      f"({described}), and a scan step picks only among tensors of one shape "
-                      f"and dtype")
 
 
 def _next_hidden(layer: Callable, hidden, args: tuple, kwargs: dict, drop_in: bool):
@@ -389,14 +310,8 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
             layer_tensors = {f"layers.{position}.{name}": tensor[position]
                              for name, tensor in layer_tensors.items()
                              for position in range(positions)}
-        supplied, picks = iter(tensor_arguments), iter(x.get("choices", ()))
-        values = [next(supplied) if constant is _TENSOR_ARGUMENT
-                  else torch.index_select(next(supplied), 0, next(picks).view(1))[0]
-                  if constant is _CHOSEN_ARGUMENT
-                  else handed[constant.output] if isinstance(constant, _HandedLeaf)
-                  else constant if constant[0] is _SHARED_MAPPING else constant[1]
-                  for constant in constants]
-        leaves, filled = gathered(values, _SHARED_MAPPING, _MAPPINGS_TRACED[-1])
+        leaves, filled = leaves_in_step(constants, tensor_arguments, handed,
+                                        x.get("choices", ()))
         args, kwargs = tree_unflatten(leaves, spec)
 
         def layer(*layer_args, **layer_kwargs):
@@ -427,16 +342,6 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
                  tuple(output_leaves[leaf] for leaf in kept)))
 
     return run_one_layer
-
-
-@contextlib.contextmanager
-def _traced_with(mappings: list):
-    """The shared mappings of the call whose step a scan may trace meanwhile."""
-    _MAPPINGS_TRACED.append(mappings)
-    try:
-        yield
-    finally:
-        _MAPPINGS_TRACED.pop()
 
 
 def _check_recorded_calls(calls: list | None) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from torch_xla_ext.layer_stack import names, optimizer_state, running, sharding
 from torch_xla_ext.layer_stack.alike import check_identical_layers, layer_tensors, layout_of
+from torch_xla_ext.layer_stack.fakes import template_copy
 from torch_xla_ext.layer_stack.segments import Segment
 from torch_xla_ext.patches.torch_xla import lower_host_ops
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
@@ -230,7 +231,7 @@ class LayerStack(nn.Module):
         if not -len(self) <= index < len(self):
             raise IndexError(f"Layer index {index} is out of range for a LayerStack of "
                              f"{len(self)} layers.")
-        layer = copy.deepcopy(self._template)
+        layer = template_copy(self._template)
         for name, tensor in self._stacked_tensors().items():
             owner_path, _, local_name = name.rpartition(".")
             owner = layer.get_submodule(owner_path)

@@ -32,7 +32,9 @@ and the options a call gets), `dispatch` (the kernels added to torch's
 operator, installed once; which calls they run as `scan` and which they hand
 to torch), `registration` (the switch and its context manager), `backend`
 (`openxla_scan`, the `torch.compile` backend that keeps the operator's bodies
-as loops through torch_xla's dynamo bridge).
+as loops through torch_xla's dynamo bridge), `operator_call` (`scan`'s
+contract as one call of the operator, for code that `torch.export` traces:
+`layer_stack`'s runs of layers).
 """
 from torch_xla_ext.torch_scan.backend import openxla_scan
 from torch_xla_ext.torch_scan.dispatch import TorchScanWarning
