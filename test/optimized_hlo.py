@@ -1,5 +1,6 @@
 """Reading XLA's optimized HLO text (an `--xla_dump_to` dump): its
 computations, while loops, and the copies they make of stacked buffers."""
+import os
 import re
 
 from torch_xla_ext.metrics.hlo import callees, computations, entry_name
@@ -7,6 +8,16 @@ from torch_xla_ext.metrics.hlo import callees, computations, entry_name
 _ARRAY = r"(\w+)\[([\d,]*)\]"
 _RESULT_SHAPE = re.compile(r"= \(?" + _ARRAY)
 _OPCODE = re.compile(r"[\]}] ([\w\-]+)\(")
+
+
+def dump_flags(directory) -> str:
+    """XLA_FLAGS for a scenario whose optimized HLO a test reads: the suite's
+    flags with a dump into `directory`, but XLA:CPU's own fusion emitters (the
+    suite turns them off to compile faster, conftest.py): which ops XLA:CPU
+    fuses depends on them, and the HLO read is the one a user's run makes."""
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+             if not flag.startswith("--xla_cpu_use_fusion_emitters")]
+    return " ".join([*flags, f"--xla_dump_to={directory}", "--xla_dump_hlo_as_text"])
 
 
 def entry_computation(hlo: str) -> list[str]:

@@ -18,7 +18,7 @@ from torch import nn
 import torch_xla_ext as tx
 from support import supports
 from optimized_hlo import (
-    callees, computations, entry_computation, stacked_results_in_loops, while_loops)
+    callees, computations, dump_flags, entry_computation, stacked_results_in_loops, while_loops)
 from reference import host_copies
 from per_layer import per_layer_grads
 from tolerances import LOGGED_LOSSES, TRAINING, close
@@ -645,8 +645,8 @@ def static_decoding_scenario():
 
 def test_a_decoding_step_writes_only_the_new_positions_of_the_stacked_cache(run_isolated,
                                                                            tmp_path):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
-    result = run_isolated(static_decoding_scenario, env={"XLA_FLAGS": flags.strip()})
+    flags = dump_flags(tmp_path)
+    result = run_isolated(static_decoding_scenario, env={"XLA_FLAGS": flags})
     assert result.returncode == 0, result.stderr[-3000:]
     cache_shape = "f32[3,2,2,16,8]"  # [layers, batch, kv heads, max_cache_len, head_dim]
     dumps = [open(path).read() for path in glob.glob(f"{tmp_path}/*after_optimizations.txt")]

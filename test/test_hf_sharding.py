@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch_xla
 
-from optimized_hlo import loop_states, step_module
+from optimized_hlo import dump_flags, loop_states, step_module
 from support import supports
 from tolerances import TRAINING, close
 
@@ -84,9 +84,9 @@ def two_dimensional_mesh_scenario():
 
 @supports("sharded", "llama")
 def test_on_a_2d_mesh_the_loops_keep_the_batch_split(run_isolated, tmp_path):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    flags = dump_flags(tmp_path)
     result = run_isolated(two_dimensional_mesh_scenario, env={
-        "CPU_NUM_DEVICES": "4", "XLA_FLAGS": flags.strip(), "DUMP": str(tmp_path)})
+        "CPU_NUM_DEVICES": "4", "XLA_FLAGS": flags, "DUMP": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "matched" in result.stdout, result.stdout
 

@@ -3,11 +3,10 @@ no copy of a whole stacked buffer ([L, ...]: sliced inputs, stacked outputs)
 inside a while body, where it would run once per step of the scan, nor of a
 stacked output's initial buffer before the loops."""
 import glob
-import os
 
 import pytest
 
-from optimized_hlo import copies_of_initial_buffers, stacked_copies_in_loops, while_loops
+from optimized_hlo import dump_flags, copies_of_initial_buffers, stacked_copies_in_loops, while_loops
 
 LAYERS = 3  # a size no other dimension of the step below has
 
@@ -88,9 +87,9 @@ def test_the_parser_finds_the_copies_of_a_merged_initial_buffer():
 
 @pytest.mark.parametrize("block", ["ours", "fused_qkv_sdpa", "llama"])
 def test_layer_stack_training_step_copies_no_stacked_buffer(run_isolated, tmp_path, block):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    flags = dump_flags(tmp_path)
     result = run_isolated(training_step_scenario, args=(block,),
-                          env={"XLA_FLAGS": flags.strip()})
+                          env={"XLA_FLAGS": flags})
     assert result.returncode == 0, result.stderr[-3000:]
     dumps = [open(path).read() for path in glob.glob(f"{tmp_path}/*after_optimizations.txt")]
     step, = [hlo for hlo in dumps if " while(" in hlo]

@@ -15,7 +15,7 @@ import torch_xla.runtime as xr
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 import torch_xla_ext as tx
-from optimized_hlo import loop_states, step_module
+from optimized_hlo import dump_flags, loop_states, step_module
 from reference import scan_loop
 from tolerances import ACCUMULATED, close
 from torch_xla_ext.scan import sharding
@@ -173,9 +173,9 @@ def operand_shardings_scenario():
 
 
 def test_the_loops_keep_their_operands_shardings(run_isolated, tmp_path):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    flags = dump_flags(tmp_path)
     result = run_isolated(operand_shardings_scenario,
-                          env={**SPMD_DEVICES, "XLA_FLAGS": flags.strip(), "DUMP": str(tmp_path)})
+                          env={**SPMD_DEVICES, "XLA_FLAGS": flags, "DUMP": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kept" in result.stdout
 

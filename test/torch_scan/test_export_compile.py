@@ -4,7 +4,6 @@ and `openxla_scan` trains as torch_xla's `openxla` would, with the operator a
 While loop each way, the loop's values and gradients, and no compilation
 after the first step."""
 import glob
-import os
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from torch._higher_order_ops.scan import scan as torch_scan
 
 import torch_xla_ext as tx
 from torch_xla_ext.torch_scan import TorchScanWarning
-from optimized_hlo import while_loops
+from optimized_hlo import dump_flags, while_loops
 from tolerances import ACCUMULATED, SAME_OPS, TRAINING, close
 
 DEV = torch_xla.device()
@@ -127,8 +126,8 @@ def compiled_training_scenario():
 
 
 def test_openxla_scan_runs_the_operator_as_a_while_loop_each_way(run_isolated, tmp_path):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
-    result = run_isolated(compiled_training_scenario, env={"XLA_FLAGS": flags.strip()})
+    flags = dump_flags(tmp_path)
+    result = run_isolated(compiled_training_scenario, env={"XLA_FLAGS": flags})
     assert result.returncode == 0, result.stderr[-3000:]
     dumps = [open(path).read() for path in glob.glob(f"{tmp_path}/*after_optimizations.txt")]
     loops = [loop for hlo in dumps for loop in while_loops(hlo, STEPS)]
