@@ -1,12 +1,14 @@
-"""Small layers and a call that reports what ran, shared by the tests of the
-plan from calls (test/layer_stack/test_call_plan.py, test_execution.py) and
-T5's small loops (test_hf_t5.py)."""
+"""Small layers, an owner's loop converted as stack_layers converts one, and
+a call that reports what ran, shared by the tests of the plan from calls
+(test/layer_stack/: test_call_plan.py, test_execution.py, test_handed_on.py,
+test_shared_mappings.py) and T5's small loops (test_hf_t5.py)."""
+import copy
 import warnings
 
 import torch_xla
 from torch import nn
 
-from torch_xla_ext.layer_stack import LayerByLayerWarning
+from torch_xla_ext.layer_stack import LayerByLayerWarning, OwnerPlans, StackedList, drive_loops
 
 HIDDEN = 4
 
@@ -32,3 +34,12 @@ def forward_with_warnings(model, x) -> tuple:
     loops = torch_xla._XLAC._get_xla_tensors_hlo([output]).count(" while(")
     return output, loops, [str(each.message) for each in caught
                            if each.category is LayerByLayerWarning]
+
+
+def converted(model: nn.Module, device) -> tuple[nn.Module, nn.Module]:
+    """The model, and a copy whose `blocks` are stacked and driven by their
+    plans, both on `device`."""
+    stacked = copy.deepcopy(model)
+    stacked.blocks = StackedList(stacked.blocks)
+    drive_loops(stacked, ("blocks",), OwnerPlans().start)
+    return model.to(device), stacked.to(device)

@@ -25,7 +25,7 @@ from test_hf_layer_kinds import COMMON, FAMILIES as KIND_FAMILIES, \
 from tolerances import TRAINING, close
 from torch_xla_ext.hf import stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
-from torch_xla_ext.layer_stack.exporting import ExportWarning
+from torch_xla_ext.layer_stack import ExportWarning
 
 SCAN = torch.ops.higher_order.scan
 

@@ -3,17 +3,16 @@
 and its plans (plans.OwnerPlans): the loop's results from one scan, the
 layers in between given stand-ins, and a call that is not what the plan of
 its kind of call says raises rather than compute something else."""
-import copy
 
 import pytest
 import torch
 import torch_xla
 from torch import nn
 
-from layer_calls import HIDDEN, Block, forward_with_warnings
+from layer_calls import HIDDEN, Block, converted, forward_with_warnings
 from tolerances import TRAINING, close
-from torch_xla_ext.layer_stack import OwnerPlans, StackedList, drive_loops
 from torch_xla_ext.placeholders import is_placeholder
+
 
 class Loop(nn.Module):
     """Calls its blocks in `order`, each on what the one before returned (or
@@ -43,13 +42,6 @@ class Loop(nn.Module):
 def device():
     return torch_xla.device()
 
-
-def converted(model: Loop, device) -> tuple[Loop, Loop]:
-    """The unconverted model, and a copy whose blocks are stacked and driven by their plans."""
-    stacked = copy.deepcopy(model)
-    stacked.blocks = StackedList(stacked.blocks)
-    drive_loops(stacked, ("blocks",), OwnerPlans().start)
-    return model.to(device), stacked.to(device)
 
 
 def test_a_planned_scan_gives_the_loops_result_and_stand_ins_in_between(device):

@@ -3,17 +3,15 @@ forward passes what a layer returned on to the next layer's call): the plan
 makes it part of the scan's carry (`Leaf("handed")`), the run's first layer
 gets it from the forward, the forward gets the last layer's, and the
 results and gradients are the loop's."""
-import copy
 
 import pytest
 import torch
 import torch_xla
 from torch import nn
 
-from layer_calls import HIDDEN, Block, forward_with_warnings
+from layer_calls import HIDDEN, Block, converted, forward_with_warnings
 from per_layer import per_layer_grads
 from tolerances import TRAINING, close
-from torch_xla_ext.layer_stack import OwnerPlans, StackedList, drive_loops
 from torch_xla_ext.layer_stack.call_plan import Leaf, plan_calls
 from torch_xla_ext.layer_stack.dry_run import record_calls
 
@@ -53,12 +51,6 @@ class Loop(nn.Module):
 def device():
     return torch_xla.device()
 
-
-def converted(model: Loop, device) -> tuple[Loop, Loop]:
-    stacked = copy.deepcopy(model)
-    stacked.blocks = StackedList(stacked.blocks)
-    drive_loops(stacked, ("blocks",), OwnerPlans().start)
-    return model.to(device), stacked.to(device)
 
 
 def test_the_handed_value_is_carried_with_the_hidden_state(device):

@@ -11,11 +11,10 @@ import torch
 import torch_xla
 from torch import nn
 
-from layer_calls import HIDDEN, forward_with_warnings
+from layer_calls import HIDDEN, converted, forward_with_warnings
 from per_layer import per_layer_grads
 from tolerances import TRAINING, close
-from torch_xla_ext.layer_stack import (LayerByLayerWarning, LayerStack, OwnerPlans, StackedList,
-                                       drive_loops)
+from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack
 
 
 class Shared(collections.UserDict):
@@ -61,12 +60,6 @@ class SharingLoop(nn.Module):
 def device():
     return torch_xla.device()
 
-
-def converted(model: SharingLoop, device) -> tuple[SharingLoop, SharingLoop]:
-    stacked = copy.deepcopy(model)
-    stacked.blocks = StackedList(stacked.blocks)
-    drive_loops(stacked, ("blocks",), OwnerPlans().start)
-    return model.to(device), stacked.to(device)
 
 
 def test_layers_around_the_one_that_writes_an_entry_scan_and_train_as_the_loop(device):

@@ -72,6 +72,7 @@ The modules, one job each:
   weights and the hidden state a scan carries).
 """
 from torch_xla_ext.layer_stack.execution import ScanResult
+from torch_xla_ext.layer_stack.exporting import ExportWarning
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, is_choice
 from torch_xla_ext.layer_stack.layer_list import scan_layers
 from torch_xla_ext.layer_stack.loops import drive_loops, loop_names, undrive_loops
@@ -85,7 +86,7 @@ from torch_xla_ext.layer_stack.stack import LayerStack
 from torch_xla_ext.layer_stack.stacked_list import (
     LayerGroup, SegmentStack, StackedList, scan_result)
 
-__all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "LayerByLayerWarning", "LayerGroup", "LayerStack",
+__all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "LayerByLayerWarning", "LayerGroup", "LayerStack",
            "Layers", "OwnerPlans", "PerLayerChoice", "Recording", "ScanResult",
            "SegmentStack", "ShardingWarning", "StackedList", "attempt", "attempt_recording", "device_reason",
            "drive_loops", "is_choice", "loop_names", "scan_layers", "scan_result", "undrive_loops",
