@@ -117,36 +117,41 @@ def call_leaves(*args, **kwargs) -> tuple[list, object]:
     return tree_flatten((args, kwargs))
 
 
+def program(layer, leaves, spec) -> tuple:
+    """What `layer` computes (`program_of`'s program, without its numbers)."""
+    return program_of(layer, leaves, spec)[0]
+
+
 def test_a_program_tells_a_setting_handed_on_from_one_that_computes():
     leaves, spec = call_leaves(torch.randn(2, HIDDEN), torch.randn(HIDDEN))
     # Only handed on: the same program for both settings.
-    assert program_of(Scaled(window=4), leaves, spec) == program_of(Scaled(), leaves, spec)
+    assert program(Scaled(window=4), leaves, spec) == program(Scaled(), leaves, spec)
     # Read into a constant the layer makes (of two dimensions): the constants differ.
-    four, two = (program_of(Scaled(window=window, uses_window=True), leaves, spec)
+    four, two = (program(Scaled(window=window, uses_window=True), leaves, spec)
                  for window in (4, 2))
     assert four[0] == two[0] and four[1] != two[1]
     assert len({four, two}) == 2  # programs are hashable: runs are split by them
     # Read to branch: the graphs differ.
-    assert program_of(Scaled(uses_window=True), leaves, spec)[0] != four[0]
+    assert program(Scaled(uses_window=True), leaves, spec)[0] != four[0]
     # Other weights, the same program: it is the code and constants, not the values.
-    assert program_of(Scaled(), leaves, spec) == program_of(Scaled(), leaves, spec)
+    assert program(Scaled(), leaves, spec) == program(Scaled(), leaves, spec)
 
 
 def test_a_program_holds_the_backward_to_what_requires_grad():
     leaves, spec = call_leaves(torch.randn(2, HIDDEN), torch.randn(HIDDEN))
     frozen = Scaled().requires_grad_(False)
-    forward_only = program_of(frozen, leaves, spec)
-    trained = program_of(Scaled(), leaves, spec)
+    forward_only = program(frozen, leaves, spec)
+    trained = program(Scaled(), leaves, spec)
     assert forward_only != trained
     assert "tanh_backward" in trained[0] and "tanh_backward" not in forward_only[0]
     # The hidden state requiring grad adds its gradient to the frozen layer's.
     hidden = torch.randn(2, HIDDEN, requires_grad=True)
-    assert "tanh_backward" in program_of(frozen, *call_leaves(hidden, torch.randn(HIDDEN)))[0]
+    assert "tanh_backward" in program(frozen, *call_leaves(hidden, torch.randn(HIDDEN)))[0]
     # A layer whose weights require grad computes the hidden state's gradient
     # whether its own requires grad or not (as a scan's step does: the first
     # layer's input may not, the later layers' do), so that the first layer's
     # program is the others'.
-    assert program_of(Scaled(), *call_leaves(hidden, torch.randn(HIDDEN))) == trained
+    assert program(Scaled(), *call_leaves(hidden, torch.randn(HIDDEN))) == trained
 
 
 class Recomputed(nn.Module):
@@ -166,6 +171,6 @@ def test_a_layer_that_recomputes_in_its_backward_is_traced_on_its_fakes(device):
     # device (which fakes on the CPU cannot mix with).
     layer = Recomputed().to(device)
     hidden = torch.randn(2, HIDDEN, device=device, requires_grad=True)
-    code, constants = program_of(layer, *call_leaves(hidden))
+    code, constants = program(layer, *call_leaves(hidden))
     assert code.count("addmm") >= 2 and "tanh_backward" in code  # the recomputed linear
-    assert program_of(Recomputed().to(device), *call_leaves(hidden)) == (code, constants)
+    assert program(Recomputed().to(device), *call_leaves(hidden)) == (code, constants)

@@ -32,8 +32,10 @@ import dataclasses
 from torch import Tensor
 
 from torch_xla_ext.layer_stack.dry_run import CallRecord, RecordedCall
-from torch_xla_ext.layer_stack.kinds import same_leaf
+from torch_xla_ext.layer_stack.kinds import program_of, same_leaf
+from torch_xla_ext.layer_stack.lifted_numbers import LiftedNumbers, differing
 from torch_xla_ext.layer_stack.segments import plan_segments
+from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 
 __all__ = ["CallPlan", "Leaf", "Run", "plan_calls"]
 
@@ -69,6 +71,9 @@ class Run:
     kept: tuple[tuple[int, ...], ...] = ()
     # Per position: the form of a layer's output, and where each of its leaves comes from.
     outputs: tuple[tuple, ...] = ()
+    # The Python numbers that differ between the layers, as per-layer operands
+    # of the scan (`lifted_numbers`), or None.
+    numbers: LiftedNumbers | None = None
 
     def handed_outputs(self) -> frozenset[int]:
         """The leaves of a layer's output that the next layer gets (`handed`)."""
@@ -191,11 +196,18 @@ def _by_program(stack, calls: list[RecordedCall], number: int, record: CallRecor
     one program (whatever settings tell their kinds apart), else the
     segments of their programs' pattern (`segments.plan_segments`): runs of
     one program, and repeating patterns scanned a group of layers per step.
-    Layers whose program none of their neighbours shares run one by one,
-    with the settings that set them apart as the reason."""
+    Layers whose programs differ only in Python numbers of their arithmetic
+    compute one program given those numbers: one scan that takes them as
+    per-layer operands (`_lifted`). Layers whose program none of their
+    neighbours shares run one by one, with the settings that set them apart
+    as the reason."""
     programs = [call.program for call in calls]
     if len(set(programs)) == 1:
         return [_run(calls, number, 1, record)]
+    numbers = _lifted(stack, calls)
+    if numbers is not None:
+        run = _run(calls, number, 1, record)
+        return [dataclasses.replace(run, numbers=numbers) if run.how == SCAN else run]
     kinds = [programs.index(program) for program in programs]
     runs = []
     for segment in plan_segments(kinds):
@@ -213,6 +225,23 @@ def _by_program(stack, calls: list[RecordedCall], number: int, record: CallRecor
                                             f"cannot stand for (the settings that differ "
                                             f"between layers {first}-{last - 1}: {settings})")
             if run.reason is _APART else run for run in runs]
+
+
+def _lifted(stack, calls: list[RecordedCall]) -> LiftedNumbers | None:
+    """The numbers that differ between the calls, where the layers' programs
+    traced again with those numbers as inputs are one (`lifted_numbers`),
+    else None. Not for calls given a mapping every layer gets: after the dry
+    run it no longer holds what the layers found in it."""
+    numbers = differing([call.numbers for call in calls])
+    if numbers is None or any(is_shared_mapping(leaf) for call in calls for leaf in call.leaves):
+        return None
+    programs = {}  # per kind of layer and program traced with the numbers as constants
+    for call in calls:
+        key = (stack.call_kind(call.index), call.program)
+        if key not in programs:
+            programs[key] = program_of(stack.layer(call.index), stack.as_traced(call.leaves),
+                                       call.spec, numbers)[0]
+    return numbers if len(set(programs.values())) == 1 else None
 
 
 # The reason of consecutive layers whose programs differ, until it is written out.

@@ -76,6 +76,9 @@ class RecordedCall:
     # What the layer computes (`kinds.program_of`), where its list's layers
     # are of several kinds, else None.
     program: tuple | None = None
+    # The Python numbers of its arithmetic, where `program` was traced
+    # (`lifted_numbers`): the call plan lifts those that differ between layers.
+    numbers: tuple | None = None
     # (argument leaf, key) of each entry the layer set or deleted in a
     # mapping every layer gets (`shared_mappings`).
     writes: tuple = ()
@@ -162,12 +165,12 @@ class _Recorder:
         for position, key, written in writes:
             self._write(leaves[position], key, written and tree_unflatten(
                 _values(written[0], leaves, written[2]), written[1]))
-        program = None
+        program = numbers = None
         if self.stack.kinds_in_segment_of(index) > 1:
-            program = self._program(index, leaves, spec)
+            program, numbers = self._program(index, leaves, spec)
         self.calls.append(RecordedCall(index, leaves, spec, sources, output_spec, outputs,
-                                       program, tuple((position, key)
-                                                      for position, key, _ in writes)))
+                                       program, numbers, tuple((position, key)
+                                                               for position, key, _ in writes)))
         self.outputs.update(id(each) for each, source in zip(outputs, sources)
                             if source.kind == "computed")
         return tree_unflatten(outputs, output_spec)
@@ -187,7 +190,8 @@ class _Recorder:
             self._found[key] = _fake_run(self.stack.layer(index), leaves, spec)
         return self._found[key]
 
-    def _program(self, index: int, leaves: list, spec: TreeSpec) -> tuple:
+    def _program(self, index: int, leaves: list, spec: TreeSpec) -> tuple[tuple, tuple]:
+        """`kinds.program_of` the call: (its program, its numbers)."""
         key = ("program", self.stack.call_kind(index), spec,
                tuple(_leaf_key(leaf) for leaf in leaves))
         if key not in self._found:

@@ -11,7 +11,8 @@ every layer, each given its kind's arguments.
   by `make_fx` on fakes (no data, `fakes`) and the graphs and their
   constants compared: a setting that only reaches code that ignores it
   (transformers' eager and SDPA attention take `sliding_window` and drop it)
-  changes nothing.
+  changes nothing. The trace also records the Python numbers of the layer's
+  arithmetic, and can take some of them as inputs (`lifted_numbers`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from torch.utils._pytree import keystr, tree_map, tree_unflatten
 
 from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights, faking
 from torch_xla_ext.layer_stack.hooks import hooks_held
+from torch_xla_ext.layer_stack.lifted_numbers import LiftedNumbers, Number, Numbers
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 from torch_xla_ext.object_graph import VALUE_TYPES
 
@@ -81,11 +83,14 @@ def same_leaf(leaf, reference) -> bool:
                                  and leaf == reference)
 
 
-def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
+def program_of(layer: nn.Module, leaves: list, spec, lifted: LiftedNumbers | None = None
+               ) -> tuple[tuple, tuple[Number, ...]]:
     """What `layer` computes when called with `leaves` (of `tree_flatten((args,
     kwargs))`, `spec`): the code and constants of its forward, and of its
     backward to its hidden state and weights where they require grad (the
-    hidden state where the weights do), traced by `make_fx` on fakes. Layers
+    hidden state where the weights do), traced by `make_fx` on fakes; and
+    the Python numbers of its arithmetic, in call order (`lifted_numbers`),
+    of which the ordinals `lifted` holds are inputs of the trace. Layers
     of kinds whose programs are equal can share one scan's trace."""
     mode = fake_mode()
     weights = fake_weights(mode, layer)
@@ -102,23 +107,30 @@ def program_of(layer: nn.Module, leaves: list, spec) -> tuple:
             and any(each.requires_grad for each in weights.values())):
         args[0].requires_grad_(True)
     differentiated = _Differentiated(layer)
+    ordinals, dtypes = (lifted.ordinals, lifted.dtypes) if lifted is not None else ((), ())
+    with faking(mode):
+        numbers = [torch.empty((), dtype=dtype) for dtype in dtypes]
+    seen = []
 
-    def forward_and_backward(weights, args, kwargs, entries):
+    def forward_and_backward(weights, args, kwargs, entries, numbers):
         for mapping, held in zip(mappings, entries):
             mapping.clear()
             mapping.update(held)
-        return torch.func.functional_call(
-            differentiated, {f"layer.{name}": each for name, each in weights.items()},
-            (tuple(weights.values()), args, kwargs))
+        # The backward too, where it recomputes the layer (gradient checkpointing).
+        with Numbers(dict(zip(ordinals, numbers)), seen):
+            return torch.func.functional_call(
+                differentiated, {f"layer.{name}": each for name, each in weights.items()},
+                (tuple(weights.values()), args, kwargs))
 
     # The layer's forward hooks would see the fakes (a stack replays them after its loop).
     with faking(mode), hooks_held(layer):
         graph = make_fx(forward_and_backward, tracing_mode="real")(weights, args, kwargs,
-                                                                   entries)
+                                                                   entries, numbers)
     constants = [operator.attrgetter(node.target)(graph)
                  for node in graph.graph.nodes if node.op == "get_attr"]
-    return graph.code, tuple((tuple(each.shape), each.dtype, _value(each))
-                             for each in constants if isinstance(each, torch.Tensor))
+    return (graph.code, tuple((tuple(each.shape), each.dtype, _value(each))
+                              for each in constants if isinstance(each, torch.Tensor))), \
+        tuple(seen)
 
 
 def _value(constant: torch.Tensor) -> tuple | None:

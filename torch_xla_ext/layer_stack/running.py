@@ -22,6 +22,7 @@ from torch_xla_ext.layer_stack.alike import LayerLayout
 from torch_xla_ext.layer_stack.exporting import exporting, scan_as_operator
 from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
 from torch_xla_ext.layer_stack.kinds import call_for_layer, hidden_of
+from torch_xla_ext.layer_stack.lifted_numbers import LiftedNumbers, substituting, unmatched
 from torch_xla_ext.layer_stack.operands import (
     Unscannable, choice_tensor, leaves_in_step, split_arguments, traced_with)
 from torch_xla_ext.layer_stack.sharding import entering
@@ -66,6 +67,9 @@ class Layers:
     # scan stacks along the layers as well (what a model's own loop keeps
     # of every layer: its hidden states, its attention weights).
     kept: tuple[int, ...] = ()
+    # The Python numbers that differ between the layers, which the scan takes
+    # per layer and each step puts in its layer's arithmetic (`lifted_numbers`).
+    numbers: LiftedNumbers | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,13 +251,13 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
     tensor_arguments, handed, arguments, choices, mappings = split_arguments(args, kwargs)
     key = (layers.layout.trace_key(), arguments, layers.drop_in,
            recording.key if recording else None, layers.hooks_replayed, layers.kept,
-           layers.positions)
+           layers.positions, None if layers.numbers is None else layers.numbers.key())
     steps = _STEPS.setdefault(layers.template, {})
     if key not in steps:
         reads = set()
         steps[key] = (_make_step(weakref.ref(layers.template), arguments, layers.drop_in, reads,
                                  recording, layers.hooks_replayed, layers.kept,
-                                 layers.positions), reads)
+                                 layers.positions, layers.numbers), reads)
     step, reads = steps[key]
     if not reads:
         try:
@@ -264,6 +268,8 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                     xs["index"] = torch.arange(layers.num_layers, device=device)
                 if choices:
                     xs["choices"] = [choice_tensor(choice, device) for choice in choices]
+                if layers.numbers is not None:
+                    xs["numbers"] = layers.numbers.stacked(device)
                 with traced_with(mappings):
                     return stage(step, (entering(layers.unit_output, hidden), tensor_arguments,
                                         handed), xs)
@@ -298,7 +304,7 @@ def _next_hidden(layer: Callable, hidden, args: tuple, kwargs: dict, drop_in: bo
 
 def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads: set,
                recording: Recording | None, hooks_replayed: bool, kept: tuple[int, ...],
-               positions: int):
+               positions: int, numbers: LiftedNumbers | None):
     spec, constants = arguments
 
     def run_one_layer(carry, x):
@@ -320,7 +326,9 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
 
         given = recording.make(index, *with_state) if recording else {}
         calls = [] if hooks_replayed else None
-        with reads_recorded_in(reads, opaque=recording is not None), (
+        substitution = substituting(numbers, x.get("numbers", ()))
+        with substitution or contextlib.nullcontext(), reads_recorded_in(
+                reads, opaque=recording is not None), (
                 hooks_held(template_ref(), calls) if hooks_replayed else contextlib.nullcontext()
         ), holding(filled) as written:
             if drop_in:
@@ -329,6 +337,9 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
             else:
                 output = layer(hidden, *args, **{**kwargs, **given})
                 hidden = hidden_of(output)
+        mismatch = unmatched(substitution)
+        if mismatch is not None:
+            raise Unscannable(mismatch)
         if written:
             path, keys = written[0]
             raise Unscannable(f"the layer writes entries {keys} of argument {path}, a mapping "

@@ -264,7 +264,8 @@ class StackedList(nn.Module):
         """The layers of `run` as the runners take them: run by a template
         with the settings of the run's first layer (each group's positions
         by theirs; a run of groups of layers that one segment stores one by
-        one, by a group of the positions' templates). Or why they cannot
+        one, by a group of the positions' templates), with the numbers the
+        run's layers differ in (`Run.numbers`). Or why they cannot
         share one scan (a str)."""
         segment, stack = self.plan[run.segment], self.segments[run.segment]
         if run.period > 1 and any(run.kept):
@@ -276,7 +277,8 @@ class StackedList(nn.Module):
             group = self._group_for(run.start, run.period)
             return stack.runner(first, count, group, positions=run.period)
         layers = stack.runner(first, count, self._template_for(run.start))
-        return dataclasses.replace(layers, kept=run.kept[0]) if any(run.kept) else layers
+        return dataclasses.replace(layers, kept=run.kept[0] if any(run.kept) else layers.kept,
+                                   numbers=run.numbers)
 
     def _group_for(self, start: int, period: int) -> LayerGroup:
         """A group of the templates of layers start, ..., start + period - 1
