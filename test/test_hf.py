@@ -44,6 +44,17 @@ def make_model(family="llama", layers=4, seed=0, **config):
     return model_class(config_class(**{**settings, **config}))
 
 
+def make_diffllama(layers=3, **config):
+    """A small DiffLlama, whose attention layers differ in a number of their
+    arithmetic (`lambda_init`, from the layer's index)."""
+    settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                    max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**{**settings,
+                                                                           **config}))
+
+
 def converted_pair(family="llama", layers=4, **config):
     """An unconverted model and a converted copy with the same weights."""
     model = make_model(family, layers, **config)

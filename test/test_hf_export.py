@@ -19,7 +19,7 @@ from torch_xla.stablehlo import exported_program_to_stablehlo
 
 import torch_xla_ext as tx
 from per_layer import per_layer_grads
-from test_hf import VOCAB, make_model
+from test_hf import VOCAB, make_diffllama, make_model
 from test_hf_layer_kinds import COMMON, FAMILIES as KIND_FAMILIES, \
     another_activation_on_full_attention
 from tolerances import TRAINING, close
@@ -61,6 +61,8 @@ MODELS = {
         torch.manual_seed(0) and KIND_FAMILIES["gemma3"](**COMMON)), 1),
     "two-runs": (llama_with_another_layer_3, 2),
     "lora": (lambda: lora(make_model(layers=3)), 1),
+    # Layers that differ in a number of their arithmetic: one run taking it per layer.
+    "diffllama": (make_diffllama, 1),
 }
 
 

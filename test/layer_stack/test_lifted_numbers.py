@@ -12,12 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch_xla
-import transformers
 from torch import nn
 
 from layer_calls import HIDDEN, converted, forward_with_warnings
 from per_layer import per_layer_grads, per_layer_parameters
-from test_hf import VOCAB
+from test_hf import make_diffllama
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
 from tolerances import TRAINING, close
 from torch_xla_ext.hf import stack_layers
@@ -190,12 +189,7 @@ def test_a_step_computing_with_other_numbers_than_its_trace_runs_one_by_one(devi
 def test_diffllamas_layers_train_as_one_scan(device):
     # Its attention's lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_idx) differs
     # between the layers, in arithmetic only.
-    config = transformers.DiffLlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        attn_implementation="eager")
-    torch.manual_seed(0)
-    reference = transformers.DiffLlamaForCausalLM(config)
+    reference = make_diffllama(LAYERS, attn_implementation="eager")
     model = stack_layers(copy.deepcopy(reference))
     step = training_step_of_both(reference, model, device)
     assert step["one_by_one"] == []
