@@ -102,8 +102,8 @@ class StackedLayers(StackedList):
         super().__setstate__(state)
         _standing.add(self)  # a copy, or unpickled
 
-    def layer(self, index: int, copied: bool = False) -> nn.Module:
-        return checkpointing.given_to([super().layer(index, copied)], self)[0]
+    def layer(self, index: int, copied: bool = False, as_built: bool = False) -> nn.Module:
+        return checkpointing.given_to([super().layer(index, copied, as_built)], self)[0]
 
     def unstacked(self) -> list[nn.Module]:
         return checkpointing.given_to(super().unstacked(), self)
@@ -124,8 +124,7 @@ class StackedLayers(StackedList):
         new_tokens = leaves[0].shape[-2]
         return [keeping_all(leaf, new_tokens) if is_cache(leaf) else leaf for leaf in leaves]
 
-    def call_layer(self, index: int, args: tuple, kwargs: dict):
-        layer = self.layer(index)
+    def run_layer(self, layer: nn.Module, args: tuple, kwargs: dict):
         device = next((leaf.device for leaf in tree_flatten((args, kwargs))[0]
                        if isinstance(leaf, torch.Tensor)), None)
         with checkpointing.runnable_on(layer, device):

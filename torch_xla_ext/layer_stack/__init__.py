@@ -63,7 +63,8 @@ The modules, one job each:
 * calls: `loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
   running a layer on no data), `dry_run`, `call_plan`, `plans`,
   `execution`, `shared_mappings` (a mapping every layer call gets, whose
-  entries layers write and read); `running` (one scan over stacked tensors,
+  entries layers write and read), `layer_state` (attributes a layer sets on
+  its own modules, kept per layer); `running` (one scan over stacked tensors,
   `lower`, the layer-by-layer loop), `operands` (a call's arguments as the
   scan's operands), `exporting` (under `torch.export`: the
   scan as torch's scan operator, stand-ins of the trace), `hooks` (the

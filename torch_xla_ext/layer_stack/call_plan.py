@@ -21,7 +21,10 @@ decides, once per kind of call, how each layer's call runs, as data
 A run ends where the loop does more than hand a layer's output to the next
 layer (it changes it, or passes other arguments of another form), where
 the stored segments end, and around a layer that writes entries of a
-mapping every layer gets (`shared_mappings`). The whole call runs one by one when the dry run
+mapping every layer gets (`shared_mappings`). Layers that set attributes
+on their own modules (state their next call, or their backward, reads:
+`layer_state`) run one by one, each keeping its own. The whole call runs
+one by one when the dry run
 did not complete, read a tensor's value while looping (which layers run
 could then change from call to call), or called the layers out of order.
 """
@@ -133,6 +136,9 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
             return [Run(first, last, number, ONE_BY_ONE,
                         f"{segment} run as one scan over groups of {period} layers, and the "
                         f"forward calls layers {first}-{last - 1}, not whole groups")]
+        keeper = next((call for call in calls if call.attributes), None)
+        if keeper is not None:
+            return [Run(first, last, number, ONE_BY_ONE, _keeps_state(keeper))]
         writer = next((call for call in calls if call.writes), None)
         if writer is not None:
             return [Run(first, last, number, ONE_BY_ONE,
@@ -158,7 +164,32 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
                 and _takes_handed(calls[begin], calls[offset - 1], calls[offset])):
             runs += _by_program(stack, calls[begin:offset], number, record)
             begin = offset
-    return _changed_between(runs, calls, record)
+    return _keeping_state(_changed_between(runs, calls, record), calls)
+
+
+def _keeping_state(runs: list[Run], calls: list[RecordedCall]) -> list[Run]:
+    """The runs, with those of layers that set attributes on their own
+    modules marked as run one by one (consecutive ones as one run, one
+    warning)."""
+    by_index = {call.index: call for call in calls}
+    marked, keeping = [], None  # the last run marked here
+    for run in runs:
+        keeper = next((by_index[index] for index in range(run.start, run.stop)
+                       if by_index[index].attributes), None)
+        if keeper is not None:
+            if marked and marked[-1] is keeping and keeping.stop == run.start:
+                marked[-1] = keeping = dataclasses.replace(keeping, stop=run.stop)
+                continue
+            run = keeping = dataclasses.replace(run, how=ONE_BY_ONE,
+                                                reason=run.reason or _keeps_state(keeper))
+        marked.append(run)
+    return marked
+
+
+def _keeps_state(call: RecordedCall) -> str:
+    return (f"layer {call.index} sets its attributes {list(call.attributes)} while it runs, "
+            f"which a scan's steps cannot keep per layer: such layers run one by one, each "
+            f"keeping its own, as unconverted")
 
 
 def _changed_between(runs: list[Run], calls: list[RecordedCall], record: CallRecord) -> list[Run]:
@@ -258,8 +289,11 @@ def _continues(reference: RecordedCall, before: RecordedCall, call: RecordedCall
     the same objects but for tensors, the same form of output) on what the
     call `before` it returned. A layer that writes entries of a mapping
     every layer gets is a run of its own: the entries there at a layer's
-    call count as read by it (`shared_mappings`)."""
-    return (not before.writes and not call.writes and call.spec == reference.spec and call.output_spec == reference.output_spec
+    call count as read by it (`shared_mappings`); so is one that sets
+    attributes on its own modules (`layer_state`)."""
+    return (not before.writes and not call.writes and not before.attributes
+            and not call.attributes and call.spec == reference.spec
+            and call.output_spec == reference.output_spec
             and call.sources == reference.sources and _carries(before, call)
             and all(_may_differ(leaf, first) or same_leaf(leaf, first)
                     for leaf, first in zip(call.leaves[1:], reference.leaves[1:])))

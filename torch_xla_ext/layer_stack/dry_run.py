@@ -12,7 +12,8 @@ with a shape and no data), so that using one's value raises
 `PlaceholderError` instead of computing anything. What a layer writes in a
 mapping that every layer gets (`shared_mappings`) is written, as
 placeholders, in the forward's mapping, and recorded; each mapping is put
-back as the call gave it afterwards.
+back as the call gave it afterwards. The attributes a layer sets on its own
+modules are recorded and put back (`layer_state`).
 
 Meanwhile a torch function mode watches the forward between the layer
 calls: which placeholders it uses other than by handing them to a layer
@@ -39,6 +40,7 @@ from torch_xla_ext.layer_stack.exporting import stand_in
 from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights, faking
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import program_of
+from torch_xla_ext.layer_stack.layer_state import attributes_restored
 from torch_xla_ext.layer_stack.loops import driving, iterating
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping, written_keys
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -82,6 +84,8 @@ class RecordedCall:
     # (argument leaf, key) of each entry the layer set or deleted in a
     # mapping every layer gets (`shared_mappings`).
     writes: tuple = ()
+    # The paths of the attributes the layer set on its own modules (`layer_state`).
+    attributes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -158,7 +162,8 @@ class _Recorder:
         leaves, spec = tree_flatten((args, kwargs))
         self.inside = True
         try:
-            sources, output_spec, requires_grad, writes = self._sources(index, leaves, spec)
+            sources, output_spec, requires_grad, writes, attributes = self._sources(
+                index, leaves, spec)
         finally:
             self.inside = False
         outputs = _values(sources, leaves, requires_grad)
@@ -170,7 +175,8 @@ class _Recorder:
             program, numbers = self._program(index, leaves, spec)
         self.calls.append(RecordedCall(index, leaves, spec, sources, output_spec, outputs,
                                        program, numbers, tuple((position, key)
-                                                               for position, key, _ in writes)))
+                                                               for position, key, _ in writes),
+                                       attributes))
         self.outputs.update(id(each) for each, source in zip(outputs, sources)
                             if source.kind == "computed")
         return tree_unflatten(outputs, output_spec)
@@ -187,7 +193,7 @@ class _Recorder:
     def _sources(self, index: int, leaves: list, spec: TreeSpec) -> tuple:
         key = (self.stack.call_kind(index), spec, tuple(_leaf_key(leaf) for leaf in leaves))
         if key not in self._found:
-            self._found[key] = _fake_run(self.stack.layer(index), leaves, spec)
+            self._found[key] = _fake_run(self.stack.layer(index, as_built=True), leaves, spec)
         return self._found[key]
 
     def _program(self, index: int, leaves: list, spec: TreeSpec) -> tuple[tuple, tuple]:
@@ -197,8 +203,9 @@ class _Recorder:
         if key not in self._found:
             self.inside = True
             try:
-                self._found[key] = program_of(self.stack.layer(index),
-                                              self.stack.as_traced(leaves), spec)
+                layer = self.stack.layer(index, as_built=True)
+                with attributes_restored(layer):
+                    self._found[key] = program_of(layer, self.stack.as_traced(leaves), spec)
             finally:
                 self.inside = False
         return self._found[key]
@@ -230,17 +237,18 @@ def _values(sources: tuple, leaves: list, requires_grad: tuple) -> list:
 
 def _fake_run(layer: nn.Module, leaves: list, spec: TreeSpec) -> tuple:
     """(the sources of the output's leaves, the output's spec, whether each
-    computed leaf requires grad, the layer's writes into shared mappings)
-    of `layer` called on stand-ins of `leaves` (`fakes`), its weights fakes
-    too and its forward hooks held. Each write is (argument leaf, key, and
-    the value's sources, spec and requires grad, or None where the layer
+    computed leaf requires grad, the layer's writes into shared mappings,
+    the paths of the attributes it set on its own modules, which are put
+    back) of `layer` called on stand-ins of `leaves` (`fakes`), its weights
+    fakes too and its forward hooks held. Each write is (argument leaf, key,
+    and the value's sources, spec and requires grad, or None where the layer
     deleted the entry)."""
     mode = fake_mode()
     given = fake_leaves(mode, leaves)
     args, kwargs = tree_unflatten(given, spec)
     before = {position: dict(each.items()) for position, each in enumerate(given)
               if is_shared_mapping(each)}
-    with faking(mode), hooks_held(layer):
+    with faking(mode), hooks_held(layer), attributes_restored(layer) as attributes:
         output = torch.func.functional_call(layer, fake_weights(mode, layer), args, kwargs,
                                             strict=True)
     positions = {id(each): position for position, each in enumerate(given)
@@ -261,7 +269,7 @@ def _fake_run(layer: nn.Module, leaves: list, spec: TreeSpec) -> tuple:
                                 f"that every layer gets, which the dry run cannot stand for")
             writes.append((position, key, (value_sources, value_spec, value_grads)))
     sources, requires_grad = _sources_of(output_leaves, positions)
-    return sources, output_spec, requires_grad, tuple(writes)
+    return sources, output_spec, requires_grad, tuple(writes), tuple(attributes)
 
 
 def _sources_of(leaves: list, positions: dict) -> tuple[tuple, tuple]:

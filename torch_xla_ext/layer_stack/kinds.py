@@ -155,7 +155,7 @@ class _Differentiated(nn.Module):
     def forward(self, weights: tuple, args: tuple, kwargs: dict):
         output = self.layer(*args, **kwargs)
         output = hidden_of(output)
-        differentiable = [each for each in (args[0], *weights)
+        differentiable = [each for each in (*args[:1], *weights)  # (called by keywords only)
                           if isinstance(each, torch.Tensor) and each.requires_grad]
         if not output.requires_grad or not differentiable:
             return output

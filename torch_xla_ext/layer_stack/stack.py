@@ -236,7 +236,10 @@ class LayerStack(nn.Module):
             owner_path, _, local_name = name.rpartition(".")
             owner = layer.get_submodule(owner_path)
             is_parameter = local_name in owner._parameters
-            piece = tensor[index].detach().clone() if copied else tensor[index]
+            # A view's gradient reaches the stacked tensor even when the layer is
+            # taken under no_grad and run with grad (in a backward: Reformer's).
+            with torch.set_grad_enabled(not torch.is_inference_mode_enabled()):
+                piece = tensor[index].detach().clone() if copied else tensor[index]
             if copied and is_parameter:
                 piece = nn.Parameter(piece, requires_grad=tensor.requires_grad)
             (owner._parameters if is_parameter else owner._buffers)[local_name] = piece

@@ -28,6 +28,7 @@ from torch_xla_ext.layer_stack.execution import ScanResult
 from torch_xla_ext.layer_stack.alike import layout_of, names_its_module, structure_key
 from torch_xla_ext.layer_stack.forms import differences
 from torch_xla_ext.layer_stack.kinds import hidden_of
+from torch_xla_ext.layer_stack.layer_state import KeptLayers, attributes_of, written
 from torch_xla_ext.layer_stack.loops import LayerCall, active_driver, iterated
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import plan_segments
@@ -106,6 +107,7 @@ class StackedList(nn.Module):
                 raise type(error)(f"{segment}: {error}") from error
         per_layer = frozenset(options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES))
         self.kinds = _kinds(layouts, per_layer)
+        self.kept_layers = KeptLayers()  # the layers that keep state on themselves
         self.register_state_dict_post_hook(_saved_per_layer)
         self.register_load_state_dict_pre_hook(_loaded_per_layer)
         optimizer_state.track(self, inner=self.stacks())
@@ -184,18 +186,21 @@ class StackedList(nn.Module):
         segment = self.plan[self.place(index)[0]]
         return len(set(self.kinds[segment.start:segment.stop]))
 
-    def layer(self, index: int, copied: bool = False) -> nn.Module:
+    def layer(self, index: int, copied: bool = False, as_built: bool = False) -> nn.Module:
         """Layer `index` as a module: holding views of its slices of the
-        stacked tensors, or copies of them; a layer held as itself is itself."""
+        stacked tensors, or copies of them; a layer held as itself is itself.
+        A layer that set attributes on itself in a call is that call's module
+        from then on, unless `as_built` (`layer_state.KeptLayers`)."""
         index = operator.index(index)
         if not -len(self) <= index < len(self):
             raise IndexError(f"Layer index {index} is out of range for {len(self)} layers.")
-        number, group, position = self.place(index % len(self))
+        index %= len(self)
+        number, group, position = self.place(index)
         stored = self.segments[number]
-        if not isinstance(stored, SegmentStack):
-            return stored
-        layer = stored.layer(group, copied)
-        return layer.layers[position] if self.plan[number].period > 1 else layer
+        if isinstance(stored, SegmentStack):
+            built = stored.layer(group, copied)
+            stored = built.layers[position] if self.plan[number].period > 1 else built
+        return stored if as_built else self.kept_layers.layer(index, stored, copied)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -230,7 +235,8 @@ class StackedList(nn.Module):
                 layers += [layer for group in stored.unstacked() for layer in group.layers]
             else:
                 layers += stored.unstacked()
-        return layers
+        return [self.kept_layers.layer(index, layer, copied=True)
+                for index, layer in enumerate(layers)]
 
     def unscannable(self) -> str | None:
         """Why no call can run these layers as a scan now, known without a
@@ -245,8 +251,19 @@ class StackedList(nn.Module):
         return leaves
 
     def call_layer(self, index: int, args: tuple, kwargs: dict):
-        """Layer `index`'s call, run by the layer itself (as a module)."""
-        return self.layer(index)(*args, **kwargs)
+        """Layer `index`'s call, run by the layer itself (as a module); a
+        layer that sets attributes on itself is kept (`layer_state`)."""
+        layer = self.layer(index)
+        before = attributes_of(layer)
+        output = self.run_layer(layer, args, kwargs)
+        paths = written(before, attributes_of(layer))
+        if paths:
+            self.kept_layers.keep(operator.index(index) % len(self), layer, paths)
+        return output
+
+    def run_layer(self, layer: nn.Module, args: tuple, kwargs: dict):
+        """Calls a layer module (a subclass's rules around the call)."""
+        return layer(*args, **kwargs)
 
     def scan_run(self, run, hidden, args: tuple, kwargs: dict):
         """Runs `run` (a `call_plan.Run` of its layers) as one scan on
