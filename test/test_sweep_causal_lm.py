@@ -18,41 +18,42 @@ import sweep_configs
 import sweep_worker
 
 
-def test_llama_comes_out_scanned_and_equal_and_beam_layer_by_layer_with_its_reason(
+def test_llama_comes_out_scanned_and_equal_and_recurrent_gemma_layer_by_layer_with_its_reason(
         forked_workers, capsys, tmp_path):
     saved = tmp_path / "sweep.json"
-    sweep_causal_lm.main(["--types", "llama", "--layers", "2", "--json", str(saved)])
+    sweep_causal_lm.main(["--types", "llama", "--layers", "3", "--json", str(saved)])
     # --update runs another type into the saved sweep, and prints the whole.
-    sweep_causal_lm.main(["--types", "beam", "--layers", "2", "--update", str(saved)])
+    sweep_causal_lm.main(["--types", "recurrent_gemma", "--layers", "3", "--update", str(saved)])
     printed = capsys.readouterr().out
-    assert re.search(r"^llama +scanned \(1 scan over 2 of 2 layers\)", printed, re.M), printed
-    # Beam's layers index their residuals by integer settings of their own, which differ.
-    assert re.search(r"^beam +layer by layer: layers 0-1 compute differently from each other, "
-                     r".*attn_residual_add_idx", printed, re.M), printed
+    assert re.search(r"^llama +scanned \(1 scan over 3 of 3 layers\)", printed, re.M), printed
+    # RecurrentGemma's recurrent blocks keep their state on their own modules
+    # (3 layers: two recurrent blocks and an attention one, its config's pattern).
+    assert re.search(r"^recurrent_gemma +layer by layer: layer 0 sets its attributes "
+                     r"\['temporal_block.conv1d_state'", printed, re.M), printed
     assert "2 types: 1 scanned, 0 partly scanned, 1 layer by layer, 0 refused" in printed
     assert "scanned: 1 of the 2 types whose unconverted model trains on XLA (50%)" in printed
 
     sweep = json.loads(saved.read_text())
     assert [command.split()[1:3] for command in sweep["commands"]] == [
-        ["--types", "llama"], ["--types", "beam"]]
+        ["--types", "llama"], ["--types", "recurrent_gemma"]]
     results = sweep["results"]
     llama = results["llama"]["figures"]
-    assert llama["layer_calls"] == 2 and llama["calls_outside"] == 0
-    assert llama["scans"] == [{"steps": 2}] and llama["warnings"] == []
+    assert llama["layer_calls"] == 3 and llama["calls_outside"] == 0
+    assert llama["scans"] == [{"steps": 3}] and llama["warnings"] == []
     assert all(diff["ok"] for diff in llama["diffs"].values()), llama["diffs"]
     losses = llama["losses"]
     assert losses["unconverted"][1] < losses["unconverted"][0]  # the steps trained
     assert losses["converted"] == pytest.approx(losses["unconverted"], rel=1e-4)
-    beam = results["beam"]["figures"]
-    assert beam["scans"] == [] and beam["calls_outside"] == beam["layer_calls"] == 2
-    assert [each["category"] for each in beam["warnings"]] == ["LayerByLayerWarning"]
-    assert all(diff["ok"] for diff in beam["diffs"].values()), beam["diffs"]
+    recurrent = results["recurrent_gemma"]["figures"]
+    assert recurrent["scans"] == [] and recurrent["calls_outside"] == recurrent["layer_calls"] == 3
+    assert [each["category"] for each in recurrent["warnings"]] == ["LayerByLayerWarning"]
+    assert all(diff["ok"] for diff in recurrent["diffs"].values()), recurrent["diffs"]
 
     # --report prints the saved sweep again, classified from its figures.
     sweep_causal_lm.main(["--report", str(saved), "--markdown"])
     reported = capsys.readouterr().out
-    assert results["llama"]["line"] in reported and results["beam"]["line"] in reported
-    assert "| scanned | 1 scan over 2 of 2 layers | 1: llama |" in reported
+    assert results["llama"]["line"] in reported and results["recurrent_gemma"]["line"] in reported
+    assert "| scanned | 1 scan over 3 of 3 layers | 1: llama |" in reported
 
 
 def worker_that_died(returncode, parts: list[str], last_line: str) -> harness.Outcome:
