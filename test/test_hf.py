@@ -705,18 +705,23 @@ def forward_while_loops(model, ids) -> int:
 
 
 @pytest.mark.parametrize("change, scans, warned", [
-    # A setting changed on layer 1: layers 0 and 1 compute differently from
-    # each other and run one by one, saying which setting sets them apart;
-    # 2-3 are one scan.
-    (lambda layers: setattr(layers[1].post_attention_layernorm, "variance_epsilon", 1e-3), 1,
+    # A setting changed on layer 1 that changes its graph (another GELU):
+    # layers 0 and 1 compute differently from each other and run one by one,
+    # saying which setting sets them apart; 2-3 are one scan.
+    (lambda layers: [setattr(layer.mlp, "act_fn", nn.GELU("tanh" if index == 1 else "none"))
+                     for index, layer in enumerate(layers)], 1,
      "layers 0-1 compute differently from each other, which one trace cannot stand for (the "
-     "settings that differ between layers 0-3: post_attention_layernorm.variance_epsilon)"),
+     "settings that differ between layers 0-3: mlp.act_fn.approximate)"),
+    # A number of the layer's arithmetic changed on layer 1 (its norm's epsilon,
+    # added to the variance): a per-layer operand of one scan.
+    (lambda layers: setattr(layers[1].post_attention_layernorm, "variance_epsilon", 1e-3), 1,
+     None),
     # A submodule of another type on the last layer: layers 0-2 are one scan.
     (lambda layers: setattr(layers[3].mlp, "act_fn", nn.GELU()), 1, None),
     # The same on layers 0 and 2 of 4: a pattern of two layers, one scan over two groups.
     (lambda layers: [setattr(layers[index].mlp, "act_fn", nn.GELU()) for index in (0, 2)], 1,
      None),
-], ids=["setting", "submodule", "alternating"])
+], ids=["setting", "number", "submodule", "alternating"])
 def test_layers_that_differ_run_as_runs_of_alike_layers(device, change, scans, warned):
     reference = make_model()
     change(reference.model.layers)

@@ -141,9 +141,10 @@ def dropout_of_layer_2(p: float):
     # Layer 2's adapter of another rank: another structure, a segment of its own.
     (dict(rank_pattern={"layers.2.self_attn.q_proj": 8}), None,
      (Segment(0, 1, 2), Segment(2, 1, 1)), (0, 0, 1), [(0, 2)]),
-    # Another scaling: one storage, another kind, which computes differently.
+    # Another scaling: one storage, another kind, whose scaling (a number of
+    # the adapter's arithmetic) is a per-layer operand of one scan.
     (dict(alpha_pattern={"layers.2.self_attn.q_proj": 32}), None,
-     (Segment(0, 1, 3),), (0, 0, 1), [(0, 2)]),
+     (Segment(0, 1, 3),), (0, 0, 1), [(0, 3)]),
     # Another dropout probability: another kind, but in evaluation no dropout
     # runs, so the three layers compute the same and are one scan.
     (dict(lora_dropout=0.1), dropout_of_layer_2(0.2), (Segment(0, 1, 3),), (0, 0, 1), [(0, 3)]),
