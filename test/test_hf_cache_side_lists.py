@@ -6,6 +6,7 @@ call holds what the unconverted model's does (`hf/fresh_caches`)."""
 import copy
 import warnings
 
+import pytest
 import torch
 import torch_xla
 import transformers
@@ -36,6 +37,32 @@ class SummaryCache(transformers.DynamicCache):
     def set_summary(self, layer_idx, summary):
         self.summaries += ["none"] * (layer_idx + 1 - len(self.summaries))
         self.summaries[layer_idx] = summary
+
+
+class SummaryDictCache(transformers.DynamicCache):
+    """The same with a dict keyed by layer index."""
+
+    def __init__(self):
+        super().__init__()
+        self.summaries = {}
+
+    def get_summary(self, layer_idx):
+        return self.summaries.get(layer_idx)
+
+    def set_summary(self, layer_idx, summary):
+        self.summaries[layer_idx] = summary
+
+
+class CountingCache(SummaryCache):
+    """One whose method also keeps a count of its own, not per layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = 0
+
+    def set_summary(self, layer_idx, summary):
+        super().set_summary(layer_idx, summary)
+        self.writes += 1
 
 
 class SummaryBlock(nn.Module):
@@ -71,7 +98,9 @@ class SummaryModel(nn.Module):
         return self.head(hidden)
 
 
-def test_a_cache_with_a_side_list_trains_as_one_scan_and_is_left_as_unconverted(device):
+@pytest.mark.parametrize("cache_class", [SummaryCache, SummaryDictCache], ids=["list", "dict"])
+def test_a_cache_with_a_side_list_trains_as_one_scan_and_is_left_as_unconverted(device,
+                                                                                  cache_class):
     torch.manual_seed(0)
     reference = SummaryModel()
     model = stack_layers(copy.deepcopy(reference))
@@ -79,7 +108,7 @@ def test_a_cache_with_a_side_list_trains_as_one_scan_and_is_left_as_unconverted(
     results = []
     for which in (reference, model):
         which.to(device)
-        cache = SummaryCache()
+        cache = cache_class()
         with warnings.catch_warnings():
             warnings.simplefilter("error", LayerByLayerWarning)
             loss = nn.functional.cross_entropy(which(ids, cache).flatten(0, 1), ids.flatten())
@@ -87,7 +116,9 @@ def test_a_cache_with_a_side_list_trains_as_one_scan_and_is_left_as_unconverted(
         hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
         grads = per_layer_grads(which)
         assert len(cache.summaries) == len(cache.layers) == LAYERS
-        held = {**{f"summary {index}": summary for index, summary in enumerate(cache.summaries)},
+        summaries = (cache.summaries if isinstance(cache.summaries, dict)
+                     else dict(enumerate(cache.summaries)))
+        held = {**{f"summary {index}": summary for index, summary in summaries.items()},
                 **{f"{name} {index}": getattr(layer, name) for index, layer in
                    enumerate(cache.layers) for name in ("keys", "values")}}
         values = {"loss": loss, **grads, **held}
@@ -97,6 +128,14 @@ def test_a_cache_with_a_side_list_trains_as_one_scan_and_is_left_as_unconverted(
     assert actual.keys() == expected.keys()
     for name, value in expected.items():
         close(actual[name], value, TRAINING)
+
+
+def test_a_layer_changing_other_state_of_the_cache_raises_rather_than_lose_it(device):
+    torch.manual_seed(0)
+    model = stack_layers(SummaryModel()).to(device)
+    ids, _ = batch(device)
+    with pytest.raises(ValueError, match=r"changed the key/value cache's attributes \['writes'\]"):
+        model(ids, CountingCache())
 
 
 def minimax_pair(**config):

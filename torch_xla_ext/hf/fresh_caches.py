@@ -3,9 +3,9 @@
 A cache whose layers a scan covers may hold cache layers of kinds the other
 plans do not know (linear attention's convolution and recurrent states, an
 indexer's keys: hybrid and sparse-attention models), or keep per-layer
-state of its own besides its `layers`: lists that its methods read and
-write at the layer index they are given (`side_lists`: a linear-attention
-layer's matrix, say). While what the scan's layers would fill holds nothing
+state of its own besides its `layers`: lists (or dicts keyed by layer
+index) that its methods read and write at the layer index they are given
+(`side_lists`: a linear-attention layer's matrix, say). While what the scan's layers would fill holds nothing
 yet (training with the default `use_cache=True`, a prompt's prefill), one
 scan stands for the layers all the same.
 
@@ -29,6 +29,12 @@ layers' order:
 
 A group of layers (a pattern's scan) gets a one-layer cache per position,
 each with the state its position leaves.
+
+What the one-layer cache cannot stand for: a side list the layer indexes
+itself with its index (not through the cache's methods) makes the trace
+read the index, so the layers run one by one; a layer that changes other
+attributes of the cache (a count of its own) makes the call raise a
+ValueError saying which, rather than leave the cache without them.
 """
 from __future__ import annotations
 
@@ -59,10 +65,17 @@ _WRITES = "_side_list_writes"
 
 
 def side_lists(cache) -> tuple[str, ...]:
-    """The names of the lists a cache keeps besides its `layers` (per-layer
-    state its methods read and write by the layer's index)."""
-    return tuple(name for name, value in vars(cache).items()
-                 if name != "layers" and isinstance(value, list))
+    """The names of the lists (or dicts keyed by layer index) a cache keeps
+    besides its `layers`: per-layer state its methods read and write by the
+    layer's index."""
+    return tuple(name for name, value in vars(cache).items() if name != "layers" and (
+        isinstance(value, list)
+        or isinstance(value, dict) and all(type(key) is int for key in value)))
+
+
+def _slots(side: list | dict) -> dict:
+    """A side list's (or dict's) slots by layer index."""
+    return dict(enumerate(side)) if isinstance(side, list) else side
 
 
 def _leaves(value) -> list:
@@ -102,10 +115,12 @@ def starts_empty_from(cache, first: int, count: int, period: int | None) -> bool
     if len(present) < count and (added is None or any(
             original_class(layer) is not added for layer in present)):
         return False
-    return all(len(vars(cache)[name]) <= first or (
-        len(vars(cache)[name]) >= stop
-        and all(holds_no_states(slot) for slot in vars(cache)[name][first:stop]))
-        for name in side_lists(cache))
+    for name in side_lists(cache):
+        held = {index: slot for index, slot in _slots(vars(cache)[name]).items() if index >= first}
+        if held and not (set(range(first, stop)) <= held.keys()
+                         and all(map(holds_no_states, held.values()))):
+            return False
+    return True
 
 
 class _SlotZero(list):
@@ -121,8 +136,8 @@ class _SlotZero(list):
 def _side_lists_now(cache) -> tuple:
     """What the side lists are now, by identity (a call that changes one
     replaces a slot, or the list)."""
-    return tuple((id(lists), tuple(map(id, lists)))
-                 for lists in (vars(cache)[name] for name in side_lists(cache)))
+    return tuple((id(side), tuple((index, id(slot)) for index, slot in _slots(side).items()))
+                 for side in (vars(cache)[name] for name in side_lists(cache)))
 
 
 def _redirected(name: str, method):
@@ -172,9 +187,24 @@ def _one_layer(cache, layer_template, side_templates: dict):
     one.__dict__.update(vars(cache))
     one.layers = _SlotZero([] if layer_template is None else [_fresh_copy(layer_template)])
     for name, template in side_templates.items():
-        setattr(one, name, [] if template is None else [_fresh_copy(template[0])])
+        slot_zero = [] if template is None else [_fresh_copy(template[0])]
+        setattr(one, name, slot_zero if isinstance(vars(cache)[name], list)
+                else dict(enumerate(slot_zero)))
     one.__dict__[_WRITES] = []
     return one
+
+
+def _check_nothing_else_changed(cache, one) -> None:
+    """Raises if the step's layer changed an attribute of its one-layer cache
+    other than its layers and side lists, which the cache would not get."""
+    kept = {"layers", _WRITES, *side_lists(cache)}
+    changed = [name for name, value in vars(one).items() if name not in kept
+               and (name not in vars(cache) or vars(cache)[name] is not value)]
+    if changed:
+        raise ValueError(
+            f"stack_layers: the decoder layer changed the key/value cache's attributes "
+            f"{changed}, which hold no per-layer state a scan can give back to the cache; "
+            f"pass use_cache=False, or unstack the layers (unstack_layers) for this call")
 
 
 def _marked(leaves: list) -> list:
@@ -190,8 +220,8 @@ def fresh_layers(cache, parameter: str, first: int, period: int | None) -> Recor
     positions = range(1 if period is None else period)
     templates = [copy.deepcopy(cache.layers[first + position])
                  if first + position < len(cache.layers) else None for position in positions]
-    sides = [{name: (vars(cache)[name][first + position],)
-              if first + position < len(vars(cache)[name]) else None
+    sides = [{name: (_slots(vars(cache)[name])[first + position],)
+              if first + position in _slots(vars(cache)[name]) else None
               for name in side_lists(cache)} for position in positions]
     key = ("fresh one-layer caches", parameter, original_class(cache), period,
            tuple(type(template) for template in templates),
@@ -207,6 +237,7 @@ def fresh_layers(cache, parameter: str, first: int, period: int | None) -> Recor
         found = []
         for position, each in enumerate(stand_ins):
             one = each[parameter]
+            _check_nothing_else_changed(cache, one)
             tensors = []
             writes = []
             for name, arguments in one.__dict__[_WRITES]:
