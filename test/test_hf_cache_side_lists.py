@@ -2,7 +2,8 @@
 their methods read and write at the layer index they are given: MiniMax's
 `linear_cache`), starting empty: one scan stands for the layers, each step
 filling a one-layer cache of the cache's own class, and the cache after the
-call holds what the unconverted model's does (`hf/fresh_caches`)."""
+call holds what the unconverted model's does (`hf/fresh_caches`); and cache
+layers that hold settings as 0-d tensors before any token (DeepSeek-V4's)."""
 import copy
 import warnings
 
@@ -11,6 +12,7 @@ import torch
 import torch_xla
 import transformers
 from torch import nn
+from torch.utils._pytree import tree_flatten_with_path
 
 from per_layer import per_layer_grads
 from reference import host_copies
@@ -199,3 +201,43 @@ def test_minimax_generates_the_unconverted_tokens_from_a_scanned_prefill(device)
     # one by one (a cache holding state besides its layers' keys and values).
     reasons = [str(w.message) for w in caught if w.category is LayerByLayerWarning]
     assert len(reasons) == 1 and "of a kind, or in a state" in reasons[0]
+
+
+def test_cache_layers_holding_a_window_size_tensor_train_as_one_scan(device):
+    # DeepSeek-V4's cache layers (made up front from the config) hold their
+    # sliding window's size as a 0-d tensor before they hold any token.
+    settings = dict(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=32,
+                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, qk_rope_head_dim=16, q_lora_rank=16, o_lora_rank=16,
+                    num_experts_per_tok=2, n_routed_experts=4, sliding_window=4,
+                    index_n_heads=4, index_head_dim=16, index_topk=2,
+                    layer_types=["heavily_compressed_attention"] * 3, mlp_layer_types=["moe"] * 3)
+    torch.manual_seed(0)
+    reference = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**settings))
+    reference.set_experts_implementation("batched_mm")
+    model = stack_layers(copy.deepcopy(reference))
+    ids, mask = batch(device)
+    results = []
+    for which in (reference, model):
+        which.to(device).train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LayerByLayerWarning)
+            output = which(ids, attention_mask=mask, labels=ids)  # use_cache: a DynamicCache
+        output.loss.backward()
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([output.loss])
+        held = {f"{index} {path}": leaf for index, layer in enumerate(output.past_key_values.layers)
+                for path, leaf in tree_flatten_with_path(vars(layer))[0]}
+        tensors = {name: leaf for name, leaf in held.items() if isinstance(leaf, torch.Tensor)}
+        others = {name: leaf for name, leaf in held.items() if name not in tensors}
+        values = {"loss": output.loss, **per_layer_grads(which), **tensors}
+        results.append((hlo, others, dict(zip(values, host_copies(list(values.values()))))))
+    (reference_hlo, expected_others, expected), (hlo, others, actual) = results
+    assert "while" in hlo and "while" not in reference_hlo
+    assert others == expected_others
+    # The compressors get no gradient at 8 tokens (their windows are longer):
+    # none unconverted, zeros in the stacked parameters' gradients.
+    unused = actual.keys() - expected.keys()
+    assert expected.keys() <= actual.keys() and unused and all(
+        ".compressor." in name and not actual[name].any() for name in unused)
+    for name, value in expected.items():
+        close(actual[name], value, TRAINING)

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch_xla_ext.class_swaps import lookalike_subclass, original_class
 from torch_xla_ext.layer_stack import OpaqueValue, Recording
 
-__all__ = ["fill_fresh", "fresh_layers", "holds_no_states", "side_lists", "starts_empty_from"]
+__all__ = ["fill_fresh", "fresh_layers", "side_lists", "starts_empty_from"]
 
 # Per recording's key and position: what the step left, found when it was
 # traced: the slot-0 cache layer's state (its spec and leaves, each a tensor's
@@ -84,7 +84,7 @@ def _leaves(value) -> list:
     return tree_flatten(value if plain else vars(value))[0]
 
 
-def holds_no_states(value) -> bool:
+def _holds_no_states(value) -> bool:
     """Whether a cache layer (or a side list's slot) holds no state of any
     token yet: no tensor but 0-dimensional ones (settings, such as a sliding
     window's size), and not marked initialized."""
@@ -107,7 +107,7 @@ def starts_empty_from(cache, first: int, count: int, period: int | None) -> bool
         return False
     present = layers[first:stop]
     positions = period or 1
-    if not all(holds_no_states(layer) for layer in present) or any(
+    if not all(_holds_no_states(layer) for layer in present) or any(
             type(layer) is not type(present[index % positions])
             for index, layer in enumerate(present)):
         return False
@@ -118,7 +118,7 @@ def starts_empty_from(cache, first: int, count: int, period: int | None) -> bool
     for name in side_lists(cache):
         held = {index: slot for index, slot in _slots(vars(cache)[name]).items() if index >= first}
         if held and not (set(range(first, stop)) <= held.keys()
-                         and all(map(holds_no_states, held.values()))):
+                         and all(map(_holds_no_states, held.values()))):
             return False
     return True
 
