@@ -35,6 +35,12 @@ and the stack runs its plan as one scan, or the layers one by one.
   and fills both caches after the loop, detached, marking the cross-attention
   ones computed, as the layers' own updates leave it. Its decoding steps run
   layer by layer.
+* A cache of other kinds (its cache layers: linear attention's states, an
+  indexer's keys), or one that keeps per-layer lists besides its layers
+  (state its methods read and write at the layer's index), whose slots of
+  the scan's layers hold nothing yet: each step fills a fresh one-layer
+  cache of the cache's own class, and the cache gets each layer's slot
+  after the loop (`fresh_caches`).
 * Layers of kinds that run as a few scans (`StackedLayerKinds`) with an
   empty `DynamicCache`: each segment's scan fills that segment's layers of
   the cache after it, layer by layer.
@@ -57,7 +63,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer)
 
 from torch_xla_ext.class_swaps import original_class
-from torch_xla_ext.hf.fresh_caches import fill_fresh, fresh_layers, holds_no_tensors
+from torch_xla_ext.hf.fresh_caches import fill_fresh, fresh_layers, side_lists, starts_empty_from
 from torch_xla_ext.hf.caches import (
     advance, appended, appended_encoder_decoder, extend, fill_encoder_decoder, fill_stacked,
     hold_stacked, keeps_all, keys_and_values_per_position, reads_one_stack, stacked_buffers,
@@ -108,7 +114,8 @@ class CachePlan:
     period: int | None = None
     encoder_decoder: bool = False  # an empty EncoderDecoderCache
     count: int = 0  # the cache's layers the scan covers, when it holds them as stacked buffers
-    # Layers of other kinds that start empty: each step fills a fresh copy (`fresh_caches`).
+    # A cache of other kinds, or with per-layer lists of its own, whose slots
+    # start empty: each step fills a fresh one-layer cache (`fresh_caches`).
     fresh: Recording | None = None
 
     @property
@@ -141,7 +148,7 @@ class CachePlan:
         """Leaves the cache as the layers' own updates of `new_tokens` tokens
         would have, from what the scan recorded."""
         if self.fresh is not None:
-            fill_fresh(self.cache, self.fresh, recorded, self.first, self.period)
+            fill_fresh(self.cache, self.fresh, recorded, self.first, self.count, self.period)
         elif self.encoder_decoder:
             fill_encoder_decoder(self.cache, recorded, self.first)
         elif self.in_place:
@@ -187,11 +194,13 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
         if period is None and holds_nothing(cache, first, num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, encoder_decoder=True)
         return CACHE_REASON
+    if side_lists(cache):  # per-layer state besides its layers, which only its methods know
+        return _fresh_plan(cache, parameter, first, num_layers, period)
     layers = _layer_range(cache, first, num_layers)
     if period is not None:  # groups of layers: the cache can only start empty
         if _holds_nothing(cache, first, first + num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, period=period)
-        return _fresh_plan(cache, parameter, layers, first, period)
+        return _fresh_plan(cache, parameter, first, num_layers, period)
     if layers is not None and all(original_class(layer) in _WRITTEN_LAYERS
                                   for layer in layers):
         return _static_plan(cache, parameter, layers, first, new_tokens, gradients)
@@ -204,20 +213,19 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
             return DYNAMIC_GRADIENTS_REASON
         return CachePlan(cache, parameter, in_place=False, held=stacked_buffers(layers),
                          stacked=True, first=first, count=num_layers)
-    return _fresh_plan(cache, parameter, layers, first, period)
+    return _fresh_plan(cache, parameter, first, num_layers, period)
 
 
-def _fresh_plan(cache, parameter: str, layers: list | None, first: int, period: int | None
+def _fresh_plan(cache, parameter: str, first: int, num_layers: int, period: int | None
                 ) -> CachePlan | str:
-    """The plan for cache layers of other kinds than the plans above know,
-    all holding nothing yet (see `fresh_caches`), or the reason they run one
-    by one."""
-    if (layers is None or not all(holds_no_tensors(layer) for layer in layers)
-            or any(type(layer) is not type(layers[index % (period or 1)])
-                   for index, layer in enumerate(layers))):
+    """The plan for a cache of other kinds than the plans above know (its
+    cache layers', or lists it keeps besides them), whose slots of the
+    layers hold nothing yet (see `fresh_caches`), or the reason the layers
+    run one by one."""
+    if not starts_empty_from(cache, first, num_layers, period):
         return CACHE_REASON
     return CachePlan(cache, parameter, in_place=False, first=first, period=period,
-                     count=len(layers), fresh=fresh_layers(cache, parameter, first, period))
+                     count=num_layers, fresh=fresh_layers(cache, parameter, first, period))
 
 
 def _static_plan(cache, parameter: str, layers: list, first: int, new_tokens: int,

@@ -1,125 +1,285 @@
-"""Key/value caches of any kind of cache layer, starting empty, around a scan.
+"""Key/value caches of any kind, starting empty, around a scan.
 
-A cache whose layers a scan covers may hold layers of kinds the other plans
-do not know (linear attention's convolution and recurrent states, an
-indexer's keys: hybrid and sparse-attention models). While they hold
-nothing yet (training with the default `use_cache=True`, a prompt's
-prefill), one scan stands for the layers all the same: each step gets a
-stand-in of the cache whose every layer is one fresh copy of the empty
-cache layer the step's layer would get (`fresh_layers`), which the layer
-fills through the cache's own methods, as it would fill its own; the
-tensors it leaves in the copy are stacked along the layers, and after the
-loop each of the cache's layers takes its slice of them, with the rest of
-the state the copy took (flags, sizes: the same for every layer of the
-scan, found when the step was traced) (`fill_fresh`).
+A cache whose layers a scan covers may hold cache layers of kinds the other
+plans do not know (linear attention's convolution and recurrent states, an
+indexer's keys: hybrid and sparse-attention models), or keep per-layer
+state of its own besides its `layers`: lists (or dicts keyed by layer
+index) that its methods read and write at the layer index they are given
+(`side_lists`: a linear-attention layer's matrix, say). While what the scan's layers would fill holds nothing
+yet (training with the default `use_cache=True`, a prompt's prefill), one
+scan stands for the layers all the same.
 
-The stand-in answers a layer's index with the one fresh layer (which layer
-it is, inside a scan, is no value the trace may read), and a call asking how
-much it holds with nothing (it starts empty).
+Each step gets a one-layer cache: an instance of the cache's own class (of a
+look-alike subclass) holding, at slot 0 of its `layers` and of its side
+lists, a fresh copy of what the cache holds at the step's layer's slot (or
+nothing, where the cache adds the slot when a layer first writes it). Its
+methods, given the layer's index (inside a scan an `OpaqueValue`, which no
+trace may read), act at slot 0, so the layer fills it through the cache's
+own code, as it would fill its own slot. Afterwards (`fill_fresh`), in the
+layers' order:
+
+* the calls that changed a side list are made again on the cache itself,
+  with the layer's index and its slices of their tensor arguments, so that
+  the cache's own code puts them (and whatever it pads the list with) where
+  the layer would have;
+* the cache layer at the layer's slot (added as the cache adds one, if the
+  layer added it) takes the state the step left in slot 0: its slice of each
+  tensor, with the rest of the state (flags, sizes: the same for every layer
+  of the scan, found when the step was traced).
+
+A group of layers (a pattern's scan) gets a one-layer cache per position,
+each with the state its position leaves.
+
+What the one-layer cache cannot stand for: a side list the layer indexes
+itself with its index (not through the cache's methods) makes the trace
+read the index, so the layers run one by one; a layer that changes other
+attributes of the cache (a count of its own) makes the call raise a
+ValueError saying which, rather than leave the cache without them.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import threading
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torch_xla_ext.class_swaps import lookalike_subclass
-from torch_xla_ext.layer_stack import Recording
+from torch_xla_ext.class_swaps import lookalike_subclass, original_class
+from torch_xla_ext.layer_stack import OpaqueValue, Recording
 
-__all__ = ["fill_fresh", "fresh_layers", "holds_no_tensors"]
+__all__ = ["fill_fresh", "fresh_layers", "side_lists", "starts_empty_from"]
 
-# Per recording's key and position: the spec of the state a fresh layer is
-# left with, and its leaves, each a tensor's stand-in (`_TENSOR`) or itself,
-# found when the step was traced.
+# Per recording's key and position: what the step left, found when it was
+# traced: the slot-0 cache layer's state (its spec and leaves, each a tensor's
+# stand-in `_TENSOR` or itself), or None if it has none, and the calls that
+# changed a side list (method name, spec and leaves of their arguments, the
+# layer's index as `_INDEX`).
 _STATES: dict = {}
 _TENSOR = object()
+_INDEX = object()
 _LOCK = threading.Lock()
+# The one-layer cache's record of the calls that changed its side lists.
+_WRITES = "_side_list_writes"
 
 
-def holds_no_tensors(layer) -> bool:
-    """Whether a cache layer holds no tensor yet (made empty, filled lazily)."""
-    return not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(vars(layer))[0])
+def side_lists(cache) -> tuple[str, ...]:
+    """The names of the lists (or dicts keyed by layer index) a cache keeps
+    besides its `layers`: per-layer state its methods read and write by the
+    layer's index."""
+    return tuple(name for name, value in vars(cache).items() if name != "layers" and (
+        isinstance(value, list)
+        or isinstance(value, dict) and all(type(key) is int for key in value)))
 
 
-class _SameLayer:
-    """The stand-in's `layers`: any index is the one fresh layer."""
+def _slots(side: list | dict) -> dict:
+    """A side list's (or dict's) slots by layer index."""
+    return dict(enumerate(side)) if isinstance(side, list) else side
 
-    def __init__(self, layer, count: int):
-        self.layer, self.count = layer, count
+
+def _leaves(value) -> list:
+    """The leaves of what a slot holds: an object's attributes, or itself."""
+    plain = isinstance(value, (torch.Tensor, list, tuple, dict)) or not hasattr(value, "__dict__")
+    return tree_flatten(value if plain else vars(value))[0]
+
+
+def _holds_no_states(value) -> bool:
+    """Whether a cache layer (or a side list's slot) holds no state of any
+    token yet: no tensor but 0-dimensional ones (settings, such as a sliding
+    window's size), and not marked initialized."""
+    if getattr(value, "is_initialized", False) is True:
+        return False
+    return all(leaf.dim() == 0 for leaf in _leaves(value) if isinstance(leaf, torch.Tensor))
+
+
+def starts_empty_from(cache, first: int, count: int, period: int | None) -> bool:
+    """Whether the layers `first`, ..., `first + count - 1` of `cache` find
+    nothing in their slots (so a fresh one-layer cache stands for each):
+    its cache layers there hold no state, alike at each position of a group
+    (`period` layers; one kind of cache layer per position), and where some
+    are yet to be added, they are those the cache adds; its side lists hold
+    no state from slot `first` on, and have every slot of the layers, or
+    none."""
+    layers = getattr(cache, "layers", None)
+    stop = first + count
+    if not isinstance(layers, list) or getattr(cache, "offloading", False):
+        return False
+    present = layers[first:stop]
+    positions = period or 1
+    if not all(_holds_no_states(layer) for layer in present) or any(
+            type(layer) is not type(present[index % positions])
+            for index, layer in enumerate(present)):
+        return False
+    added = getattr(cache, "layer_class_to_replicate", None)
+    if len(present) < count and (added is None or any(
+            original_class(layer) is not added for layer in present)):
+        return False
+    for name in side_lists(cache):
+        held = {index: slot for index, slot in _slots(vars(cache)[name]).items() if index >= first}
+        if held and not (set(range(first, stop)) <= held.keys()
+                         and all(map(_holds_no_states, held.values()))):
+            return False
+    return True
+
+
+class _SlotZero(list):
+    """The one-layer cache's `layers`: a layer's index (`OpaqueValue`) is slot 0."""
 
     def __getitem__(self, index):
-        return self.layer
+        return super().__getitem__(0 if isinstance(index, OpaqueValue) else index)
 
-    def __len__(self) -> int:
-        return self.count
-
-    def __iter__(self):
-        return iter([self.layer] * self.count)
+    def __setitem__(self, index, value):
+        super().__setitem__(0 if isinstance(index, OpaqueValue) else index, value)
 
 
-def _update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-    return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+def _side_lists_now(cache) -> tuple:
+    """What the side lists are now, by identity (a call that changes one
+    replaces a slot, or the list)."""
+    return tuple((id(side), tuple((index, id(slot)) for index, slot in _slots(side).items()))
+                 for side in (vars(cache)[name] for name in side_lists(cache)))
 
 
-def _get_seq_length(self, layer_idx=0) -> int:
-    return 0  # the cache starts empty
+def _redirected(name: str, method):
+    """`method` of the one-layer cache: a layer's index among its arguments is
+    slot 0; a call that changes a side list (other than one made inside
+    another of its methods) is recorded, to be made again on the cache."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        writes = self.__dict__.pop(_WRITES, None)  # absent while a call runs
+        if writes is None:
+            return method(self, *args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        slot_zero, slot_zero_kwargs = tree_unflatten(
+            [0 if isinstance(leaf, OpaqueValue) else leaf for leaf in leaves], spec)
+        before = _side_lists_now(self)
+        try:
+            return method(self, *slot_zero, **slot_zero_kwargs)
+        finally:
+            if _side_lists_now(self) != before:
+                writes.append((name, (args, kwargs)))
+            self.__dict__[_WRITES] = writes
+
+    return call
 
 
 @functools.cache
-def _stand_in_class(cache_class: type) -> type:
-    return lookalike_subclass(cache_class, {"update": _update, "get_seq_length": _get_seq_length})
+def _one_layer_class(cache_class: type) -> type:
+    """A look-alike subclass of `cache_class` whose methods act at slot 0 for a
+    layer's index (`_redirected`)."""
+    methods = {name: _redirected(name, value) for name in dir(cache_class)
+               if not name.startswith("__")
+               and inspect.isfunction(value := inspect.getattr_static(cache_class, name))}
+    return lookalike_subclass(cache_class, methods)
 
 
-def _stand_in(cache, layer):
-    """A cache like `cache` whose every layer is `layer`."""
-    stand_in = object.__new__(_stand_in_class(type(cache)))
-    stand_in.__dict__.update(vars(cache))
-    stand_in.layers = _SameLayer(layer, len(cache.layers))
-    return stand_in
+def _fresh_copy(value):
+    """A deep copy of what a slot holds, sharing its tensors (settings, such as a
+    window's size: copied inside a trace, they would be the trace's)."""
+    return copy.deepcopy(value, {id(leaf): leaf for leaf in _leaves(value)
+                                 if isinstance(leaf, torch.Tensor)})
+
+
+def _one_layer(cache, layer_template, side_templates: dict):
+    """A cache like `cache` holding `layer_template` (a fresh copy; or no
+    layer, if None) and each side list's template slot at slot 0."""
+    one = object.__new__(_one_layer_class(original_class(cache)))
+    one.__dict__.update(vars(cache))
+    one.layers = _SlotZero([] if layer_template is None else [_fresh_copy(layer_template)])
+    for name, template in side_templates.items():
+        slot_zero = [] if template is None else [_fresh_copy(template[0])]
+        setattr(one, name, slot_zero if isinstance(vars(cache)[name], list)
+                else dict(enumerate(slot_zero)))
+    one.__dict__[_WRITES] = []
+    return one
+
+
+def _check_nothing_else_changed(cache, one) -> None:
+    """Raises if the step's layer changed an attribute of its one-layer cache
+    other than its layers and side lists, which the cache would not get."""
+    kept = {"layers", _WRITES, *side_lists(cache)}
+    changed = [name for name, value in vars(one).items() if name not in kept
+               and (name not in vars(cache) or vars(cache)[name] is not value)]
+    if changed:
+        raise ValueError(
+            f"stack_layers: the decoder layer changed the key/value cache's attributes "
+            f"{changed}, which hold no per-layer state a scan can give back to the cache; "
+            f"pass use_cache=False, or unstack the layers (unstack_layers) for this call")
+
+
+def _marked(leaves: list) -> list:
+    return [_TENSOR if isinstance(leaf, torch.Tensor) else _INDEX
+            if isinstance(leaf, OpaqueValue) else leaf for leaf in leaves]
 
 
 def fresh_layers(cache, parameter: str, first: int, period: int | None) -> Recording:
     """What each step of a scan over the cache's layers `first`, ... gets as
-    its cache argument `parameter` (a group of `period` layers: one stand-in
-    per position, by `per_position`), and the tensors it records."""
-    positions = 1 if period is None else period
-    templates = [copy.deepcopy(cache.layers[first + position]) for position in range(positions)]
-    key = ("fresh cache layers", parameter, type(cache), period,
-           tuple(type(template) for template in templates))
+    its cache argument `parameter` (a group of `period` layers: one per
+    position, by `per_position`), and the tensors it records (the calls'
+    that changed a side list, then those the slot-0 cache layer holds)."""
+    positions = range(1 if period is None else period)
+    templates = [copy.deepcopy(cache.layers[first + position])
+                 if first + position < len(cache.layers) else None for position in positions]
+    sides = [{name: (_slots(vars(cache)[name])[first + position],)
+              if first + position in _slots(vars(cache)[name]) else None
+              for name in side_lists(cache)} for position in positions]
+    key = ("fresh one-layer caches", parameter, original_class(cache), period,
+           tuple(type(template) for template in templates),
+           tuple(tuple(template is None for template in side.values()) for side in sides))
 
     def make(index, *state):
-        stand_ins = [{parameter: _stand_in(cache, copy.deepcopy(template))}
-                     for template in templates]
+        stand_ins = [{parameter: _one_layer(cache, template, side)}
+                     for template, side in zip(templates, sides)]
         return stand_ins[0] if period is None else {"per_position": tuple(stand_ins)}
 
     def recorded(given) -> tuple:
         stand_ins = [given] if period is None else given["per_position"]
         found = []
         for position, each in enumerate(stand_ins):
-            leaves, spec = tree_flatten(vars(each[parameter].layers.layer))
+            one = each[parameter]
+            _check_nothing_else_changed(cache, one)
+            tensors = []
+            writes = []
+            for name, arguments in one.__dict__[_WRITES]:
+                leaves, spec = tree_flatten(arguments)
+                writes.append((name, spec, _marked(leaves)))
+                tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            layer_state = None
+            if len(one.layers):
+                leaves, spec = tree_flatten(vars(one.layers[0]))
+                layer_state = (spec, _marked(leaves))
+                tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
             with _LOCK:
-                _STATES[key, position] = (spec, [_TENSOR if isinstance(leaf, torch.Tensor)
-                                                 else leaf for leaf in leaves])
+                _STATES[key, position] = (writes, layer_state)
             # Detached: what the cache holds is read by later calls, not differentiated.
-            found.append(tuple(leaf.detach() for leaf in leaves if isinstance(leaf, torch.Tensor)))
+            found.append(tuple(tensor.detach() for tensor in tensors))
         return tuple(found)
 
     return Recording(key, make, recorded)
 
 
-def fill_fresh(cache, recording: Recording, recorded: tuple, first: int,
+def fill_fresh(cache, recording: Recording, recorded: tuple, first: int, count: int,
                period: int | None) -> None:
-    """Gives each of the cache's layers from `first` on the state its fresh
-    layer was left with in the scan: its slice of each recorded tensor."""
+    """Leaves the cache's slots `first`, ..., `first + count - 1` as the
+    layers' own calls would have: each layer's side-list writes made again,
+    and its cache layer given the state its step left (see the module
+    docstring)."""
     positions = 1 if period is None else period
-    groups = recorded[0][0].shape[0] if recorded[0] else 0
-    for group in range(groups):
+    for group in range(count // positions):
         for position in range(positions):
-            spec, leaves = _STATES[recording.key, position]
+            index = first + group * positions + position
+            writes, layer_state = _STATES[recording.key, position]
             tensors = iter(stacked[group] for stacked in recorded[position])
-            state = tree_unflatten([next(tensors) if leaf is _TENSOR else leaf
-                                    for leaf in leaves], spec)
-            cache.layers[first + group * positions + position].__dict__.update(state)
+
+            def filled(leaves: list) -> list:
+                return [next(tensors) if leaf is _TENSOR else index if leaf is _INDEX else leaf
+                        for leaf in leaves]
+
+            for name, spec, leaves in writes:
+                args, kwargs = tree_unflatten(filled(leaves), spec)
+                getattr(cache, name)(*args, **kwargs)
+            if layer_state is not None:
+                spec, leaves = layer_state
+                while len(cache.layers) <= index:  # as the cache adds a layer's slot
+                    cache.layers.append(cache.layer_class_to_replicate())
+                cache.layers[index].__dict__.update(tree_unflatten(filled(leaves), spec))

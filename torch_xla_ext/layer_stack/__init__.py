@@ -77,7 +77,7 @@ from torch_xla_ext.layer_stack.exporting import ExportWarning
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, is_choice
 from torch_xla_ext.layer_stack.layer_list import scan_layers
 from torch_xla_ext.layer_stack.loops import drive_loops, loop_names, undrive_loops
-from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
+from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES, OpaqueValue
 from torch_xla_ext.layer_stack.plans import OwnerPlans
 from torch_xla_ext.layer_stack.running import (
     LayerByLayerWarning, Layers, Recording, attempt, attempt_recording, device_reason,
@@ -88,7 +88,7 @@ from torch_xla_ext.layer_stack.stacked_list import (
     LayerGroup, SegmentStack, StackedList, scan_result)
 
 __all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "LayerByLayerWarning", "LayerGroup", "LayerStack",
-           "Layers", "OwnerPlans", "PerLayerChoice", "Recording", "ScanResult",
+           "Layers", "OpaqueValue", "OwnerPlans", "PerLayerChoice", "Recording", "ScanResult",
            "SegmentStack", "ShardingWarning", "StackedList", "attempt", "attempt_recording", "device_reason",
            "drive_loops", "is_choice", "loop_names", "scan_layers", "scan_result", "undrive_loops",
            "warn_layer_by_layer"]
