@@ -13,16 +13,29 @@ hooks), the lists give the layers as modules.
 The drivers of the forwards running in a thread are kept innermost last:
 a forward called inside another's loop (a layer holding an owner of its
 own) has its own.
+
+Under `torch.compile`, these entry points (`at_graph_break`: the owner's
+hooks, the lists' slicing and iteration, a layer's call) are where Dynamo
+breaks its graph: they run as Python, not traced, so the driver plans and
+runs the layers as it does without `torch.compile` (their runs as scans,
+each an XLA While loop on lazy tensors), between the graphs Dynamo compiles
+before and after the loop. Their decisions rest on what Dynamo cannot trace
+(object identities, the dry run's fakes, a thread's drivers), and traced,
+they would be guarded on per call.
 """
 from __future__ import annotations
 
 import threading
 from typing import Callable, Iterable, Protocol
 
+import torch.compiler
 from torch import nn
 
-__all__ = ["Driver", "LayerCall", "active_driver", "drive_loops", "driving", "iterated",
-           "iterating", "loop_names", "undrive_loops"]
+__all__ = ["Driver", "LayerCall", "active_driver", "at_graph_break", "drive_loops", "driving",
+           "iterated", "iterating", "loop_names", "undrive_loops"]
+
+# Marks the loop's entry points that Dynamo runs at a graph break (see above).
+at_graph_break = torch.compiler.disable
 
 
 class Driver(Protocol):
@@ -87,6 +100,7 @@ class LayerCall:
     def __init__(self, driver: Driver, index: int, layer_at: Callable[[int], nn.Module]):
         self._driver, self._index, self._layer_at, self._layer = driver, index, layer_at, None
 
+    @at_graph_break
     def __call__(self, *args, **kwargs):
         return self._driver.call(self._index, args, kwargs)
 
@@ -109,6 +123,7 @@ class _OwnerHooks:
         self.start = start
         self.open: list[list[driving]] = []
 
+    @at_graph_break
     def enter(self, owner: nn.Module, args: tuple, kwargs: dict):
         entries = [driving(owner._modules[name], driver)
                    for name, driver in self.start(owner, self.names, args, kwargs).items()]
@@ -116,6 +131,7 @@ class _OwnerHooks:
             entry.__enter__()
         self.open.append(entries)
 
+    @at_graph_break
     def leave(self, owner: nn.Module, args: tuple, kwargs: dict, output):
         if self.open:  # an earlier pre-hook may have raised before `enter` ran
             for entry in self.open.pop():

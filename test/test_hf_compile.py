@@ -1,0 +1,92 @@
+"""torch.compile of a model converted by stack_layers, with torch_xla's
+`openxla` backend: Dynamo breaks its graph where the owner's loop over the
+stacked layers starts (`layer_stack.loops.at_graph_break`), the loop runs
+as it does without torch.compile (its layers as one scan: a While loop
+forward and one backward), and Dynamo compiles what comes before and after
+it. A training step trains as the unconverted model's eager step does, and
+neither Dynamo nor XLA compiles again after the first step."""
+import glob
+import json
+
+import torch
+
+from optimized_hlo import dump_flags, while_loops
+
+LAYERS, STEPS = 3, 3
+
+
+def compiled_training_scenario():
+    """Three SGD steps of an unconverted Llama run eagerly and of its
+    converted copy under torch.compile; prints their losses, the largest
+    weight difference after them, the LayerByLayerWarnings, Dynamo's
+    recompiles, and XLA's compilations after each converted step, as JSON."""
+    import copy
+    import warnings
+
+    import torch._dynamo.utils as dynamo_utils
+    import torch_xla
+    import torch_xla.debug.metrics as metrics
+
+    from test_hf import batch, make_model
+    from torch_xla_ext.hf import stack_layers
+    from torch_xla_ext.layer_stack import LayerByLayerWarning
+
+    device = torch_xla.device()
+    reference = make_model(layers=LAYERS).to(device)
+    model = stack_layers(copy.deepcopy(make_model(layers=LAYERS))).to(device)
+    ids, mask = batch(device)
+
+    def step(which, optimizer):
+        loss = which(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        return loss
+
+    compiled = torch.compile(step, backend="openxla")
+    optimizers = [torch.optim.SGD(which.parameters(), lr=0.1) for which in (reference, model)]
+    losses, compilations = {"unconverted": [], "converted": []}, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(STEPS):
+            losses["unconverted"].append(step(reference, optimizers[0]).item())
+            losses["converted"].append(compiled(model, optimizers[1]).item())
+            compilations.append(metrics.metric_data("CompileTime")[0])
+    # state_dict() keeps the unconverted model's per-layer names.
+    weights = [which.state_dict() for which in (reference, model)]
+    print(json.dumps({
+        "losses": losses,
+        "weights": max((weights[1][name] - tensor).abs().max().item()
+                       for name, tensor in weights[0].items()),
+        "same_names": sorted(weights[0]) == sorted(weights[1]),
+        "one_by_one": [str(each.message) for each in caught
+                       if each.category is LayerByLayerWarning],
+        "recompiles": sum(dynamo_utils.counters["recompiles"].values()),
+        "compilations": compilations,
+    }))
+
+
+def test_a_compiled_training_step_runs_the_layers_as_loops_with_the_unconverted_results(
+        run_isolated, tmp_path):
+    result = run_isolated(compiled_training_scenario, env={"XLA_FLAGS": dump_flags(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["one_by_one"] == []
+    assert found["losses"]["unconverted"][-1] < found["losses"]["unconverted"][0]
+    assert found["losses"]["converted"] == found["losses"]["unconverted"]
+    assert found["same_names"] and found["weights"] <= 1e-6
+    # No recompile after the first step: Dynamo's guards hold, and XLA
+    # compiles nothing new in the third step.
+    assert found["recompiles"] == 0
+    assert found["compilations"][2] == found["compilations"][1]
+    # The layers ran as While loops over the 3 layers' stacked weights (the
+    # key projections' [3, 16, 32]): a graph holds the forward loop and the
+    # backward loop, none more (XLA compiles the loop's graphs apart from
+    # Dynamo's, split at the break). XLA's own loops (its expansions of some
+    # ops) carry no stacked buffer.
+    graphs = [[stacked for _, stacked in while_loops(open(path).read(), LAYERS) if stacked]
+              for path in glob.glob(f"{tmp_path}/*after_optimizations.txt")]
+    looped = [loops for loops in graphs if loops]
+    assert looped and max(len(loops) for loops in looped) == 2, looped
+    assert all(("f32", "3,16,32") in stacked for loops in looped for stacked in loops), looped
