@@ -1,7 +1,8 @@
 """Small layers, an owner's loop converted as stack_layers converts one, and
 a call that reports what ran, shared by the tests of the plan from calls
 (test/layer_stack/: test_call_plan.py, test_execution.py, test_handed_on.py,
-test_shared_mappings.py) and T5's small loops (test_hf_t5.py)."""
+test_shared_mappings.py, test_layer_state.py, test_lifted_numbers.py) and
+T5's small loops (test_hf_t5.py)."""
 import copy
 import warnings
 
@@ -9,6 +10,8 @@ import torch_xla
 from torch import nn
 
 from torch_xla_ext.layer_stack import LayerByLayerWarning, OwnerPlans, StackedList, drive_loops
+from torch_xla_ext.layer_stack.call_plan import plan_calls
+from torch_xla_ext.layer_stack.dry_run import record_calls
 
 HIDDEN = 4
 
@@ -23,6 +26,26 @@ class Block(nn.Module):
     def forward(self, x, scale=None, shift=None):
         x = self.linear(self.norm(x))
         return x if scale is None else x * scale + shift
+
+
+class Loop(nn.Module):
+    """An owner whose forward calls each of its `blocks` on what the one
+    before returned."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def planned(owner, *args, **kwargs):
+    """The plan of a call of `owner` (its `blocks` a StackedList) and its dry run's record."""
+    record = record_calls(owner, {"blocks": owner.blocks}, args, kwargs)
+    return plan_calls(owner.blocks, record.calls["blocks"], record), record
 
 
 def forward_with_warnings(model, x) -> tuple:

@@ -164,23 +164,33 @@ def cache_tensors(cache) -> dict:
                if layer.is_initialized for name in ("keys", "values")}}
 
 
-def test_minimax_trains_with_its_default_cache_as_one_scan_with_the_unconverted_results(device):
-    reference, model = minimax_pair()
+def trained_with_their_caches(reference, model, device, cache_state) -> list[tuple]:
+    """A training step of each model with the cache it makes itself
+    (`use_cache` True): the graph of its loss, and what `cache_state(cache)`
+    gives of its cache beside its tensors (which join the loss and
+    gradients, copied to the host)."""
     ids, mask = batch(device)
     results = []
     for which in (reference, model):
         which.to(device).train()
         with warnings.catch_warnings():
             warnings.simplefilter("error", LayerByLayerWarning)
-            output = which(ids, attention_mask=mask, labels=ids)  # use_cache: a MiniMaxCache
+            output = which(ids, attention_mask=mask, labels=ids)
         output.loss.backward()
         hlo = torch_xla._XLAC._get_xla_tensors_hlo([output.loss])
-        cache = output.past_key_values
-        layout = ([type(slot).__name__ for slot in cache.linear_cache],
-                  [layer.is_initialized for layer in cache.layers])
-        values = {"loss": output.loss, **per_layer_grads(which), **cache_tensors(cache)}
-        results.append((hlo, layout, dict(zip(values, host_copies(list(values.values()))))))
-    (reference_hlo, expected_layout, expected), (hlo, layout, actual) = results
+        others, tensors = cache_state(output.past_key_values)
+        values = {"loss": output.loss, **per_layer_grads(which), **tensors}
+        results.append((hlo, others, dict(zip(values, host_copies(list(values.values()))))))
+    return results
+
+
+def test_minimax_trains_with_its_default_cache_as_one_scan_with_the_unconverted_results(device):
+    def layout_and_tensors(cache):  # a MiniMaxCache
+        return (([type(slot).__name__ for slot in cache.linear_cache],
+                 [layer.is_initialized for layer in cache.layers]), cache_tensors(cache))
+
+    (reference_hlo, expected_layout, expected), (hlo, layout, actual) = \
+        trained_with_their_caches(*minimax_pair(), device, layout_and_tensors)
     assert "while" in hlo and "while" not in reference_hlo
     assert layout == expected_layout == (["list", "Tensor"] * 2, [True, False, True])
     assert actual.keys() == expected.keys()
@@ -216,22 +226,15 @@ def test_cache_layers_holding_a_window_size_tensor_train_as_one_scan(device):
     reference = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**settings))
     reference.set_experts_implementation("batched_mm")
     model = stack_layers(copy.deepcopy(reference))
-    ids, mask = batch(device)
-    results = []
-    for which in (reference, model):
-        which.to(device).train()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", LayerByLayerWarning)
-            output = which(ids, attention_mask=mask, labels=ids)  # use_cache: a DynamicCache
-        output.loss.backward()
-        hlo = torch_xla._XLAC._get_xla_tensors_hlo([output.loss])
-        held = {f"{index} {path}": leaf for index, layer in enumerate(output.past_key_values.layers)
+
+    def held_apart(cache):  # a DynamicCache
+        held = {f"{index} {path}": leaf for index, layer in enumerate(cache.layers)
                 for path, leaf in tree_flatten_with_path(vars(layer))[0]}
         tensors = {name: leaf for name, leaf in held.items() if isinstance(leaf, torch.Tensor)}
-        others = {name: leaf for name, leaf in held.items() if name not in tensors}
-        values = {"loss": output.loss, **per_layer_grads(which), **tensors}
-        results.append((hlo, others, dict(zip(values, host_copies(list(values.values()))))))
-    (reference_hlo, expected_others, expected), (hlo, others, actual) = results
+        return {name: leaf for name, leaf in held.items() if name not in tensors}, tensors
+
+    (reference_hlo, expected_others, expected), (hlo, others, actual) = \
+        trained_with_their_caches(reference, model, device, held_apart)
     assert "while" in hlo and "while" not in reference_hlo
     assert others == expected_others
     # The compressors get no gradient at 8 tokens (their windows are longer):

@@ -9,10 +9,11 @@ import torch
 import torch_xla
 from torch import nn
 
-from layer_calls import HIDDEN, Block
+from layer_calls import HIDDEN, Block, Loop, planned
 from torch_xla_ext.layer_stack import StackedList
-from torch_xla_ext.layer_stack.call_plan import Leaf, plan_calls
-from torch_xla_ext.layer_stack.dry_run import Source, record_calls
+from torch_xla_ext.layer_stack.call_plan import Leaf
+from torch_xla_ext.layer_stack.dry_run import Source
+
 
 class Wide(Block):
     """Another structure: a second linear layer."""
@@ -22,27 +23,15 @@ class Wide(Block):
         self.other = nn.Linear(HIDDEN, HIDDEN)
 
 
-class Owner(nn.Module):
+class Owner(Loop):
     def __init__(self, *kinds):
-        super().__init__()
         torch.manual_seed(0)
-        self.blocks = StackedList([kind() for kind in kinds or (Block, Block, Block)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
+        super().__init__(StackedList([kind() for kind in kinds or (Block, Block, Block)]))
 
 
 @pytest.fixture(scope="module")
 def device():
     return torch_xla.device()
-
-
-def planned(owner, *args, **kwargs):
-    """The plan of a call of `owner` and its dry run's record."""
-    record = record_calls(owner, {"blocks": owner.blocks}, args, kwargs)
-    return plan_calls(owner.blocks, record.calls["blocks"], record), record
 
 
 def test_a_plain_loop_is_one_scan(device):

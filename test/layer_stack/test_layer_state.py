@@ -11,10 +11,8 @@ import torch
 import torch_xla
 from torch import nn
 
-from layer_calls import HIDDEN, Block, converted, forward_with_warnings
+from layer_calls import HIDDEN, Block, Loop, converted, forward_with_warnings, planned
 from torch_xla_ext.layer_stack import StackedList
-from torch_xla_ext.layer_stack.call_plan import plan_calls
-from torch_xla_ext.layer_stack.dry_run import record_calls
 
 
 class Remembering(Block):
@@ -32,16 +30,10 @@ class Remembering(Block):
         return output
 
 
-class Owner(nn.Module):
-    def __init__(self, *kinds):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([kind() for kind in kinds])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
+def loop_of(*kinds):
+    """The blocks of `kinds` in a loop (a ModuleList, as unconverted)."""
+    torch.manual_seed(0)
+    return Loop(nn.ModuleList([kind() for kind in kinds]))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +42,7 @@ def device():
 
 
 def test_layers_that_set_attributes_run_one_by_one_and_keep_them_between_calls(device):
-    reference, model = converted(Owner(Block, Block, Remembering, Remembering, Block, Block),
+    reference, model = converted(loop_of(Block, Block, Remembering, Remembering, Block, Block),
                                  device)
     for call in range(2):  # the second call reads what the first one kept
         x = torch.randn(2, HIDDEN, device=device)
@@ -69,7 +61,7 @@ def test_layers_that_set_attributes_run_one_by_one_and_keep_them_between_calls(d
 
 
 def test_a_kept_layer_s_tensors_are_the_stack_s_and_its_state_survives_copies(device):
-    _, model = converted(Owner(Remembering, Remembering), device)
+    _, model = converted(loop_of(Remembering, Remembering), device)
     x = torch.randn(2, HIDDEN, device=device)
     model(x)
     kept = model.blocks[1]
@@ -87,12 +79,11 @@ def test_a_kept_layer_s_tensors_are_the_stack_s_and_its_state_survives_copies(de
 
 
 def test_the_dry_run_names_the_attributes_and_leaves_none_on_the_layers(device):
-    owner = Owner(Remembering, Remembering, Block).to(device)
+    owner = loop_of(Remembering, Remembering, Block).to(device)
     owner.blocks = StackedList(owner.blocks)
-    record = record_calls(owner, {"blocks": owner.blocks}, (torch.randn(2, HIDDEN, device=device),), {})
+    plan, record = planned(owner, torch.randn(2, HIDDEN, device=device))
     assert [call.attributes for call in record.calls["blocks"]] == [
         ("linear.previous",), ("linear.previous",), ()]
-    plan = plan_calls(owner.blocks, record.calls["blocks"], record)
     assert [(run.start, run.stop, run.how) for run in plan.runs] == [
         (0, 2, "one by one"), (2, 3, "itself")]
     assert all(owner.blocks[index].linear.previous is None for index in range(2))

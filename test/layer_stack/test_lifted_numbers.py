@@ -14,14 +14,12 @@ import torch.nn.functional as F
 import torch_xla
 from torch import nn
 
-from layer_calls import HIDDEN, converted, forward_with_warnings
+from layer_calls import HIDDEN, Loop, converted, forward_with_warnings, planned
 from per_layer import per_layer_grads, per_layer_parameters
 from test_hf import make_diffllama
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
 from tolerances import TRAINING, close
 from torch_xla_ext.hf import stack_layers
-from torch_xla_ext.layer_stack.call_plan import plan_calls
-from torch_xla_ext.layer_stack.dry_run import record_calls
 
 LAYERS = 3
 
@@ -56,16 +54,10 @@ class Normed(nn.Module):
         return F.layer_norm(self.linear(x) * self.scale, (HIDDEN,), eps=self.eps)
 
 
-class Loop(nn.Module):
-    def __init__(self, kind):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(kind(index) for index in range(LAYERS))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
+def looped(kind):
+    """LAYERS layers of `kind`, built with their index, in a loop."""
+    torch.manual_seed(0)
+    return Loop(nn.ModuleList(kind(index) for index in range(LAYERS)))
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +65,10 @@ def device():
     return torch_xla.device()
 
 
-def plan_of(model, x):
-    record = record_calls(model, {"blocks": model.blocks}, (x,), {})
-    return plan_calls(model.blocks, record.calls["blocks"], record), record
-
-
 def test_layers_differing_in_numbers_of_their_arithmetic_train_as_one_scan(device):
-    reference, model = converted(Loop(Scaled), device)
+    reference, model = converted(looped(Scaled), device)
     x = torch.randn(2, HIDDEN, device=device)
-    (run,) = plan_of(model, x)[0].runs
+    (run,) = planned(model, x)[0].runs
     assert run.how == "scan"
     scales = tuple(layer.scale for layer in reference.blocks)
     assert run.numbers is not None and scales in run.numbers.values
@@ -108,9 +95,9 @@ def test_layers_differing_in_numbers_of_their_arithmetic_train_as_one_scan(devic
 
 
 def test_numbers_equal_in_every_layer_stay_constants_of_the_trace(device):
-    _, model = converted(Loop(Scaled), device)
+    _, model = converted(looped(Scaled), device)
     x = torch.randn(2, HIDDEN, device=device)
-    plan, record = plan_of(model, x)
+    plan, record = planned(model, x)
     (run,) = plan.runs
     numbers = record.calls["blocks"][0].numbers
     # Each layer computes with 1 - scale, 1 + scale, scale and eps: only the
@@ -125,9 +112,9 @@ def test_numbers_equal_in_every_layer_stay_constants_of_the_trace(device):
 
 
 def test_a_number_a_norm_takes_keeps_the_layers_apart_naming_the_setting(device):
-    reference, model = converted(Loop(Normed), device)
+    reference, model = converted(looped(Normed), device)
     x = torch.randn(2, HIDDEN, device=device)
-    plan, record = plan_of(model, x)
+    plan, record = planned(model, x)
     # The scale of the arithmetic differs, and would be lifted...
     assert [call.numbers[0].value for call in record.calls["blocks"]] == [
         layer.scale for layer in reference.blocks]
@@ -149,9 +136,9 @@ class Branching(Normed):
 
 
 def test_a_number_a_branch_reads_keeps_the_layers_apart(device):
-    reference, model = converted(Loop(Branching), device)
+    reference, model = converted(looped(Branching), device)
     x = torch.randn(2, HIDDEN, device=device)
-    plan, record = plan_of(model, x)
+    plan, record = planned(model, x)
     assert len({call.numbers for call in record.calls["blocks"]}) == LAYERS
     assert all(run.numbers is None and run.how != "scan" for run in plan.runs)
     output, loops, one_by_one = forward_with_warnings(model, x)
@@ -174,9 +161,9 @@ def test_a_step_computing_with_other_numbers_than_its_trace_runs_one_by_one(devi
     # The lifted ordinal would name the 2.0 in the scan's step: the step sees
     # that its numbers are not those of its trace for the plan, and the
     # layers run as the loop does.
-    reference, model = converted(Loop(OnXla), device)
+    reference, model = converted(looped(OnXla), device)
     x = torch.randn(2, HIDDEN, device=device)
-    (run,) = plan_of(model, x)[0].runs
+    (run,) = planned(model, x)[0].runs
     assert run.how == "scan" and run.numbers.ordinals == (0,)
     output, loops, one_by_one = forward_with_warnings(model, x)
     assert loops == 0 and len(one_by_one) == 1
