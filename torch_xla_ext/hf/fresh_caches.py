@@ -87,9 +87,9 @@ def _leaves(value) -> list:
 def _holds_no_states(value) -> bool:
     """Whether a cache layer (or a side list's slot) holds no state of any
     token yet: no tensor but 0-dimensional ones (settings, such as a sliding
-    window's size), and not marked initialized."""
-    if getattr(value, "is_initialized", False) is True:
-        return False
+    window's size). Whether it says it is initialized does not count: a
+    layer that stores nothing (transformers' `DummyLayer`, the slot of a
+    layer that reuses another's keys and values) says it is."""
     return all(leaf.dim() == 0 for leaf in _leaves(value) if isinstance(leaf, torch.Tensor))
 
 
