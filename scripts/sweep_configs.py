@@ -17,7 +17,11 @@ config and in each of its sub-configs (`text_config`, `vision_config`, ...):
   dicts keyed by layer (`per_layer_config`) keep the layers `kept_layers`
   chooses: the first ones, but the first layer of each kind the whole model
   has among them, so that the few layers show every kind; lists of layer
-  indices follow the layers kept;
+  indices follow the layers kept. A per-layer list shorter than `layers`
+  (a default config of one layer of each kind, Nemotron-H's) repeats to
+  `layers` entries, as real checkpoints repeat a pattern, so that its kinds
+  come in groups a scan can run; a config that derives its layer count from
+  such a list (a property, not a setting) counts its layers by the list;
 * special token ids at or above the inputs' range move to the top of the
   smaller vocabulary (`input_id_limit`);
 * dropout (and routers' jitter) off, and encoder families' configs decoders
@@ -195,7 +199,10 @@ def kept_layers(values: dict, count: int, layers: int) -> list[int]:
     """Which of the `count` layers the small config keeps: the first
     `layers`, but with each kind of layer (what the per-layer lists and a
     per-layer dict say of it) at its first place, so that the few layers
-    keep every kind of the whole model (as many kinds as fit)."""
+    keep every kind of the whole model (as many kinds as fit). Fewer than
+    `layers` repeat, in order, up to `layers`."""
+    if layers > count:
+        return [index % count for index in range(layers)]
     per_layer = [value for value in values.values()
                  if isinstance(value, list) and len(value) == count]
     overrides = [value for value in values.values() if isinstance(value, dict) and value
@@ -235,14 +242,20 @@ def shrunk_value(name: str, value, layers: int, context: dict, kept: list[int] |
         return [shrunk_value(name, value[index], layers, context, None) for index in kept]
     if (isinstance(value, list) and value and INDEX_LIST_NAMES.search(name)
             and all(_is_int(each) and 0 <= each < count for each in value)):
-        return [kept.index(each) for each in value if each in kept]
+        return [new for new, old in enumerate(kept) if old in value]
     if isinstance(value, dict) and value and all(_layer_key(key) is not None for key in value):
         width = len(next(iter(value)))
-        return {str(kept.index(_layer_key(key))).zfill(width) if isinstance(key, str)
-                else kept.index(key): (_shrunk_override(override, layers, context)
-                                       if isinstance(override, dict) else override)
-                for key, override in value.items() if _layer_key(key) in kept}
+        return {str(new).zfill(width) if isinstance(key, str) else new:
+                (_shrunk_override(override, layers, context)
+                 if isinstance(override, dict) else override)
+                for key, override in value.items() for new in _new_places(_layer_key(key), kept)}
     return value
+
+
+def _new_places(index: int, kept: list[int]) -> list[int]:
+    """Where layer `index` of the default config is in the small one (nowhere,
+    once, or at each repetition of a pattern)."""
+    return [new for new, old in enumerate(kept) if old == index]
 
 
 def _shrunk_override(override: dict, layers: int, context: dict) -> dict:
@@ -258,7 +271,7 @@ def shrunk_changes(config, layers: int) -> dict:
     and for each sub-config the same, nested."""
     values = {name: value for name, value in config.to_dict().items()
               if name not in getattr(config, "sub_configs", {})}
-    count = _first(values, LAYER_COUNT_NAMES)
+    count = _first(values, LAYER_COUNT_NAMES) or _derived_layer_count(config, values)
     context = {"hidden": _first(values, HIDDEN_NAMES), "heads": _first(values, HEADS_NAMES) or 0,
                "count": count}
     kept = kept_layers(values, count, layers) if count and count > 2 else None
@@ -279,6 +292,16 @@ def shrunk_changes(config, layers: int) -> dict:
     if vocab is not None:
         changes.update(_special_ids(values, vocab))
     return changes
+
+
+def _derived_layer_count(config, values: dict) -> int | None:
+    """A layer count the config derives instead of keeping it among its
+    settings (Nemotron-H's num_hidden_layers, the length of its
+    layers_block_type), where a per-layer list of its settings is that long."""
+    count = next((getattr(config, name, None) for name in LAYER_COUNT_NAMES
+                  if _is_int(getattr(config, name, None))), None)
+    return count if count and any(isinstance(value, list) and len(value) == count
+                                  for value in values.values()) else None
 
 
 def _special_ids(values: dict, vocab: int) -> dict:

@@ -171,6 +171,22 @@ def test_per_layer_lists_and_indices_follow_the_layers_kept():
                                       4, context, kept) == {"02": {"num_attention_heads": 4}}
 
 
+def test_a_pattern_shorter_than_the_layers_repeats():
+    # Nemotron-H's default is one layer of each kind, its layer count the
+    # pattern's length (a property): 8 layers are its pattern twice.
+    config, changes = sweep_configs.small_config("nemotron_h", 8)
+    assert config.num_hidden_layers == 8
+    assert config.layers_block_type == ["linear_attention", "moe", "full_attention", "mlp"] * 2
+    assert sweep_configs.small_config("nemotron_h", 4)[0].num_hidden_layers == 4
+    # Indices of the pattern's layers follow each repetition.
+    context = {"count": 3, "hidden": 64, "heads": 4}
+    kept = sweep_configs.kept_layers({"kinds": list("aab")}, 3, 6)
+    assert kept == [0, 1, 2, 0, 1, 2]
+    assert sweep_configs.shrunk_value("full_attn_idxs", [2], 6, context, kept) == [2, 5]
+    assert sweep_configs.shrunk_value("per_layer_config", {"1": {"rope_theta": 1.0}}, 6, context,
+                                      kept) == {"1": {"rope_theta": 1.0}, "4": {"rope_theta": 1.0}}
+
+
 def test_tweaked_types_build_and_each_tweak_says_why():
     for model_type, (settings, reason) in sweep_configs.TWEAKS.items():
         assert settings and len(reason) > 20, model_type
