@@ -161,7 +161,7 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
             apart[calls[offset].index] = called_otherwise(calls[begin], calls[offset - 1],
                                                           calls[offset])
         begin = offset
-    return _keeping_state(_split_apart(runs, calls, record, apart), calls)
+    return _split_apart(_keeping_state(runs, calls), calls, record, apart)
 
 
 def _keeping_state(runs: list[Run], calls: list[RecordedCall]) -> list[Run]:
