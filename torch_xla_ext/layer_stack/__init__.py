@@ -86,9 +86,10 @@ from torch_xla_ext.layer_stack.sharding import ShardingWarning
 from torch_xla_ext.layer_stack.stack import LayerStack
 from torch_xla_ext.layer_stack.stacked_list import (
     LayerGroup, SegmentStack, StackedList, scan_result)
+from torch_xla_ext.layer_stack.tracing import trace_loops_in_dynamo
 
 __all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "LayerByLayerWarning", "LayerGroup", "LayerStack",
            "Layers", "OpaqueValue", "OwnerPlans", "PerLayerChoice", "Recording", "ScanResult",
            "SegmentStack", "ShardingWarning", "StackedList", "attempt", "attempt_recording", "device_reason",
-           "drive_loops", "is_choice", "loop_names", "scan_layers", "scan_result", "undrive_loops",
-           "warn_layer_by_layer"]
+           "drive_loops", "is_choice", "loop_names", "scan_layers", "scan_result", "trace_loops_in_dynamo",
+           "undrive_loops", "warn_layer_by_layer"]
