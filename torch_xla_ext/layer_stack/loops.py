@@ -7,8 +7,9 @@ forward runs, slicing or iterating the lists gives `LayerCall`s, callables
 that stand for the layers (and read as them: `call.attention_type` is the
 layer's), and each call goes to the driver of that forward, which decides
 what runs (`execution.Execution` of a call plan, or the dry run's recorder,
-`dry_run`). Anywhere else (user code, peft, a forward called past its
-hooks), the lists give the layers as modules.
+`dry_run`, which is also told what the forward reads: a `ReadRecorder`).
+Anywhere else (user code, peft, a forward called past its hooks), the
+lists give the layers as modules.
 
 The drivers of the forwards running in a thread are kept innermost last:
 a forward called inside another's loop (a layer holding an owner of its
@@ -18,7 +19,8 @@ Under `torch.compile`, the owner's hooks first ask `traced` (given to
 `drive_loops`) for drivers that Dynamo can trace, made from what an eager
 call of this kind planned (`tracing`): with them, the hooks, the lists'
 slicing and iteration and the layers' calls are traced, and each run of
-layers is one call of torch's scan operator in Dynamo's graph. Without
+layers is one call of torch's scan operator in Dynamo's graph; the loop's
+items (`TracedLayerCall`) read as the dry run of that kind of call read them. Without
 them, these entry points (`at_graph_break`) are where Dynamo breaks its
 graph: they run as Python, not traced, so the driver plans and runs the
 layers as it does without `torch.compile` (their runs as scans, each an XLA
@@ -31,14 +33,14 @@ traced entry point never reads an eager driver.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch.compiler
 from torch import nn
 
-__all__ = ["Driver", "LayerCall", "TracedLayerCall", "active_driver", "at_graph_break",
-           "drive_loops", "driving", "iterated", "iterating", "loop_names", "traced_driver",
-           "tracing", "undrive_loops"]
+__all__ = ["Driver", "LayerCall", "ReadRecorder", "TracedLayerCall", "active_driver",
+           "at_graph_break", "drive_loops", "driving", "iterated", "iterating", "loop_item",
+           "loop_names", "traced_driver", "tracing", "undrive_loops"]
 
 # Marks the loop's entry points that Dynamo runs at a graph break (see above).
 at_graph_break = torch.compiler.disable
@@ -50,6 +52,14 @@ class Driver(Protocol):
     """What runs the calls of one forward's loop over one stacked list."""
 
     def call(self, index: int, args: tuple, kwargs: dict): ...
+
+
+class ReadRecorder:
+    """The base of a driver that is told what the forward reads of its loop's
+    items (the dry run's): what Dynamo's trace of the loop must answer (`tracing`)."""
+
+    def read(self, index: int, name: str, value) -> None:
+        raise NotImplementedError
 
 
 class _Active(threading.local):
@@ -121,6 +131,8 @@ class LayerCall:
         return self._driver.call(self._index, args, kwargs)
 
     def __getattr__(self, name: str):
+        if name in LayerCall.__slots__:  # unset: an object made without __init__ (by Dynamo)
+            raise AttributeError(name)
         if self._layer is None:
             self._layer = self._layer_at(self._index)
         return getattr(self._layer, name)
@@ -129,17 +141,37 @@ class LayerCall:
         return f"<call of layer {self._index} in its owner's loop>"
 
 
+class _ReadLayerCall(LayerCall):
+    """A `LayerCall` whose attribute reads its driver (a `ReadRecorder`) is told of."""
+    __slots__ = ()
+
+    def __getattr__(self, name: str):
+        value = LayerCall.__getattr__(self, name)
+        self._driver.read(self._index, name, value)
+        return value
+
+
+def loop_item(driver: Driver, index: int, layer_at: Callable[[int], nn.Module]) -> LayerCall:
+    """Layer `index` as the owner's loop driven by `driver` gets it."""
+    kind = _ReadLayerCall if isinstance(driver, ReadRecorder) else LayerCall
+    return kind(driver, index, layer_at)
+
+
 class TracedLayerCall:
     """A `LayerCall` that Dynamo traces (its driver is a traced one), of plain
-    attributes, which Dynamo's objects made in its trace hold; the layer's
-    attributes are read on `stack[i]` (Dynamo guards what a forward reads
-    of its loop's items)."""
+    attributes, which Dynamo's objects made in its trace hold; reading an
+    attribute gives what the forward read of this loop item when an eager
+    call planned this kind of call (`driver.attribute(index, name)`, a
+    constant in Dynamo's trace)."""
 
-    def __init__(self, driver: Driver, index: int, layer_at: Callable[[int], nn.Module]):
-        self._driver, self._index, self._layer_at = driver, index, layer_at
+    def __init__(self, driver: Driver, index: int):
+        self._driver, self._index = driver, index
 
     def __call__(self, *args, **kwargs):
         return self._driver.call(self._index, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return self._driver.attribute(self._index, name)
 
 
 class _OwnerHooks:

@@ -28,7 +28,8 @@ from torch_xla_ext.layer_stack.exporting import exporting
 from torch_xla_ext.layer_stack.fakes import apart_from_trace
 from torch_xla_ext.layer_stack.running import device_reason
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
-from torch_xla_ext.layer_stack.tracing import TracedExecution, traced_loops, traced_runs
+from torch_xla_ext.layer_stack.tracing import (
+    TracedExecution, TracedLoop, traced_loops, traced_runs, warn_graph_break)
 from torch_xla_ext.object_graph import VALUE_TYPES
 
 __all__ = ["OwnerPlans"]
@@ -45,7 +46,7 @@ class OwnerPlans:
         # each stacked list's runs as Dynamo traces them, or why its loop runs
         # at a graph break (`tracing`).
         self.traced_kinds: list[tuple] = []
-        self.traced_runs: list[dict[str, tuple | str]] = []
+        self.traced_runs: list[dict[str, TracedLoop | str]] = []
         # The names of the plain settings of the owner and of its config.
         self.setting_names: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
@@ -70,7 +71,6 @@ class OwnerPlans:
         return {name: Execution(stacks[name], plan, stand_ins)
                 for name, (plan, stand_ins) in self.plans[key].items()}
 
-
     def traced(self, owner: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict
                ) -> dict[str, TracedExecution] | None:
         """Under Dynamo: the drivers of this forward's loops as Dynamo traces
@@ -82,7 +82,7 @@ class OwnerPlans:
         for number, each in enumerate(self.traced_kinds):
             if each == kind:
                 runs = self.traced_runs[number]
-                if all(isinstance(each, tuple) for each in runs.values()):
+                if all(isinstance(each, TracedLoop) for each in runs.values()):
                     return {name: TracedExecution(owner._modules[name], each)
                             for name, each in runs.items()}
         return None
@@ -92,17 +92,21 @@ class OwnerPlans:
             self.setting_names = (_setting_names(owner),
                                   _setting_names(getattr(owner, "config", None)))
         with apart_from_trace():
-            runs = {name: traced_runs(stacks[name], plan, record.calls[name])
+            runs = {name: traced_runs(stacks[name], plan, record.calls[name],
+                                      record.attributes_read[name])
                     for name, plan in plans.items()}
         kind = _traced_kind(owner, args, kwargs, self.setting_names)
         if kind in self.traced_kinds:
             # Kinds of call that Dynamo's key does not tell apart: no traced runs for them.
-            self.traced_runs[self.traced_kinds.index(kind)] = {
-                name: "calls of kinds that differ in what Dynamo's key of a call leaves out"
-                for name in plans}
-            return
-        self.traced_kinds.append(kind)
-        self.traced_runs.append(runs)
+            runs = {name: "it is called in kinds that differ in what Dynamo's key of a call "
+                          "(plain values) leaves out" for name in plans}
+            self.traced_runs[self.traced_kinds.index(kind)] = runs
+        else:
+            self.traced_kinds.append(kind)
+            self.traced_runs.append(runs)
+        for name, each in runs.items():
+            if isinstance(each, str):
+                warn_graph_break(owner, name, each)
 
 
 def _traced_kind(owner: nn.Module, args: tuple, kwargs: dict,

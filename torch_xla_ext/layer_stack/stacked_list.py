@@ -30,7 +30,7 @@ from torch_xla_ext.layer_stack.forms import differences
 from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.layer_state import KeptLayers, attributes_of, written
 from torch_xla_ext.layer_stack.loops import (
-    LayerCall, TracedLayerCall, active_driver, at_graph_break, iterated, traced_driver, tracing)
+    TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import plan_segments
 from torch_xla_ext.layer_stack.stack import LayerStack
@@ -208,14 +208,14 @@ class StackedList(nn.Module):
         if driver is None:
             return self.item_at_graph_break(index)
         if isinstance(index, slice):
-            return [TracedLayerCall(driver, each, self.layer) for each in range(len(self))[index]]
+            return [TracedLayerCall(driver, each) for each in range(len(self))[index]]
         return self.layer(index)
 
     def __iter__(self):
         driver = traced_driver(self) if tracing() else None
         if driver is None:
             return self.iterator_at_graph_break()
-        return iter([TracedLayerCall(driver, index, self.layer) for index in range(len(self))])
+        return iter([TracedLayerCall(driver, index) for index in range(len(self))])
 
     @at_graph_break
     def item_at_graph_break(self, index):
@@ -239,7 +239,7 @@ class StackedList(nn.Module):
         """Layer `index` as its owner's forward loop gets it: a `LayerCall`
         that its driver runs; anywhere else, the layer as a module."""
         driver = active_driver(self)
-        return self.layer(index) if driver is None else LayerCall(driver, index, self.layer)
+        return self.layer(index) if driver is None else loop_item(driver, index, self.layer)
 
     def unstacked(self) -> list[nn.Module]:
         """The layers as modules of their own, their tensors copied from the

@@ -21,11 +21,17 @@ are not tensors or constants (a key/value cache, written in place), layers
 that differ in settings or numbers, a policy or `unroll` (the operator has no
 place for them), per-layer values the forward keeps, runs of groups, tensor
 arguments that require grad (torch 2.9's operator differentiates the tensors
-its body captures wrongly), and a layer that reads a per-layer attribute.
+its body captures wrongly), a layer that reads a per-layer attribute, and a
+forward that reads an attribute of a loop item (`decoder_layer.attention_type`)
+that is not a plain constant. The plain ones the dry run saw are kept with the
+runs (`TracedLoop`), and Dynamo's loop items give them as constants. With the
+switch on, an eager call whose loop Dynamo will not trace says why, once per
+kind of call (`GraphBreakWarning`).
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -41,7 +47,8 @@ from torch_xla_ext.layer_stack.per_layer import (
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.policies import save_everything
 
-__all__ = ["TracedExecution", "TracedRun", "trace_loops_in_dynamo", "traced_loops", "traced_runs"]
+__all__ = ["GraphBreakWarning", "TracedExecution", "TracedLoop", "TracedRun",
+           "trace_loops_in_dynamo", "traced_loops", "traced_runs", "warn_graph_break"]
 
 # Whether the loops are traced by Dynamo: off by default, since torch_xla's own
 # `openxla` backend cannot take the operator's node (its dynamo bridge refuses
@@ -62,6 +69,20 @@ def traced_loops() -> bool:
     return _SWITCH["on"]
 
 
+class GraphBreakWarning(UserWarning):
+    """With `trace_loops_in_dynamo` on, a kind of call whose loop Dynamo will
+    not trace: under torch.compile, it runs at a graph break (which
+    `fullgraph=True` refuses)."""
+
+
+def warn_graph_break(owner, name: str, reason: str) -> None:
+    """Says, at the eager call that planned a kind of call, why Dynamo will
+    not trace `owner`'s loop over its list `name`."""
+    warnings.warn(f"trace_loops_in_dynamo: under torch.compile, {type(owner).__qualname__}'s "
+                  f"loop over {name!r} will run at a graph break for this kind of call "
+                  f"(fullgraph=True refuses it), since {reason}", GraphBreakWarning, stacklevel=2)
+
+
 @dataclasses.dataclass  # not frozen: Dynamo reconstructs no frozen dataclass of a source
 class TracedRun:
     """A run of layers as Dynamo traces it: layers `start`, ..., `stop - 1`
@@ -80,12 +101,30 @@ class TracedRun:
     output_sources: tuple[Any, ...]
 
 
-def traced_runs(stack, plan: CallPlan, calls: list) -> tuple[TracedRun, ...] | str:
-    """The `TracedRun`s of `plan`, a plan of `stack`'s (a `StackedList`) from
-    the dry run's `calls` (`dry_run.RecordedCall`s), or why Dynamo cannot
-    trace its loop as scans (a str); runs on the CPU's fakes, apart from any trace."""
+@dataclasses.dataclass
+class TracedLoop:
+    """A forward's loop over a stacked list as Dynamo traces it: its `runs`,
+    and what the forward reads of its items (by layer index and attribute
+    name, the plain value the dry run read)."""
+    runs: tuple[TracedRun, ...]
+    attributes: dict[int, dict[str, Any]]
+
+
+def traced_runs(stack, plan: CallPlan, calls: list, attributes_read: dict
+                ) -> TracedLoop | str:
+    """The `TracedLoop` of `plan`, a plan of `stack`'s (a `StackedList`) from
+    the dry run's `calls` (`dry_run.RecordedCall`s) and the attributes it
+    read of the loop's items (`CallRecord.attributes_read`), or why Dynamo
+    cannot trace the loop as scans (a str); runs on the CPU's fakes, apart
+    from any trace."""
     if plan.reason is not None:
         return plan.reason
+    for index, attributes in sorted(attributes_read.items()):
+        for name, value in attributes.items():
+            if not isinstance(value, VALUE_TYPES):
+                return (f"the forward reads layer {index}'s attribute {name!r}, a "
+                        f"{type(value).__name__}, which Dynamo's graph cannot hold as a "
+                        f"constant (plain values can be)")
     by_index = {call.index: call for call in calls}
     made = []
     for run in plan.runs:
@@ -93,7 +132,8 @@ def traced_runs(stack, plan: CallPlan, calls: list) -> tuple[TracedRun, ...] | s
         if isinstance(traced, str):
             return f"layers {run.start}-{run.stop - 1}: {traced}"
         made.append(traced)
-    return tuple(made)
+    return TracedLoop(tuple(made), {index: dict(attributes)
+                                    for index, attributes in attributes_read.items()})
 
 
 def _traced_run(stack, run: Run, call) -> TracedRun | str:
@@ -101,9 +141,13 @@ def _traced_run(stack, run: Run, call) -> TracedRun | str:
         return run.reason or f"the plan runs them {run.how}"
     if run.period != 1:
         return "they run as groups of layers of several kinds"
-    if run.numbers is not None or any(run.kept) or stack.differing_settings(run.start, run.stop):
-        return ("the layers differ in settings or numbers, or the forward keeps each layer's "
-                "output")
+    settings = stack.differing_settings(run.start, run.stop)
+    if settings:
+        return f"the layers differ in settings {settings}; one traced layer stands for all"
+    if run.numbers is not None:
+        return "the layers differ in numbers of their arithmetic; one traced layer stands for all"
+    if any(run.kept):
+        return "the forward keeps each layer's output, which the scan's one result cannot give"
     if call is None or any(leaf.kind != "shared" for leaf in run.leaves[0][1:]):
         return "the layers are given arguments that differ between them"
     layers = stack.runner(run)
@@ -176,9 +220,10 @@ class TracedExecution:
     (the last hidden state; earlier layers', which the forward only hands on,
     are the same tensor)."""
 
-    def __init__(self, stack, runs: tuple[TracedRun, ...]):
+    def __init__(self, stack, loop: TracedLoop):
         self.stack = stack
-        self.runs = runs
+        self.runs = loop.runs
+        self.attributes = loop.attributes
         self.results: dict[int, torch.Tensor] = {}  # by run start
         self.given: dict[int, list] = {}  # the run's first call's leaves
 
@@ -202,6 +247,19 @@ class TracedExecution:
         return tree_unflatten([hidden if source is None else
                                leaves[source[1]] if source[0] == "argument" else source[1]
                                for source in run.output_sources], run.output_spec)
+
+    def attribute(self, index: int, name: str):
+        """Layer `index`'s attribute `name` as the forward read it when an
+        eager call planned this kind of call."""
+        read = self.attributes.get(index, {})
+        if name not in read:
+            raise AttributeError(
+                f"layer {index} of the stacked list is a stand-in in Dynamo's trace "
+                f"(trace_loops_in_dynamo), which knows the attributes the forward read of it "
+                f"when an eager call planned this kind of call, and {name!r} is not one of "
+                f"them ({sorted(read)}); call the model eagerly first with the same kind of "
+                f"call as under torch.compile, or call trace_loops_in_dynamo(False)")
+        return read[name]
 
     def _scan(self, run: TracedRun, leaves: list) -> torch.Tensor:
         segment = self.stack.segments[run.segment]
