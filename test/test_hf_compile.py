@@ -176,3 +176,36 @@ def test_a_fullgraph_compiled_loss_holds_the_layers_as_one_scan_node(run_isolate
     looped = [loops for loops in graphs if loops]
     assert [len(loops) for loops in looped][-2:] == [1, 1], looped
     assert all(("f32", "4,32,64") in stacked for loops in looped for stacked in loops), looped
+
+
+def test_a_loop_dynamo_cannot_trace_says_why_when_its_kind_of_call_is_planned():
+    """Gemma 3's sliding and full attention layers differ in settings, which
+    one traced layer cannot stand for: with the switch on, the eager call
+    that plans the kind of call warns that its loop will run at a graph break
+    under torch.compile, naming the settings."""
+    import warnings
+
+    import torch_xla
+    import transformers
+
+    from test_hf import VOCAB, batch
+    from torch_xla_ext.hf import stack_layers
+    from torch_xla_ext.layer_stack import GraphBreakWarning, trace_loops_in_dynamo
+
+    torch.manual_seed(0)
+    model = stack_layers(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        attn_implementation="eager"))).to(torch_xla.device())
+    ids, mask = batch(torch_xla.device())
+    trace_loops_in_dynamo()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(ids, attention_mask=mask)
+    finally:
+        trace_loops_in_dynamo(False)
+    messages = [str(each.message) for each in caught if each.category is GraphBreakWarning]
+    assert len(messages) == 1 and "'layers' will run at a graph break" in messages[0], messages
+    assert "self_attn.sliding_window" in messages[0], messages
