@@ -132,7 +132,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         setattr(each.owner, each.name, stack)
         owners.setdefault(id(each.owner), (each.owner, []))[1].append(each.name)
     for owner, names in owners.values():
-        drive_loops(owner, (*loop_names(owner), *names), OwnerPlans().start)
+        plans = OwnerPlans()
+        drive_loops(owner, (*loop_names(owner), *names), plans.start, plans.traced)
     return model
 
 
@@ -181,7 +182,8 @@ def _unstack(model: nn.Module, path: str) -> None:
     names = tuple(other for other in loop_names(parent) if other != name)
     undrive_loops(parent)
     if names:
-        drive_loops(parent, names, OwnerPlans().start)
+        plans = OwnerPlans()
+        drive_loops(parent, names, plans.start, plans.traced)
 
 
 def stacked_paths(model: nn.Module) -> list[str]:

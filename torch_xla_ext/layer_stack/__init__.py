@@ -67,7 +67,9 @@ The modules, one job each:
   its own modules, kept per layer); `running` (one scan over stacked tensors,
   `lower`, the layer-by-layer loop), `operands` (a call's arguments as the
   scan's operands), `exporting` (under `torch.export`: the
-  scan as torch's scan operator, stand-ins of the trace), `hooks` (the
+  scan as torch's scan operator, stand-ins of the trace), `tracing` (under
+  Dynamo, with `trace_loops_in_dynamo`: the loop as torch's scan operator,
+  what the forward reads of its items, `GraphBreakWarning`), `hooks` (the
   layers' forward hooks, replayed after
   the scan), `layer_list` (`scan_layers`), `sharding` (FSDPv2: stacked
   weights and the hidden state a scan carries).
@@ -86,9 +88,11 @@ from torch_xla_ext.layer_stack.sharding import ShardingWarning
 from torch_xla_ext.layer_stack.stack import LayerStack
 from torch_xla_ext.layer_stack.stacked_list import (
     LayerGroup, SegmentStack, StackedList, scan_result)
+from torch_xla_ext.layer_stack.tracing import GraphBreakWarning, trace_loops_in_dynamo
 
-__all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "LayerByLayerWarning", "LayerGroup", "LayerStack",
-           "Layers", "OpaqueValue", "OwnerPlans", "PerLayerChoice", "Recording", "ScanResult",
-           "SegmentStack", "ShardingWarning", "StackedList", "attempt", "attempt_recording", "device_reason",
-           "drive_loops", "is_choice", "loop_names", "scan_layers", "scan_result", "undrive_loops",
-           "warn_layer_by_layer"]
+__all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "GraphBreakWarning",
+           "LayerByLayerWarning", "LayerGroup", "LayerStack", "Layers", "OpaqueValue", "OwnerPlans",
+           "PerLayerChoice", "Recording", "ScanResult", "SegmentStack", "ShardingWarning",
+           "StackedList", "attempt", "attempt_recording", "device_reason", "drive_loops",
+           "is_choice", "loop_names", "scan_layers", "scan_result", "trace_loops_in_dynamo",
+           "undrive_loops", "warn_layer_by_layer"]

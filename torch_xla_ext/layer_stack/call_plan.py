@@ -34,8 +34,10 @@ import dataclasses
 
 from torch import Tensor
 
+from torch_xla_ext.layer_stack.call_leaves import (Leaf, called_otherwise, fits, handed_pairs,
+                                                   leaf_plans, takes_handed)
 from torch_xla_ext.layer_stack.dry_run import CallRecord, RecordedCall
-from torch_xla_ext.layer_stack.kinds import program_of, same_leaf
+from torch_xla_ext.layer_stack.kinds import program_of
 from torch_xla_ext.layer_stack.lifted_numbers import LiftedNumbers, differing
 from torch_xla_ext.layer_stack.segments import plan_segments
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
@@ -43,19 +45,6 @@ from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 __all__ = ["CallPlan", "Leaf", "Run", "plan_calls"]
 
 SCAN, ITSELF, ONE_BY_ONE = "scan", "itself", "one by one"
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """How a run's calls give one leaf of their arguments: the same object
-    in every call (`shared`), the hidden state each layer gets from the one
-    before (`carried`), a tensor per layer (`chosen`: layer i of the run
-    gets variant `choice[i]`, the variants numbered by their first call), or
-    leaf `output` of what the layer before returned (`handed`; the run's
-    first layer gets it from the forward)."""
-    kind: str
-    choice: tuple[int, ...] = ()
-    output: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +114,10 @@ def plan_calls(stack, calls: list[RecordedCall], record: CallRecord) -> CallPlan
 
 def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRecord) -> list:
     """The runs of the calls of one stored segment's layers: a run ends
-    where a call does not continue it (`_continues`); a segment of groups
-    of several layers is one run of whole groups, or runs one by one."""
+    where a call does not continue it (`_continues`), and alike layers that
+    end up as runs of one for it run one by one, with the reason; a segment
+    of groups of several layers is one run of whole groups, or runs one by
+    one."""
     period = segment.period
     first, last = calls[0].index, calls[-1].index + 1
     if segment.single:
@@ -144,12 +135,15 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
             return [Run(first, last, number, ONE_BY_ONE,
                         f"{segment} run as one scan over groups of {period} layers, and layer "
                         f"{writer.index} {_WRITES}")]
-        if not all(_continues(calls[offset - period], calls[offset - 1], calls[offset])
-                   for offset in range(period, len(calls))):
+        otherwise = next((called_otherwise(calls[offset - period], calls[offset - 1],
+                                           calls[offset])
+                          for offset in range(period, len(calls))
+                          if not _continues(calls[offset - period], calls[offset - 1],
+                                            calls[offset])), None)
+        if otherwise is not None:
             return [Run(first, last, number, ONE_BY_ONE,
-                        f"{segment} run as one scan over groups of {period} layers, and the "
-                        f"forward calls the groups otherwise than alike, each on what the one "
-                        f"before returned")]
+                        f"{segment} run as one scan over groups of {period} layers, and "
+                        f"{otherwise}")]
         if any(call.program != calls[offset % period].program
                for offset, call in enumerate(calls)):
             return [Run(first, last, number, ONE_BY_ONE,
@@ -157,14 +151,17 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
                         f"layers at the same position of two groups compute differently "
                         f"(their settings differ)")]
         return [_run(calls, number, period, record)]
-    runs, begin = [], 0
+    runs, begin, apart = [], 0, {}  # apart: why a layer was called otherwise, by index
     for offset in range(1, len(calls) + 1):
-        if offset == len(calls) or not (
-                _continues(calls[begin], calls[offset - 1], calls[offset])
-                and _takes_handed(calls[begin], calls[offset - 1], calls[offset])):
-            runs += _by_program(stack, calls[begin:offset], number, record)
-            begin = offset
-    return _keeping_state(_changed_between(runs, calls, record), calls)
+        if offset < len(calls) and _continues(calls[begin], calls[offset - 1], calls[offset]) \
+                and takes_handed(calls[begin], calls[offset - 1], calls[offset]):
+            continue
+        runs += _by_program(stack, calls[begin:offset], number, record)
+        if offset < len(calls):
+            apart[calls[offset].index] = called_otherwise(calls[begin], calls[offset - 1],
+                                                          calls[offset])
+        begin = offset
+    return _split_apart(_keeping_state(runs, calls), calls, record, apart)
 
 
 def _keeping_state(runs: list[Run], calls: list[RecordedCall]) -> list[Run]:
@@ -192,11 +189,13 @@ def _keeps_state(call: RecordedCall) -> str:
             f"keeping its own, as unconverted")
 
 
-def _changed_between(runs: list[Run], calls: list[RecordedCall], record: CallRecord) -> list[Run]:
-    """The runs, with those of one layer that the forward split by working
-    on what a layer returned before the next layer gets it marked as run one
-    by one, with the line that did (the layers would otherwise run as one
-    scan)."""
+def _split_apart(runs: list[Run], calls: list[RecordedCall], record: CallRecord,
+                 apart: dict[int, str | None]) -> list[Run]:
+    """The runs, with those of one layer that the forward split from the one
+    before marked as run one by one (the layers would otherwise run as one
+    scan): by working on what a layer returned before the next layer gets it
+    (the reason names the line that did), or by calling it otherwise
+    (`apart`, from `call_leaves.called_otherwise`)."""
     by_index = {call.index: call for call in calls}
     marked = []
     for run in runs:
@@ -204,11 +203,14 @@ def _changed_between(runs: list[Run], calls: list[RecordedCall], record: CallRec
         line = (record.used.get(id(before.outputs[0]))
                 if before is not None and before.outputs and run.how == ITSELF else None)
         given = by_index[run.start].leaves
+        reason = (apart[run.start]
+                  if run.how == ITSELF and apart.get(run.start) else None)
         if line is not None and not (given and given[0] is before.outputs[0]):
             reason = (f"the forward works on what layer {run.start - 1} returned before layer "
                       f"{run.start} gets it ({line}), and a scan runs the layers with nothing "
                       f"between them; move that work before or after the loop, or call a "
                       f"torch_xla_ext.LayerStack from your own forward")
+        if reason is not None:
             previous = marked[-1] if marked else None
             if (previous is not None and previous.how in (ITSELF, ONE_BY_ONE)
                     and previous.stop == run.start):
@@ -285,56 +287,13 @@ _WRITES = ("writes entries of a mapping that every layer gets, and a scan's laye
 
 def _continues(reference: RecordedCall, before: RecordedCall, call: RecordedCall) -> bool:
     """Whether `call` can be a later step of the scan whose first call at
-    its position was `reference`: called alike (the same arguments' form,
-    the same objects but for tensors, the same form of output) on what the
-    call `before` it returned. A layer that writes entries of a mapping
-    every layer gets is a run of its own: the entries there at a layer's
-    call count as read by it (`shared_mappings`); so is one that sets
-    attributes on its own modules (`layer_state`)."""
+    its position was `reference` (`call_leaves.called_otherwise`). A layer
+    that writes entries of a mapping every layer gets is a run of its own:
+    the entries there at a layer's call count as read by it
+    (`shared_mappings`); so is one that sets attributes on its own modules
+    (`layer_state`)."""
     return (not before.writes and not call.writes and not before.attributes
-            and not call.attributes and call.spec == reference.spec
-            and call.output_spec == reference.output_spec
-            and call.sources == reference.sources and _carries(before, call)
-            and all(_may_differ(leaf, first) or same_leaf(leaf, first)
-                    for leaf, first in zip(call.leaves[1:], reference.leaves[1:])))
-
-
-def _takes_handed(first: RecordedCall, before: RecordedCall, call: RecordedCall) -> bool:
-    """Whether the first call of a run can give, as the scan's first carry,
-    each value that `call` gets from the call `before` it besides the
-    hidden state: there, it has a tensor of that value's shape and dtype.
-    (A run whose first layer gets None there starts at the next layer.)"""
-    return all(_fits(first.leaves[position], before.sources[output])
-               for position, output in _handed(before, call))
-
-
-def _fits(leaf, source) -> bool:
-    """Whether `leaf` is a tensor of the shape and dtype of a computed output."""
-    return isinstance(leaf, Tensor) and (tuple(leaf.shape), leaf.dtype) == source.value
-
-
-def _handed(before: RecordedCall, call: RecordedCall) -> tuple[tuple[int, int], ...]:
-    """(argument leaf, output leaf) of each value `call` gets (past its
-    hidden state) that the call `before` it computed and returned."""
-    computed = {id(output): number for number, (output, source)
-                in enumerate(zip(before.outputs, before.sources)) if source.kind == "computed"}
-    return tuple((position, computed[id(leaf)]) for position, leaf
-                 in enumerate(call.leaves[1:], start=1) if id(leaf) in computed)
-
-
-def _may_differ(leaf, first) -> bool:
-    """Whether an argument may differ between the layers of a scan: a tensor
-    each (the scan stacks them), or None for some layers and a tensor for
-    others (what None stands for may be a tensor: see `StackedList.scan_run`)."""
-    return (isinstance(leaf, Tensor) or leaf is None) and (isinstance(first, Tensor)
-                                                           or first is None)
-
-
-def _carries(before: RecordedCall, call: RecordedCall) -> bool:
-    """Whether `call`'s hidden state (its first argument) is what `before`
-    returned first, a value it computed."""
-    return (bool(call.leaves) and bool(before.outputs) and before.sources[0].kind == "computed"
-            and call.leaves[0] is before.outputs[0])
+            and not call.attributes and called_otherwise(reference, before, call) is None)
 
 
 def _run(calls: list[RecordedCall], number: int, period: int, record: CallRecord) -> Run:
@@ -344,8 +303,8 @@ def _run(calls: list[RecordedCall], number: int, period: int, record: CallRecord
     reason = _unscannable(calls, period)
     if reason is not None:
         return Run(first, last, number, ONE_BY_ONE, reason)
-    handed = _handed(calls[0], calls[1]) if period == 1 else ()
-    leaves = tuple(_leaves(calls[position::period], handed) for position in range(period))
+    handed = handed_pairs(calls[0], calls[1]) if period == 1 else ()
+    leaves = tuple(leaf_plans(calls[position::period], handed) for position in range(period))
     # The last layer's hidden state and handed values are the scan's results;
     # any other output the forward uses, or hands a layer of another run, it
     # takes from what the scan stacks per layer.
@@ -394,7 +353,7 @@ def _unscannable(calls: list[RecordedCall], period: int) -> str | None:
             what = call.sources[kinds.index("object")].value
             return (f"layer {call.index} gives back a {what} it makes, which a scan "
                     f"cannot carry or stack")
-    handed = [_handed(before, call) for before, call in zip(calls, calls[1:])]
+    handed = [handed_pairs(before, call) for before, call in zip(calls, calls[1:])]
     if period > 1:
         given = next(((call, pairs) for call, pairs in zip(calls[1:], handed) if pairs), None)
         if given is not None:
@@ -409,31 +368,8 @@ def _unscannable(calls: list[RecordedCall], period: int) -> str | None:
                     f"and layer {calls[1].index} as {list(handed[0])}, and a scan carries the "
                     f"same values from layer to layer")
     for position, output in handed[0] if handed else ():
-        if not _fits(calls[0].leaves[position], calls[0].sources[output]):
+        if not fits(calls[0].leaves[position], calls[0].sources[output]):
             return (f"layer {calls[0].index} gets, as its argument leaf {position}, no tensor "
                     f"of the shape and dtype of the value the next layers get there from the "
                     f"layer before them, which a scan carries")
     return None
-
-
-def _leaves(calls: list[RecordedCall], handed: tuple[tuple[int, int], ...]) -> tuple[Leaf, ...]:
-    """How the calls at one position of a run give each argument leaf
-    (`handed`: (argument leaf, output leaf) of the values each gets from the
-    layer before)."""
-    plans = [Leaf("carried")]
-    outputs = dict(handed)
-    for position in range(1, len(calls[0].leaves)):
-        if position in outputs:
-            plans.append(Leaf("handed", output=outputs[position]))
-            continue
-        variants, choice = [], []
-        for call in calls:
-            leaf = call.leaves[position]
-            number = next((number for number, variant in enumerate(variants)
-                           if same_leaf(leaf, variant)), None)
-            if number is None:
-                number = len(variants)
-                variants.append(leaf)
-            choice.append(number)
-        plans.append(Leaf("shared") if len(variants) == 1 else Leaf("chosen", tuple(choice)))
-    return tuple(plans)

@@ -41,7 +41,7 @@ from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import program_of
 from torch_xla_ext.layer_stack.layer_state import attributes_restored
-from torch_xla_ext.layer_stack.loops import driving, iterating
+from torch_xla_ext.layer_stack.loops import ReadRecorder, driving, iterating
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping, written_keys
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.scan.loop import xla_rng_kept
@@ -97,6 +97,10 @@ class CallRecord:
     used: dict[int, str]
     outputs: set[int] = dataclasses.field(default_factory=set)  # ids of all computed outputs
     read: str | None = None  # where the forward read a tensor's value while looping
+    # What the forward read of each list's loop items (`decoder_layer.attention_type`):
+    # by list name, layer index and attribute name, the value it got.
+    attributes_read: dict[str, dict[int, dict[str, Any]]] = dataclasses.field(
+        default_factory=dict)
     failure: str | None = None  # why the dry run did not complete
 
 
@@ -104,8 +108,10 @@ def record_calls(owner: nn.Module, stacks: dict[str, nn.Module], args: tuple,
                  kwargs: dict) -> CallRecord:
     """Runs `owner.forward(*args, **kwargs)` with the layers of `stacks` (its
     lists, by name) recorded (see the module docstring)."""
-    record = CallRecord({name: [] for name in stacks}, {})
-    recorders = {name: _Recorder(stack, record.calls[name], record.outputs)
+    record = CallRecord({name: [] for name in stacks}, {},
+                        attributes_read={name: {} for name in stacks})
+    recorders = {name: _Recorder(stack, record.calls[name], record.outputs,
+                                 record.attributes_read[name])
                  for name, stack in stacks.items()}
     watch = _Watch(recorders.values(), record)
     tensors = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
@@ -146,13 +152,14 @@ def _failure(owner: nn.Module, error: Exception) -> str:
             f"stand-ins, raised {type(error).__name__} at {where}: {first_line}")
 
 
-class _Recorder:
+class _Recorder(ReadRecorder):
     """The dry run's driver of one stacked list's loop."""
 
-    def __init__(self, stack: nn.Module, calls: list, outputs: set):
+    def __init__(self, stack: nn.Module, calls: list, outputs: set, attributes_read: dict):
         self.stack = stack
         self.calls = calls
         self.outputs = outputs  # ids of the computed outputs of every list's calls
+        self.attributes_read = attributes_read  # `CallRecord.attributes_read` of the list
         self.inside = False  # a layer's fake run is under way
         self._found: dict[tuple, tuple] = {}  # per kind of call: what `_fake_run` found
         # The shared mappings the layers wrote in, by id: (mapping, its entries before).
@@ -180,6 +187,9 @@ class _Recorder:
         self.outputs.update(id(each) for each, source in zip(outputs, sources)
                             if source.kind == "computed")
         return tree_unflatten(outputs, output_spec)
+
+    def read(self, index: int, name: str, value) -> None:
+        self.attributes_read.setdefault(index, {})[name] = value
 
     def _write(self, mapping, key, value) -> None:
         """Sets (a None `value`: deletes) `mapping[key]` as the layer did, the

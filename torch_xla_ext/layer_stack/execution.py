@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch_xla_ext.layer_stack.exporting import stand_in
 from torch_xla_ext.layer_stack.call_plan import SCAN, CallPlan, Run
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, same_leaf
-from torch_xla_ext.layer_stack.operands import HandedOn
+from torch_xla_ext.layer_stack.operands import LAYER_INDEX, HandedOn
 from torch_xla_ext.layer_stack.running import warn_layer_by_layer
 
 __all__ = ["Execution", "ScanResult"]
@@ -111,6 +111,14 @@ class Execution:
                 f"between them.")
         position, group = offset % run.period, offset // run.period
         for number, plan in enumerate(run.leaves[position][1:], start=1):
+            if plan.kind == "index" and not (type(leaves[number]) is int
+                                             and leaves[number] == index):
+                raise ValueError(
+                    f"layer {index} is given {leaves[number]!r} as leaf {number} of its "
+                    f"arguments, where the loop gave each layer its own index when this kind "
+                    f"of call was planned: {run} run as one scan, which gives each layer its "
+                    f"index there. Pass the layers their indices as before, or run this model "
+                    f"unconverted.")
             if offset and plan.kind == "handed" and leaves[number] is not state.returned[
                     plan.output]:
                 raise RuntimeError(
@@ -155,6 +163,8 @@ class Execution:
                                                  + position][0][number]
                                      for variant in range(max(plan.choice) + 1))
                     merged[number] = PerLayerChoice(variants, plan.choice)
+                elif plan.kind == "index":
+                    merged[number] = LAYER_INDEX
             args, kwargs = tree_unflatten(merged, spec)
             calls.append((args[1:], kwargs))
         hidden = state.calls[0][0][0]

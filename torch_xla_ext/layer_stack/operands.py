@@ -4,7 +4,9 @@ A scan step traced once stands for every layer, so what a call passes the
 layers is split (`split_arguments`): tensors ride the carry unchanged; a
 PerLayerChoice's variants ride stacked, and each step picks its layer's; a
 HandedOn value rides the carry, each layer's output giving the next its
-own; a shared mapping's entries ride as tensors, and the step hands the
+own; the leaf where each layer gets its own index (`LAYER_INDEX`) is the
+step's opaque index, which the layer may hand on but not use
+(`per_layer`); a shared mapping's entries ride as tensors, and the step hands the
 layer the very mapping, filled with the traced entries (`traced_with`);
 plain constants are part of the step's key. Anything else cannot enter a
 traced loop (`Unscannable`, with the argument's path). Inside the step,
@@ -22,8 +24,8 @@ from torch_xla_ext.layer_stack.kinds import argument_path, is_choice
 from torch_xla_ext.layer_stack.shared_mappings import gathered, is_shared_mapping
 from torch_xla_ext.object_graph import VALUE_TYPES
 
-__all__ = ["HandedOn", "Unscannable", "choice_tensor", "leaves_in_step", "split_arguments",
-           "traced_with"]
+__all__ = ["LAYER_INDEX", "HandedOn", "Unscannable", "choice_tensor", "leaves_in_step",
+           "split_arguments", "traced_with"]
 
 
 class Unscannable(Exception):
@@ -40,6 +42,14 @@ class HandedOn:
     value: torch.Tensor
     output: int
 
+
+class _LayerIndex:
+    def __repr__(self):
+        return "<each layer's own index>"
+
+
+# A leaf of a scan's call arguments where each layer gets its own index in its list.
+LAYER_INDEX = _LayerIndex()
 
 # Stand in the call key for a tensor argument, which is passed through the
 # carry, and for a PerLayerChoice, whose variants are (stacked).
@@ -76,6 +86,8 @@ def split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple, list
         if isinstance(leaf, HandedOn) and entry_path is None:
             handed.setdefault(leaf.output, leaf.value)
             constants.append(_HandedLeaf(leaf.output))
+        elif leaf is LAYER_INDEX:
+            constants.append(LAYER_INDEX)
         elif isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             constants.append(_TENSOR_ARGUMENT)
@@ -120,10 +132,12 @@ def _stacked_variants(choice, args: tuple, kwargs: dict) -> torch.Tensor:
                       f"and dtype")
 
 
-def leaves_in_step(constants: tuple, tensor_arguments: tuple, handed: dict, picks) -> tuple:
+def leaves_in_step(constants: tuple, tensor_arguments: tuple, handed: dict, picks,
+                   index) -> tuple:
     """Inside a scan step, the leaves of a layer call's arguments again, from
     the description `split_arguments` made (its `constants`), the tensors
-    the carry gives, the HandedOn values and each PerLayerChoice's pick;
+    the carry gives, the HandedOn values, each PerLayerChoice's pick and the
+    layer's `index` where it gets its own;
     with the shared mappings of the call being traced, filled with their
     traced entries (`shared_mappings.gathered`)."""
     supplied, picks = iter(tensor_arguments), iter(picks)
@@ -131,6 +145,7 @@ def leaves_in_step(constants: tuple, tensor_arguments: tuple, handed: dict, pick
               else torch.index_select(next(supplied), 0, next(picks).view(1))[0]
               if constant is _CHOSEN_ARGUMENT
               else handed[constant.output] if isinstance(constant, _HandedLeaf)
+              else index if constant is LAYER_INDEX
               else constant if constant[0] is _SHARED_MAPPING else constant[1]
               for constant in constants]
     return gathered(values, _SHARED_MAPPING, _MAPPINGS_TRACED[-1])

@@ -16,6 +16,10 @@ from torch_xla_ext.class_swaps import lookalike_subclass, swapped
 # transformers' attention layers keep their index only to pick their key/value cache slot.
 DEFAULT_PER_LAYER_ATTRIBUTES = ("layer_idx",)
 
+# What a scan's step gives a layer where the forward passes each layer its
+# own index as an argument: an opaque value, as a per-layer attribute's.
+INDEX_ARGUMENT = "the index argument the forward passes each layer"
+
 
 class _ReadLog(threading.local):
     # The set that the running step records per-layer attribute reads in, if any.

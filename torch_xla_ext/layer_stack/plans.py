@@ -28,6 +28,8 @@ from torch_xla_ext.layer_stack.exporting import exporting
 from torch_xla_ext.layer_stack.fakes import apart_from_trace
 from torch_xla_ext.layer_stack.running import device_reason
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
+from torch_xla_ext.layer_stack.tracing import (
+    TracedExecution, TracedLoop, traced_loops, traced_runs, warn_graph_break)
 from torch_xla_ext.object_graph import VALUE_TYPES
 
 __all__ = ["OwnerPlans"]
@@ -39,6 +41,14 @@ class OwnerPlans:
     def __init__(self):
         # By kind of call: each stacked list's plan, and the stand-ins its executions share.
         self.plans: dict[tuple, dict[str, tuple[CallPlan, dict]]] = {}
+        # The kinds of call as Dynamo computes them (plain values, compared
+        # as Dynamo hashes none of a call's TreeSpec or dtypes) and for each,
+        # each stacked list's runs as Dynamo traces them, or why its loop runs
+        # at a graph break (`tracing`).
+        self.traced_kinds: list[tuple] = []
+        self.traced_runs: list[dict[str, TracedLoop | str]] = []
+        # The names of the plain settings of the owner and of its config.
+        self.setting_names: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
     def start(self, owner: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict
               ) -> dict[str, Execution]:
@@ -55,8 +65,71 @@ class OwnerPlans:
                 record = record_calls(owner, stacks, args, kwargs)
             self.plans[key] = {name: (plan_calls(stack, record.calls[name], record), {})
                                for name, stack in stacks.items()}
+            if traced_loops() and not exporting():
+                self._add_traced(owner, args, kwargs, {name: plan for name, (plan, _) in
+                                                       self.plans[key].items()}, stacks, record)
         return {name: Execution(stacks[name], plan, stand_ins)
                 for name, (plan, stand_ins) in self.plans[key].items()}
+
+    def traced(self, owner: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict
+               ) -> dict[str, TracedExecution] | None:
+        """Under Dynamo: the drivers of this forward's loops as Dynamo traces
+        them, or None when no eager call of this kind planned them or one
+        cannot be traced (the loops then run at a graph break)."""
+        if not traced_loops() or self.setting_names is None:
+            return None
+        kind = _traced_kind(owner, args, kwargs, self.setting_names)
+        for number, each in enumerate(self.traced_kinds):
+            if each == kind:
+                runs = self.traced_runs[number]
+                if all(isinstance(each, TracedLoop) for each in runs.values()):
+                    return {name: TracedExecution(owner._modules[name], each)
+                            for name, each in runs.items()}
+        return None
+
+    def _add_traced(self, owner, args, kwargs, plans: dict, stacks: dict, record) -> None:
+        if self.setting_names is None:
+            self.setting_names = (_setting_names(owner),
+                                  _setting_names(getattr(owner, "config", None)))
+        with apart_from_trace():
+            runs = {name: traced_runs(stacks[name], plan, record.calls[name],
+                                      record.attributes_read[name])
+                    for name, plan in plans.items()}
+        kind = _traced_kind(owner, args, kwargs, self.setting_names)
+        if kind in self.traced_kinds:
+            # Kinds of call that Dynamo's key does not tell apart: no traced runs for them.
+            runs = {name: "it is called in kinds that differ in what Dynamo's key of a call "
+                          "(plain values) leaves out" for name in plans}
+            self.traced_runs[self.traced_kinds.index(kind)] = runs
+        else:
+            self.traced_kinds.append(kind)
+            self.traced_runs.append(runs)
+        for name, each in runs.items():
+            if isinstance(each, str):
+                warn_graph_break(owner, name, each)
+
+
+def _traced_kind(owner: nn.Module, args: tuple, kwargs: dict,
+                 setting_names: tuple[tuple[str, ...], tuple[str, ...]]) -> tuple:
+    """The kind of call (`_kind_of_call`) of plain values only, which Dynamo
+    computes and compares: the settings by the names an eager call found."""
+    leaves, spec = tree_flatten((args, kwargs))
+    config = getattr(owner, "config", None)
+    return (str(spec), tuple(_plain_leaf_kind(leaf) for leaf in leaves), owner.training,
+            torch.is_grad_enabled(), tuple(getattr(owner, name, None) for name in setting_names[0]),
+            tuple(getattr(config, name, None) for name in setting_names[1]))
+
+
+def _plain_leaf_kind(leaf) -> tuple:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), str(leaf.dtype), str(leaf.device), leaf.requires_grad)
+    if isinstance(leaf, VALUE_TYPES):
+        return (type(leaf).__name__, leaf)
+    return (type(leaf).__module__, type(leaf).__qualname__)
+
+
+def _setting_names(obj) -> tuple[str, ...]:
+    return tuple(name for name, _ in _settings(obj))
 
 
 def _kind_of_call(owner: nn.Module, args: tuple, kwargs: dict) -> tuple:

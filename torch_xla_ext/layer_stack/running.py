@@ -28,7 +28,7 @@ from torch_xla_ext.layer_stack.operands import (
 from torch_xla_ext.layer_stack.sharding import entering
 from torch_xla_ext.layer_stack.shared_mappings import holding
 from torch_xla_ext.layer_stack.per_layer import (
-    PerLayerAttributeRead, reads_recorded_in, reads_watched)
+    INDEX_ARGUMENT, OpaqueValue, PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.scan import Lowered, lower as lower_scan, scan
 
 
@@ -275,7 +275,8 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                                         handed), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
-    read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads]
+    read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads] + [
+        name for name in (INDEX_ARGUMENT,) if name in reads]
     raise Unscannable(
         f"the layer reads {read}, which differ between layers, so one trace cannot stand for "
         f"all of them (a key/value cache passed to the layers reads its layer index)")
@@ -317,7 +318,7 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
                              for name, tensor in layer_tensors.items()
                              for position in range(positions)}
         leaves, filled = leaves_in_step(constants, tensor_arguments, handed,
-                                        x.get("choices", ()))
+                                        x.get("choices", ()), OpaqueValue(INDEX_ARGUMENT, reads))
         args, kwargs = tree_unflatten(leaves, spec)
 
         def layer(*layer_args, **layer_kwargs):

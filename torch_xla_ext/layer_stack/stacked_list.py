@@ -29,7 +29,8 @@ from torch_xla_ext.layer_stack.alike import layout_of, names_its_module, structu
 from torch_xla_ext.layer_stack.forms import differences
 from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.layer_state import KeptLayers, attributes_of, written
-from torch_xla_ext.layer_stack.loops import LayerCall, active_driver, at_graph_break, iterated
+from torch_xla_ext.layer_stack.loops import (
+    TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import plan_segments
 from torch_xla_ext.layer_stack.stack import LayerStack
@@ -202,14 +203,28 @@ class StackedList(nn.Module):
             stored = built.layers[position] if self.plan[number].period > 1 else built
         return stored if as_built else self.kept_layers.layer(index, stored, copied)
 
-    @at_graph_break
     def __getitem__(self, index):
+        driver = traced_driver(self) if tracing() else None
+        if driver is None:
+            return self.item_at_graph_break(index)
+        if isinstance(index, slice):
+            return [TracedLayerCall(driver, each) for each in range(len(self))[index]]
+        return self.layer(index)
+
+    def __iter__(self):
+        driver = traced_driver(self) if tracing() else None
+        if driver is None:
+            return self.iterator_at_graph_break()
+        return iter([TracedLayerCall(driver, index) for index in range(len(self))])
+
+    @at_graph_break
+    def item_at_graph_break(self, index):
         if isinstance(index, slice):
             return [self._in_loop(each) for each in range(len(self))[index]]
         return self.layer(index)
 
     @at_graph_break
-    def __iter__(self):
+    def iterator_at_graph_break(self):
         items = (self._in_loop(index) for index in range(len(self)))
         return items if active_driver(self) is None else iterated(self, items)
 
@@ -224,7 +239,7 @@ class StackedList(nn.Module):
         """Layer `index` as its owner's forward loop gets it: a `LayerCall`
         that its driver runs; anywhere else, the layer as a module."""
         driver = active_driver(self)
-        return self.layer(index) if driver is None else LayerCall(driver, index, self.layer)
+        return self.layer(index) if driver is None else loop_item(driver, index, self.layer)
 
     def unstacked(self) -> list[nn.Module]:
         """The layers as modules of their own, their tensors copied from the
