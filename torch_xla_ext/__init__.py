@@ -22,7 +22,7 @@ _DEFINED_IN = {
     "stack_layers": "hf", "unstack_layers": "hf",
     "generate": "decoding",
     "openxla_scan": "torch_scan", "register_torch_scan": "torch_scan",
-    "unregister_torch_scan": "torch_scan",
+    "unregister_torch_scan": "torch_scan", "trace_loops_in_dynamo": "layer_stack",
 }
 # Submodules reachable as attributes of the package, as they were when importing
 # it imported them all. `scan` is the module torch_xla_ext.scan, which is
@@ -34,7 +34,8 @@ __all__ = [
     "LayerStack", "LivePlaceholder", "Lowered", "PlaceholderError", "cache_clear", "cache_info",
     "checkpoint_name", "depends_on_placeholder", "generate", "is_placeholder", "live_placeholders",
     "lower", "openxla_scan", "placeholder", "placeholder_id", "policies", "register_torch_scan",
-    "scan", "scan_layers", "stack_layers", "unregister_torch_scan", "unstack_layers",
+    "scan", "scan_layers", "stack_layers", "trace_loops_in_dynamo", "unregister_torch_scan",
+    "unstack_layers",
 ]
 
 
