@@ -21,7 +21,7 @@ from optimized_hlo import (
     callees, computations, dump_flags, entry_computation, stacked_results_in_loops, while_loops)
 from reference import host_copies
 from per_layer import per_layer_grads
-from tolerances import LOGGED_LOSSES, TRAINING, close
+from tolerances import LOGGED_LOSSES, TRAINING, close, close_by_name
 from torch_xla_ext.hf import StackedLayers, cache_plan, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 from torch_xla_ext.layer_stack.running import device_reason
@@ -116,11 +116,8 @@ def test_training_matches_the_unconverted_model(device, family):
     assert compiled == {False: 0, True: 0}
     for step in range(4):
         close(losses[step], reference_losses[step], TRAINING)
-        assert grads[step].keys() == reference_grads[step].keys()
-        for name, grad in reference_grads[step].items():
-            close(grads[step][name], grad, TRAINING)
-    for key, value in reference.state_dict().items():
-        close(model.state_dict()[key], value, TRAINING)
+        close_by_name(grads[step], reference_grads[step], TRAINING)
+    close_by_name(model.state_dict(), reference.state_dict(), TRAINING)
 
 
 # Models whose forward iterates over the layers (`for i, block in enumerate(self.h)`).
@@ -170,9 +167,7 @@ def test_an_option_given_to_stack_layers_gives_the_unconverted_gradients(device,
         torch_xla.sync()  # one execution; reading each gradient alone would compile each
         grads.append((loss.detach(), per_layer_grads(which)))
     close(grads[1][0], grads[0][0], TRAINING)
-    assert grads[1][1].keys() == grads[0][1].keys()
-    for name, grad in grads[0][1].items():
-        close(grads[1][1][name], grad, TRAINING)
+    close_by_name(grads[1][1], grads[0][1], TRAINING)
 
 
 def training_step_hlo(model, device) -> tuple[str, torch.Tensor]:
@@ -207,8 +202,7 @@ def test_16_layers_train_as_one_while_loop_like_the_unconverted_model(device):
     assert sizes[16, False] > 3 * sizes[4, False]
     (reference_loss, reference_grads), (loss, grads) = results
     close(loss, reference_loss, TRAINING)
-    for name, grad in reference_grads.items():
-        close(grads[name], grad, TRAINING)
+    close_by_name(grads, reference_grads, TRAINING)
 
 
 # ---------------------------------------------------------------------------
@@ -362,9 +356,7 @@ def assert_one_scan_with_the_unconverted_step(reference, model, device):
         results.append((hlo, dict(zip(["loss", *grads], host_copies([loss, *grads.values()])))))
     (reference_hlo, expected), (hlo, actual) = results
     assert "while" in hlo and "while" not in reference_hlo
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        close(actual[name], value, TRAINING)
+    close_by_name(actual, expected, TRAINING)
 
 
 @pytest.mark.parametrize("family, config", [
@@ -525,8 +517,7 @@ def test_every_reason_of_a_cache_call_is_reached_with_the_unconverted_logits(dev
                        [cache_plan.STATIC_GRADIENTS_REASON]]
     # Every reason a call with a cache can give, reached.
     assert {reason for reasons in reached for reason in reasons} == {on_cpu, *cache_plan.REASONS}
-    for (_, got), (_, want) in zip(actual, expected, strict=True):
-        close(got, want, TRAINING)
+    close([logits for _, logits in actual], [logits for _, logits in expected], TRAINING)
 
 
 STATIC = {
@@ -784,8 +775,7 @@ def test_per_layer_outputs_a_model_collects_in_its_own_loop_come_from_its_scan(d
     assert hlo.count(" while(") == 1
     name = "hidden_states" if "output_hidden_states" in flags else "attentions"
     assert len(getattr(output, name)) == len(getattr(expected, name))
-    for got, wanted in zip(getattr(output, name), getattr(expected, name)):
-        close(got, wanted, TRAINING)
+    close(getattr(output, name), getattr(expected, name), TRAINING)
 
 
 def test_the_layer_list_is_found_or_named():

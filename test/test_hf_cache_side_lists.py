@@ -18,7 +18,7 @@ from per_layer import per_layer_grads
 from reference import host_copies
 from test_hf import (batch, device, left_padded_prompts,  # noqa: F401 (a fixture)
                      seeded_generate)
-from tolerances import TRAINING, close
+from tolerances import TRAINING, close, close_by_name
 from torch_xla_ext.hf import stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 
@@ -127,9 +127,7 @@ def test_a_cache_with_a_side_list_trains_as_one_scan_and_is_left_as_unconverted(
         results.append((hlo, dict(zip(values, host_copies(list(values.values()))))))
     (reference_hlo, expected), (hlo, actual) = results
     assert "while" in hlo and "while" not in reference_hlo
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        close(actual[name], value, TRAINING)
+    close_by_name(actual, expected, TRAINING)
 
 
 def test_a_layer_changing_other_state_of_the_cache_raises_rather_than_lose_it(device):
@@ -193,9 +191,7 @@ def test_minimax_trains_with_its_default_cache_as_one_scan_with_the_unconverted_
         trained_with_their_caches(*minimax_pair(), device, layout_and_tensors)
     assert "while" in hlo and "while" not in reference_hlo
     assert layout == expected_layout == (["list", "Tensor"] * 2, [True, False, True])
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        close(actual[name], value, TRAINING)
+    close_by_name(actual, expected, TRAINING)
 
 
 def test_minimax_generates_the_unconverted_tokens_from_a_scanned_prefill(device):

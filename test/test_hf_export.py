@@ -22,7 +22,7 @@ from per_layer import per_layer_grads
 from test_hf import VOCAB, make_diffllama, make_model
 from test_hf_layer_kinds import COMMON, FAMILIES as KIND_FAMILIES, \
     another_activation_on_full_attention
-from tolerances import TRAINING, close
+from tolerances import TRAINING, close, on_host
 from torch_xla_ext.hf import stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 from torch_xla_ext.layer_stack import ExportWarning
@@ -138,10 +138,12 @@ def test_an_exported_training_loss_run_on_xla_has_the_unconverted_gradients():
     reference.to(device)
     expected = reference(ids, labels=ids).loss
     expected.backward()
+    # On the CPU, from one execution: read one by one, each value (a slice of
+    # a gradient above all) would compile a graph of its own.
+    loss, expected, got, grads = on_host(
+        loss, expected, {name: param.grad for name, param in program.named_parameters()},
+        per_layer_grads(reference))
     close(loss, expected, TRAINING)
-    # On the CPU, read once: a slice of an XLA tensor compiles a graph of its own.
-    got = {name: param.grad.cpu() for name, param in program.named_parameters()}
-    grads = {name: grad.cpu() for name, grad in per_layer_grads(reference).items()}
     assert len(grads) == 1 + 9 * 2 + 2  # embeddings, 9 per layer, the final norm, the head
     for name, grad in grads.items():
         if ".layers." in name:

@@ -18,7 +18,7 @@ from support import supports
 from reference import host_copies
 from test_hf import batch, device, make_model, per_layer_grads  # noqa: F401 (fixture)
 from test_hf_layer_kinds import converted_pair as kinds_pair
-from tolerances import LOGGED_LOSSES, TRAINING, close
+from tolerances import LOGGED_LOSSES, TRAINING, close, close_by_name
 from torch_xla_ext import policies
 from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.hf.checkpointing import CheckpointingWarning
@@ -63,9 +63,7 @@ def training_step(model, device, grads_of=per_layer_grads) -> dict:
 
 
 def assert_same_step(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        close(actual[name], value, TRAINING)
+    close_by_name(actual, expected, TRAINING)
 
 
 @supports("gradient checkpointing", "llama")

@@ -21,7 +21,7 @@ from per_layer import per_layer_grads
 from support import supports
 from test_hf import (batch, compilations, device,  # noqa: F401 (a fixture)
                      left_padded_prompts, seeded_generate)
-from tolerances import TRAINING, close
+from tolerances import TRAINING, close, close_by_name
 import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
@@ -128,9 +128,7 @@ def test_training_matches_the_unconverted_model_as_one_scan(device, family, grou
         results[which is model] = steps
     for (loss, grads), (reference_loss, reference_grads) in zip(results[True], results[False]):
         close(loss, reference_loss, TRAINING)
-        assert grads.keys() == reference_grads.keys()
-        for name, grad in reference_grads.items():
-            close(grads[name], grad, TRAINING)
+        close_by_name(grads, reference_grads, TRAINING)
 
 
 @pytest.mark.parametrize("family, groups", [
@@ -235,8 +233,7 @@ def test_a_prefill_fills_the_cache_and_decoding_runs_sliding_layers_one_by_one(d
         f"each layer reads and updates its own slot"), warned
     # Every layer's keys and values, a sliding layer's cut to its window, as unconverted.
     assert [t.shape for t in results[1]] == [t.shape for t in results[0]]
-    for actual, expected in zip(*results):
-        close(actual, expected, TRAINING)
+    close(results[1], results[0], TRAINING)
 
 
 def training_step_of_both(reference, model, device) -> dict:
@@ -264,9 +261,7 @@ def training_step_of_both(reference, model, device) -> dict:
 def assert_same_step(step: dict) -> None:
     (reference_loss, reference_grads), (loss, grads) = step["reference"], step["model"]
     close(loss, reference_loss, TRAINING)
-    assert grads.keys() == reference_grads.keys()
-    for name, grad in reference_grads.items():
-        close(grads[name], grad, TRAINING)
+    close_by_name(grads, reference_grads, TRAINING)
 
 
 def halved_in_sliding_windows(module, query, key, value, attention_mask, sliding_window=None,
@@ -326,9 +321,7 @@ def test_the_configs_window_and_default_cache_train_and_generate_on_xla_as_scans
         results.append((loss, per_layer_grads(which)))
     (reference_loss, reference_grads), (loss, grads) = results
     close(loss, reference_loss, TRAINING)
-    assert grads.keys() == reference_grads.keys()
-    for name, grad in reference_grads.items():
-        close(grads[name], grad, TRAINING)
+    close_by_name(grads, reference_grads, TRAINING)
     prompts, prompt_mask = left_padded_prompts((0, 2), device)
     expected = seeded_generate(reference, prompts, prompt_mask, cache_implementation="static")
     with warnings.catch_warnings():

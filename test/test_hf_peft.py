@@ -11,7 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 from test_hf import batch, device, make_model, per_layer_grads  # noqa: F401 (fixture)
-from tolerances import THROUGH_LAYERS, TRAINING, close
+from tolerances import THROUGH_LAYERS, TRAINING, close, close_by_name
 from torch_xla_ext.hf import StackedLayers, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
 from torch_xla_ext.layer_stack.segments import Segment
@@ -200,9 +200,7 @@ def test_stack_layers_first_gives_the_same_model(device, tmp_path):
         torch_xla.sync()  # one graph for the loss and every gradient
     (reference_loss, reference_grads), (loss, grads) = losses
     close(loss, reference_loss, TRAINING)
-    assert grads.keys() == reference_grads.keys()
-    for name, grad in reference_grads.items():
-        close(grads[name], grad, THROUGH_LAYERS)
+    close_by_name(grads, reference_grads, THROUGH_LAYERS)
 
 
 def test_disable_adapter_and_set_adapter_reach_the_stacked_layers(device, tmp_path):

@@ -14,7 +14,7 @@ import transformers
 import test_hf_layer_kinds as layer_kinds
 from test_hf import (VOCAB, batch, device,  # noqa: F401 (a fixture)
                      left_padded_prompts, per_layer_grads)
-from tolerances import TRAINING, close
+from tolerances import TRAINING, close, close_by_name
 import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayers, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
@@ -128,9 +128,7 @@ def test_a_loss_on_a_middle_hidden_state_trains_as_one_scan_with_the_unconverted
         results.append((loss.detach(), per_layer_grads(which)))
     (expected_loss, expected_grads), (loss, grads) = results
     close(loss, expected_loss, TRAINING)
-    assert grads.keys() == expected_grads.keys()
-    for name, grad in expected_grads.items():
-        close(grads[name], grad, TRAINING)
+    close_by_name(grads, expected_grads, TRAINING)
 
 
 @pytest.mark.parametrize("options", [{}, {"cache_implementation": "static"}],

@@ -1,4 +1,5 @@
-"""The one closeness check of the tests, `close`, and its named tolerances.
+"""The one closeness check of the tests, `close` (`close_by_name` for dicts),
+and its named tolerances.
 
 Each tolerance says why it is as loose as it is; a test picks the tightest one
 that holds for what it compares. Subprocess scenarios import it too
@@ -8,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class Tolerance(NamedTuple):
@@ -65,7 +66,8 @@ DTYPE_DEFAULT = Tolerance(rtol=None, atol=None)
 def close(actual, expected, tolerance: Tolerance, what: str = "") -> None:
     """Asserts that two PyTrees have the same structure, None at the same
     places, and tensors of the same dtype and shape within `tolerance`
-    (compared on the host, autograd history dropped)."""
+    (compared on the host, autograd history dropped, read by `on_host`)."""
+    actual, expected = on_host(actual, expected)
     actual_leaves, actual_spec = tree_flatten(actual)
     expected_leaves, expected_spec = tree_flatten(expected)
     assert actual_spec == expected_spec, f"{what}: structure {actual_spec} != {expected_spec}"
@@ -74,7 +76,6 @@ def close(actual, expected, tolerance: Tolerance, what: str = "") -> None:
         assert (a is None) == (e is None), f"{where}: {a} where {e} was expected"
         if a is None:
             continue
-        a, e = a.detach().cpu(), e.detach().cpu()
         rtol, atol = tolerance.rtol, tolerance.atol
         if tolerance.of_largest is not None:
             largest = e.float().abs().max().item()
@@ -84,3 +85,28 @@ def close(actual, expected, tolerance: Tolerance, what: str = "") -> None:
             a, e = a.float(), e.float()
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol,
                                    msg=(lambda message: f"{where}: {message}") if where else None)
+
+
+def close_by_name(actual: dict, expected: dict, tolerance: Tolerance) -> None:
+    """Asserts that two dicts have the same keys and `close` entries under
+    each (a failure names the key)."""
+    assert actual.keys() == expected.keys(), (
+        f"keys only in actual {sorted(actual.keys() - expected.keys())}, "
+        f"only in expected {sorted(expected.keys() - actual.keys())}")
+    actual, expected = on_host(actual, expected)
+    for name, value in expected.items():
+        close(actual[name], value, tolerance, what=name)
+
+
+def on_host(*trees):
+    """`trees` with each tensor detached and copied to the host, the lazy XLA
+    tensors among them computed in one execution: read one by one, each would
+    compile and run a graph of its own (a model's outputs, the slices of a
+    stacked gradient)."""
+    leaves, spec = tree_flatten(trees)
+    leaves = [None if leaf is None else leaf.detach() for leaf in leaves]
+    lazy = [leaf for leaf in leaves if leaf is not None and leaf.device.type == "xla"]
+    if lazy:
+        import torch_xla
+        torch_xla._XLAC._xla_sync_multi(lazy, devices=[], wait=True, sync_xla_data=False)
+    return tree_unflatten([None if leaf is None else leaf.cpu() for leaf in leaves], spec)

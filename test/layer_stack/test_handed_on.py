@@ -11,7 +11,7 @@ from torch import nn
 
 from layer_calls import HIDDEN, Block, converted, forward_with_warnings
 from per_layer import per_layer_grads
-from tolerances import TRAINING, close
+from tolerances import TRAINING, close, close_by_name
 from torch_xla_ext.layer_stack.call_plan import Leaf, plan_calls
 from torch_xla_ext.layer_stack.dry_run import record_calls
 
@@ -68,9 +68,8 @@ def test_the_handed_value_is_carried_with_the_hidden_state(device):
     close(output, expected, TRAINING)
     output.sum().backward()
     expected.sum().backward()
-    grads = per_layer_grads(model)
-    for name, param in reference.named_parameters():
-        close(grads[name], param.grad, TRAINING, name)
+    close_by_name(per_layer_grads(model),
+                  {name: param.grad for name, param in reference.named_parameters()}, TRAINING)
 
 
 def test_a_first_layer_given_none_runs_as_itself_and_the_rest_as_one_scan(device):

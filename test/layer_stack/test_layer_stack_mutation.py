@@ -9,7 +9,7 @@ import torch_xla
 from torch import nn
 
 import torch_xla_ext as tx
-from tolerances import ACCUMULATED, close
+from tolerances import ACCUMULATED, close, close_by_name
 
 DEV = torch_xla.device()
 
@@ -42,6 +42,7 @@ def test_layer_stack_of_batchnorm_layers_keeps_each_layers_statistics():
         stack_hidden_grad, hidden.grad = hidden.grad, None
         loop_out = run_loop(reference, hidden)
         loop_out.pow(2).sum().backward()
+        torch_xla.sync()  # one execution for what is compared below
         close(out, loop_out, ACCUMULATED, f"step {step} output")
         close(stack_hidden_grad, hidden.grad, ACCUMULATED, f"step {step} input gradient")
         for name, stacked in stack.stacked.named_parameters():
@@ -53,8 +54,8 @@ def test_layer_stack_of_batchnorm_layers_keeps_each_layers_statistics():
         loop_optimizer.zero_grad()
         torch_xla.sync()
     stacked_state = stack.state_dict()
-    for name, expected in reference.state_dict().items():
-        close(stacked_state[name], expected, ACCUMULATED, name)  # '1.1.running_mean': layer 1's own
+    # '1.1.running_mean': layer 1's own
+    close_by_name(stacked_state, reference.state_dict(), ACCUMULATED)
     assert [int(stacked_state[f"{i}.1.num_batches_tracked"]) for i in range(3)] == [2, 2, 2]
     # The layers' statistics differ: each layer updated its own slice.
     assert not torch.allclose(stacked_state["0.1.running_mean"].cpu(),
@@ -85,12 +86,11 @@ def test_scan_layers_of_batchnorm_layers_updates_the_layers_own_buffers():
     out.sum().backward()
     loop_out = run_loop(reference, hidden)
     loop_out.sum().backward()
+    torch_xla.sync()  # one execution for what is compared below
     close(out, loop_out, ACCUMULATED, "output")
-    for (name, value), expected in zip(layers.state_dict().items(),
-                                       reference.state_dict().values()):
-        close(value, expected, ACCUMULATED, name)
-    for (name, param), expected in zip(layers.named_parameters(), reference.parameters()):
-        close(param.grad, expected.grad, ACCUMULATED, f"gradient of {name}")
+    close_by_name(layers.state_dict(), reference.state_dict(), ACCUMULATED)
+    close_by_name({name: param.grad for name, param in layers.named_parameters()},
+                  {name: param.grad for name, param in reference.named_parameters()}, ACCUMULATED)
 
 
 class CachedLayer(nn.Module):

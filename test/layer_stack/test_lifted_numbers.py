@@ -18,7 +18,7 @@ from layer_calls import HIDDEN, Loop, converted, forward_with_warnings, planned
 from per_layer import per_layer_grads, per_layer_parameters
 from test_hf import make_diffllama
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
-from tolerances import TRAINING, close
+from tolerances import TRAINING, close, close_by_name
 from torch_xla_ext.hf import stack_layers
 
 LAYERS = 3
@@ -86,12 +86,11 @@ def test_layers_differing_in_numbers_of_their_arithmetic_train_as_one_scan(devic
             losses.append(loss)
         assert loops == 1 and not one_by_one  # the converted model's call: one scan
         close(losses[1], losses[0], TRAINING)
-        assert grads[1].keys() == grads[0].keys()
-        for name, grad in grads[0].items():
-            close(grads[1][name], grad, TRAINING, name)
-    weights = per_layer_parameters(model)
-    for name, weight in per_layer_parameters(reference).items():
-        close(weights[name].data, weight.data, TRAINING, name)
+        close_by_name(grads[1], grads[0], TRAINING)
+    weights, reference_weights = ({name: weight.data for name, weight in
+                                   per_layer_parameters(which).items()}
+                                  for which in (model, reference))
+    close_by_name(weights, reference_weights, TRAINING)
 
 
 def test_numbers_equal_in_every_layer_stay_constants_of_the_trace(device):

@@ -13,7 +13,7 @@ from torch import nn
 
 from layer_calls import HIDDEN, converted, forward_with_warnings
 from per_layer import per_layer_grads
-from tolerances import TRAINING, close
+from tolerances import TRAINING, close, close_by_name
 from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack
 
 
@@ -77,10 +77,8 @@ def test_layers_around_the_one_that_writes_an_entry_scan_and_train_as_the_loop(d
     output.sum().backward()
     expected.sum().backward()
     torch_xla.sync()  # one graph for every gradient, not one per comparison
-    grads = per_layer_grads(model)
-    assert grads.keys() == {name for name, _ in reference.named_parameters()}
-    for name, param in reference.named_parameters():
-        close(grads[name], param.grad, TRAINING)
+    close_by_name(per_layer_grads(model),
+                  {name: param.grad for name, param in reference.named_parameters()}, TRAINING)
 
 
 def test_layers_that_read_entries_chosen_by_a_setting_scan_as_a_pattern_of_their_kinds(device):
