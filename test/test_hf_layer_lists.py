@@ -328,6 +328,34 @@ def test_a_loop_with_work_between_layers_runs_them_one_by_one_and_another_list_s
     close(output, reference(x), TRAINING)
 
 
+class Unlike(nn.Module):
+    """A list of three blocks, each built otherwise than its neighbours."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([block(), nn.Sequential(nn.Linear(4, 4), nn.Tanh(),
+                                                            nn.Linear(4, 4)), block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_list_with_no_two_neighbours_alike_says_each_layer_runs_as_itself(device):
+    model = Unlike()
+    reference = copy.deepcopy(model).to(device)
+    with pytest.warns(UnstackedLayersWarning) as caught:
+        stack_layers(model)
+    (message,) = [str(each.message) for each in caught]
+    assert message.startswith("stack_layers: the layers at 'layers' are each built otherwise "
+                              "than their neighbours (Layer 1 differs from layer 0: it ")
+    x = torch.randn(2, 4, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerByLayerWarning)
+        close(model.to(device)(x), reference(x), TRAINING)
+
+
 def test_a_model_whose_every_list_cannot_be_stacked_is_refused():
     model = llava()
     for path in (VISION_LAYERS, TEXT_LAYERS):

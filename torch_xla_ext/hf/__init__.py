@@ -126,6 +126,12 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
             raise unstackable.error(f"{message}; the model is unchanged.")
         warnings.warn(f"{message}; they stay as they were, and the model's other layer lists "
                       f"are stacked.", UnstackedLayersWarning, stacklevel=2)
+    for each, stack in stacks:
+        if stack.unlike_neighbours is not None:
+            warnings.warn(f"stack_layers: the layers at {each.path!r} are each built otherwise "
+                          f"than their neighbours ({stack.unlike_neighbours}), so no run of "
+                          f"alike layers makes a scan: each runs as itself, as unconverted.",
+                          UnstackedLayersWarning, stacklevel=2)
     # Every stack is made before any is put in place: a refusal leaves the model unchanged.
     owners = {}
     for each, stack in stacks:

@@ -25,7 +25,8 @@ from torch import nn
 
 from torch_xla_ext.layer_stack import names as names_of, optimizer_state, running, sharding
 from torch_xla_ext.layer_stack.execution import ScanResult
-from torch_xla_ext.layer_stack.alike import layout_of, names_its_module, structure_key
+from torch_xla_ext.layer_stack.alike import (layout_of, names_its_module, structure_difference,
+                                             structure_key)
 from torch_xla_ext.layer_stack.forms import differences
 from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.layer_state import KeptLayers, attributes_of, written
@@ -93,6 +94,11 @@ class StackedList(nn.Module):
         self.options = options
         layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
         self.plan = plan_segments([structure_key(layout) for layout in layouts])
+        # Where no two neighbouring layers are built alike, how layer 1 differs
+        # from layer 0: no run makes a scan, and each layer runs as itself.
+        self.unlike_neighbours = (
+            structure_difference(1, layouts[0], layouts[1])[1].split(";")[0]
+            if len(self.plan) > 1 and all(segment.single for segment in self.plan) else None)
         self.segments = nn.ModuleList()
         for segment in self.plan:
             members = layers[segment.start:segment.stop]
