@@ -323,7 +323,10 @@ def test_fresh_lambdas_over_fresh_modules_are_all_collected():
     traces_before = live_traces()  # of other tests, if they keep any
 
     def call():
-        lin = torch.nn.Linear(4, 4, device=DEV)
+        # Initialized on the host: drawn on the device, each module's weights
+        # would lengthen the device's random seed's graph, which every graph
+        # drawing random numbers then compiles until the next sync.
+        lin = torch.nn.Linear(4, 4).to(DEV)
         modules.append(weakref.ref(lin))
         with torch.no_grad():
             tx.scan(lambda c, x: (lin(c) + x, None), h, xs)
