@@ -59,3 +59,16 @@ def run_isolated(scenario_server):
         return scenario_server.run(source, timeout=timeout, env=environment)
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def device_random_state_reset():
+    """Each test starts from the same random state of the XLA device, no draw
+    of an earlier test pending. torch_xla composes the seed of each random
+    draw on the device from the previous one until a sync, so without this
+    every graph drawing random numbers carried the seeds of every earlier
+    draw in the process since its last sync: compiled anew for each test (its
+    graph never the same) and longer as the suite went (test_scan.py took
+    four times as long after a test that drew 1000 modules' weights)."""
+    import torch_xla.core.xla_model as xm
+    xm.set_rng_state(0)
