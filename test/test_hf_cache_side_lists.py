@@ -213,11 +213,11 @@ def test_cache_layers_holding_a_window_size_tensor_train_as_one_scan(device):
     # DeepSeek-V4's cache layers (made up front from the config) hold their
     # sliding window's size as a 0-d tensor before they hold any token.
     settings = dict(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=32,
-                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, qk_rope_head_dim=16, q_lora_rank=16, o_lora_rank=16,
                     num_experts_per_tok=2, n_routed_experts=4, sliding_window=4,
                     index_n_heads=4, index_head_dim=16, index_topk=2,
-                    layer_types=["heavily_compressed_attention"] * 3, mlp_layer_types=["moe"] * 3)
+                    layer_types=["heavily_compressed_attention"] * 2, mlp_layer_types=["moe"] * 2)
     torch.manual_seed(0)
     reference = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**settings))
     reference.set_experts_implementation("batched_mm")
