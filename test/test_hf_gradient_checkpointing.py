@@ -66,22 +66,29 @@ def assert_same_step(actual: dict, expected: dict) -> None:
     close_by_name(actual, expected, TRAINING)
 
 
+@pytest.fixture(scope="module")
+def checkpointed_llama_step(device) -> dict:
+    """The training step of the unconverted 3-layer Llama, checkpointed by
+    torch_xla's function, that each way of enabling checkpointing on the
+    converted one is compared with: run once."""
+    return training_step(checkpointed_with_torch_xla(make_model(layers=3)), device)
+
+
 @supports("gradient checkpointing", "llama")
 @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True},
                                     {"use_reentrant": False, "preserve_rng_state": False}],
                          ids=["no-kwargs", "reentrant", "non-reentrant"])
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_enabled_before_or_after_stacking_the_scan_recomputes_with_the_unconverted_gradients(
-        device, policies_run, when, kwargs):
-    reference = make_model(layers=3)
-    model = copy.deepcopy(reference)
+        device, policies_run, when, kwargs, checkpointed_llama_step):
+    model = make_model(layers=3)
     if when == "before":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     stack_layers(model)
     if when == "after":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     assert type(model.model.layers) is StackedLayers and model.is_gradient_checkpointing
-    expected = training_step(checkpointed_with_torch_xla(reference), device)
+    expected = checkpointed_llama_step
     traces_before = tx.cache_info().misses
     actual = training_step(model, device)
     # One scan, traced once, under the recomputing policy.
