@@ -3,7 +3,7 @@
 A module that holds a `StackedList` (its owner) loops over it in its
 forward, `for layer in self.layers[: n]` or `for block in self.h`, calling
 each layer. `drive_loops(owner, names)` puts hooks on the owner: while its
-forward runs, slicing or iterating the lists gives `LayerCall`s, callables
+forward runs, indexing, slicing or iterating the lists gives `LayerCall`s, callables
 that stand for the layers (and read as them: `call.attention_type` is the
 layer's), and each call goes to the driver of that forward, which decides
 what runs (`execution.Execution` of a call plan, or the dry run's recorder,

@@ -198,10 +198,7 @@ class StackedList(nn.Module):
         stacked tensors, or copies of them; a layer held as itself is itself.
         A layer that set attributes on itself in a call is that call's module
         from then on, unless `as_built` (`layer_state.KeptLayers`)."""
-        index = operator.index(index)
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"Layer index {index} is out of range for {len(self)} layers.")
-        index %= len(self)
+        index = self._checked(index)
         number, group, position = self.place(index)
         stored = self.segments[number]
         if isinstance(stored, SegmentStack):
@@ -227,7 +224,17 @@ class StackedList(nn.Module):
     def item_at_graph_break(self, index):
         if isinstance(index, slice):
             return [self._in_loop(each) for each in range(len(self))[index]]
-        return self.layer(index)
+        # Indexed in its owner's loop (`self.layers[i](...)`), a layer is a
+        # call its driver runs, as iterated: the plan then says what the forward
+        # does between the calls.
+        return self._in_loop(self._checked(index))
+
+    def _checked(self, index) -> int:
+        """`index` as a layer's place in the list, from 0 (negative: from the end)."""
+        index = operator.index(index)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"Layer index {index} is out of range for {len(self)} layers.")
+        return index % len(self)
 
     @at_graph_break
     def iterator_at_graph_break(self):
