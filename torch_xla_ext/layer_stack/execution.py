@@ -207,14 +207,17 @@ class Execution:
             elif result is not None and number in run.kept[position]:
                 values.append(result.kept[position, number][group])
             else:
-                values.append(self._stand_in(index, number, source.value, leaves[0].device))
+                values.append(self._stand_in(index, number, source.value, leaves[0]))
         return tree_unflatten(values, spec)
 
-    def _stand_in(self, index: int, number: int, aval: tuple, device):
-        """The stand-in for output leaf `number` of layer `index` (see `exporting.stand_in`)."""
+    def _stand_in(self, index: int, number: int, aval: tuple, hidden):
+        """The stand-in for output leaf `number` of layer `index`, on the
+        device of its `hidden` state (see `exporting.stand_in`)."""
         if (index, number) in self.stand_ins:
+            # Read no metadata of `hidden`: a placeholder's goes through
+            # its __torch_function__, at each layer's call.
             return self.stand_ins[index, number]
-        made, kept = stand_in(*aval, device)
+        made, kept = stand_in(*aval, hidden.device)
         if kept:
             self.stand_ins[index, number] = made
         return made
