@@ -17,6 +17,26 @@ from optimized_hlo import dump_flags, while_loops
 LAYERS, STEPS = 3, 3
 
 
+def print_training_results(reference, model, losses, compilations, **more):
+    """Prints, as JSON, what a scenario training `reference` and its converted
+    `model` found: the `losses`, the largest weight difference after them and
+    whether both state_dicts have the same names (the converted model's keep
+    the unconverted per-layer names), Dynamo's recompiles, XLA's
+    `compilations` after each step, and `more`."""
+    import torch._dynamo.utils as dynamo_utils
+
+    weights = [which.state_dict() for which in (reference, model)]
+    print(json.dumps({
+        "losses": losses,
+        "weights": max((weights[1][name] - tensor).abs().max().item()
+                       for name, tensor in weights[0].items()),
+        "same_names": sorted(weights[0]) == sorted(weights[1]),
+        "recompiles": sum(dynamo_utils.counters["recompiles"].values()),
+        "compilations": compilations,
+        **more,
+    }))
+
+
 def compiled_training_scenario():
     """Three SGD steps of an unconverted Llama run eagerly and of its
     converted copy under torch.compile; prints their losses, the largest
@@ -25,7 +45,6 @@ def compiled_training_scenario():
     import copy
     import warnings
 
-    import torch._dynamo.utils as dynamo_utils
     import torch_xla
     import torch_xla.debug.metrics as metrics
 
@@ -55,18 +74,8 @@ def compiled_training_scenario():
             losses["unconverted"].append(step(reference, optimizers[0]).item())
             losses["converted"].append(compiled(model, optimizers[1]).item())
             compilations.append(metrics.metric_data("CompileTime")[0])
-    # state_dict() keeps the unconverted model's per-layer names.
-    weights = [which.state_dict() for which in (reference, model)]
-    print(json.dumps({
-        "losses": losses,
-        "weights": max((weights[1][name] - tensor).abs().max().item()
-                       for name, tensor in weights[0].items()),
-        "same_names": sorted(weights[0]) == sorted(weights[1]),
-        "one_by_one": [str(each.message) for each in caught
-                       if each.category is LayerByLayerWarning],
-        "recompiles": sum(dynamo_utils.counters["recompiles"].values()),
-        "compilations": compilations,
-    }))
+    print_training_results(reference, model, losses, compilations, one_by_one=[
+        str(each.message) for each in caught if each.category is LayerByLayerWarning])
 
 
 def test_a_compiled_training_step_runs_the_layers_as_loops_with_the_unconverted_results(
@@ -104,7 +113,6 @@ def fullgraph_training_scenario():
     Dynamo made, Dynamo's recompiles and XLA's compilations, as JSON."""
     import copy
 
-    import torch._dynamo.utils as dynamo_utils
     import torch_xla
     import torch_xla.debug.metrics as metrics
 
@@ -146,15 +154,7 @@ def fullgraph_training_scenario():
         losses["unconverted"].append(step(reference, optimizers[0], loss_of))
         losses["converted"].append(step(model, optimizers[1], loss_of if number == 0 else compiled))
         compilations.append(metrics.metric_data("CompileTime")[0])
-    weights = [which.state_dict() for which in (reference, model)]
-    print(json.dumps({
-        "losses": losses,
-        "weights": max((weights[1][name] - tensor).abs().max().item()
-                       for name, tensor in weights[0].items()),
-        "scan_nodes": scan_nodes,
-        "recompiles": sum(dynamo_utils.counters["recompiles"].values()),
-        "compilations": compilations,
-    }))
+    print_training_results(reference, model, losses, compilations, scan_nodes=scan_nodes)
 
 
 def test_a_fullgraph_compiled_loss_holds_the_layers_as_one_scan_node(run_isolated, tmp_path):
@@ -165,7 +165,7 @@ def test_a_fullgraph_compiled_loss_holds_the_layers_as_one_scan_node(run_isolate
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["scan_nodes"] == [1]  # one graph, traced once
     assert found["losses"]["converted"] == found["losses"]["unconverted"]
-    assert found["weights"] <= 1e-6
+    assert found["same_names"] and found["weights"] <= 1e-6
     assert found["recompiles"] == 0
     assert found["compilations"][3] == found["compilations"][2]
     # The compiled graphs (after the eager step's) each hold one loop over

@@ -6,16 +6,14 @@ A stack stores such a list as the fewest segments (`segments.plan_segments`):
 a pattern repeated whole as groups, one scan running a group per step; where
 the pattern changes, groups of another pattern, and layers as themselves."""
 import copy
-import warnings
 
 import torch
 import transformers
 
-from support import supports
+from support import greedy_tokens_of_both, supports
 from test_hf import VOCAB, device  # noqa: F401 (a fixture)
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
 from torch_xla_ext.hf import stack_layers
-from torch_xla_ext.layer_stack import LayerByLayerWarning
 from torch_xla_ext.layer_stack.segments import Segment
 
 # The patterns (hybrid_override_pattern) of two checkpoints' configs, 52 layers each.
@@ -71,13 +69,6 @@ def test_generate_gives_the_unconverted_tokens(device):
     # no scan reads: that step runs one by one, saying so.
     reference, model = nemotron_h_pair(NANO_OPENING)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
-    prompt = prompt.to(device)
-    tokens = []
-    for which in (reference, model):
-        which.to(device).eval()
-        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            tokens.append(which.generate(prompt, max_new_tokens=2, do_sample=False).cpu())
-    assert tokens[1].tolist() == tokens[0].tolist()
-    one_by_one = [str(each.message) for each in caught if each.category is LayerByLayerWarning]
+    tokens, one_by_one = greedy_tokens_of_both(reference, model, prompt.to(device), 2)
+    assert tokens[1] == tokens[0]
     assert len(one_by_one) == 1 and "key/value cache passed (past_key_values)" in one_by_one[0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from support import supports
+from support import greedy_tokens_of_both, supports
 from test_hf import VOCAB, device  # noqa: F401 (a fixture)
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
 import torch_xla_ext as tx
@@ -97,15 +97,9 @@ def test_layers_reusing_stored_key_values_train_as_scans_around_the_storing_laye
 def test_layers_reusing_stored_key_values_decode_the_unconverted_tokens(device):
     reference, model = gemma4_sharing_pair()
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
-    prompt = prompt.to(device)
-    tokens = []
-    for which in (reference, model):
-        which.to(device).eval()
-        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            tokens.append(which.generate(prompt, max_new_tokens=2, do_sample=False).cpu())
-    assert tokens[1].tolist() == tokens[0].tolist()
+    tokens, one_by_one = greedy_tokens_of_both(reference, model, prompt.to(device), 2)
+    assert tokens[1] == tokens[0]
     # With a cache, the sliding and full attention layers 0-1 compute
     # differently and run one by one; the reusing layers 4-5 scan.
-    one_by_one = {str(each.message) for each in caught if each.category is LayerByLayerWarning}
+    one_by_one = set(one_by_one)
     assert len(one_by_one) == 1 and "layers 0-1 compute differently" in one_by_one.pop()
