@@ -14,12 +14,16 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 # compilation error: Cannot allocate memory", or a segfault). Keeping the last
 # 128 graphs bounds the mappings; no test reuses an older one.
 os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "128")
-# The suite's time is XLA:CPU compiling thousands of tiny graphs. Two settings
-# change how fast a kernel runs, not what it computes, and cut that time about
-# threefold: no LLVM optimizations, and fusions emitted by XLA:CPU's elemental
-# emitter instead of its MLIR fusion emitters (slow to compile). XLA's HLO
-# passes, which the HLO tests read, still run. A caller's own setting wins.
-for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+# The suite's time is XLA:CPU compiling thousands of tiny graphs. Three
+# settings change how fast a kernel is compiled or runs, not what it computes:
+# no LLVM optimizations, and fusions emitted by XLA:CPU's elemental emitter
+# instead of its MLIR fusion emitters (slow to compile), cut that time about
+# threefold; one LLVM module per graph instead of parts compiled in threads of
+# their own (each test worker has one core: the threads only contend) another
+# eighth of test_hf_layer_kinds' CPU time. XLA's HLO passes, which the HLO
+# tests read, still run. A caller's own setting wins.
+for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+             "--xla_cpu_parallel_codegen_split_count=1"):
     if flag.partition("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), flag]))
 
