@@ -6,14 +6,21 @@ A stack stores such a list as the fewest segments (`segments.plan_segments`):
 a pattern repeated whole as groups, one scan running a group per step; where
 the pattern changes, groups of another pattern, and layers as themselves."""
 import copy
+import warnings
 
+import pytest
 import torch
+import torch_xla
 import transformers
+from torch.utils._pytree import tree_flatten
 
 from support import greedy_tokens_of_both, supports
 from test_hf import VOCAB, device  # noqa: F401 (a fixture)
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
+from tolerances import THROUGH_LAYERS, close
 from torch_xla_ext.hf import stack_layers
+from torch_xla_ext.hf.cache_plan import DYNAMIC_GRADIENTS_REASON, plan_cache_call
+from torch_xla_ext.layer_stack import LayerByLayerWarning
 from torch_xla_ext.layer_stack.segments import Segment
 
 # The patterns (hybrid_override_pattern) of two checkpoints' configs, 52 layers each.
@@ -64,11 +71,71 @@ def test_a_pattern_trains_as_a_scan_over_its_groups_and_layers_as_themselves(dev
 
 @supports("generate", "nemotron_h")
 def test_generate_gives_the_unconverted_tokens(device):
-    # The prefill fills the empty cache from the scan. A decoding step's
-    # cache holds the Mamba layers' convolution and recurrent states, which
-    # no scan reads: that step runs one by one, saying so.
+    # The prefill fills the empty cache from the scan; each decoding step's
+    # scan reads the Mamba layers' convolution and recurrent states and the
+    # attention layers' keys and values, stacked, and gives them back.
     reference, model = nemotron_h_pair(NANO_OPENING)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
     tokens, one_by_one = greedy_tokens_of_both(reference, model, prompt.to(device), 2)
     assert tokens[1] == tokens[0]
-    assert len(one_by_one) == 1 and "key/value cache passed (past_key_values)" in one_by_one[0]
+    assert one_by_one == []
+
+
+def _cache_tensors(cache) -> list:
+    """Each cache layer's tensors (states, keys, values), in order."""
+    return [leaf for layer in cache.layers for leaf in tree_flatten(vars(layer))[0]
+            if isinstance(leaf, torch.Tensor)]
+
+
+@supports("generate", "nemotron_h")
+@pytest.mark.parametrize("pattern", ["MMM*", "M*M*M*"])
+def test_decoding_steps_with_held_states_run_as_one_scan(device, pattern):
+    # A run of Mamba layers, and groups of (Mamba, attention): each step's
+    # cache holds states alike at each position, which one scan reads and
+    # gives back; two steps, so the second reads what the first wrote.
+    reference, model = nemotron_h_pair(pattern)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    results = []
+    for which in (reference, model):
+        which.to(device).eval()
+        with torch.no_grad():
+            output = which(prompt.to(device), use_cache=True)
+            torch_xla.sync()  # the prefill's graph apart from the steps'
+            cache, loops, logits = output.past_key_values, [], []
+            for _ in range(2):
+                token = output.logits[:, -1:].argmax(-1)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    output = which(token, past_key_values=cache, use_cache=True)
+                loops.append(torch_xla._XLAC._get_xla_tensors_hlo([output.logits])
+                             .count(" while("))
+                assert [each for each in caught if each.category is LayerByLayerWarning] == []
+                logits.append(output.logits)
+                torch_xla.sync()
+        results.append((loops, logits, _cache_tensors(cache)))
+    (_, logits, held), (loops, converted_logits, converted_held) = results
+    assert loops == [1, 1]
+    for converted, unconverted in zip(converted_logits, logits):
+        close(converted, unconverted, THROUGH_LAYERS)
+    assert len(converted_held) == len(held)
+    for converted, unconverted in zip(converted_held, held):
+        close(converted, unconverted, THROUGH_LAYERS)
+
+
+def test_a_cache_holding_alike_states_is_planned_as_a_scan_without_gradients(device):
+    # The plan of the groups' scan over a decoding step's cache: its held
+    # states stacked by position; with gradients, which the states given
+    # back would lose, the layers run one by one, saying why.
+    reference, _ = nemotron_h_pair("M*M*M*")
+    with torch.no_grad():
+        cache = reference.to(device).eval()(torch.ones(2, 5, dtype=torch.long, device=device),
+                                            use_cache=True).past_key_values
+    plan = plan_cache_call(cache, "past_key_values", 6, 1, device, gradients=False, period=2)
+    assert plan.period == 2 and plan.fresh is not None
+    mamba, attention = cache.layers[0], cache.layers[1]
+    per_position = [[leaf for leaf in tree_flatten(vars(layer))[0] if isinstance(leaf, torch.Tensor)]
+                    for layer in (mamba, attention)]
+    assert [tuple(each.shape) for each in plan.held] == [
+        (3, *tensor.shape) for tensors in per_position for tensor in tensors]
+    assert plan_cache_call(cache, "past_key_values", 6, 1, device, gradients=True,
+                           period=2) == DYNAMIC_GRADIENTS_REASON

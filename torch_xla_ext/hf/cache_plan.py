@@ -40,7 +40,10 @@ and the stack runs its plan as one scan, or the layers one by one.
   (state its methods read and write at the layer's index), whose slots of
   the scan's layers hold nothing yet: each step fills a fresh one-layer
   cache of the cache's own class, and the cache gets each layer's slot
-  after the loop (`fresh_caches`).
+  after the loop (`fresh_caches`). Under `torch.no_grad()`, so is one whose
+  cache layers hold state alike at each position (a hybrid model's decoding
+  step: Mamba's states beside attention's keys and values), each step's
+  one-layer cache holding its layer's slices of the stacked states.
 * Layers of kinds that run as a few scans (`StackedLayerKinds`) with an
   empty `DynamicCache`: each segment's scan fills that segment's layers of
   the cache after it, layer by layer.
@@ -63,7 +66,8 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer)
 
 from torch_xla_ext.class_swaps import original_class
-from torch_xla_ext.hf.fresh_caches import fill_fresh, fresh_layers, side_lists, starts_empty_from
+from torch_xla_ext.hf.fresh_caches import (
+    fill_fresh, fresh_layers, held_states, holds_alike_states, side_lists, starts_empty_from)
 from torch_xla_ext.hf.caches import (
     advance, appended, appended_encoder_decoder, extend, fill_encoder_decoder, fill_stacked,
     hold_stacked, keeps_all, keys_and_values_per_position, reads_one_stack, stacked_buffers,
@@ -195,12 +199,12 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
             return CachePlan(cache, parameter, in_place=False, first=first, encoder_decoder=True)
         return CACHE_REASON
     if side_lists(cache):  # per-layer state besides its layers, which only its methods know
-        return _fresh_plan(cache, parameter, first, num_layers, period)
+        return _fresh_plan(cache, parameter, first, num_layers, period, gradients)
     layers = _layer_range(cache, first, num_layers)
     if period is not None:  # groups of layers: the cache can only start empty
         if _holds_nothing(cache, first, first + num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, period=period)
-        return _fresh_plan(cache, parameter, first, num_layers, period)
+        return _fresh_plan(cache, parameter, first, num_layers, period, gradients)
     if layers is not None and all(original_class(layer) in _WRITTEN_LAYERS
                                   for layer in layers):
         return _static_plan(cache, parameter, layers, first, new_tokens, gradients)
@@ -213,19 +217,30 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
             return DYNAMIC_GRADIENTS_REASON
         return CachePlan(cache, parameter, in_place=False, held=stacked_buffers(layers),
                          stacked=True, first=first, count=num_layers)
-    return _fresh_plan(cache, parameter, first, num_layers, period)
+    return _fresh_plan(cache, parameter, first, num_layers, period, gradients)
 
 
-def _fresh_plan(cache, parameter: str, first: int, num_layers: int, period: int | None
-                ) -> CachePlan | str:
+def _fresh_plan(cache, parameter: str, first: int, num_layers: int, period: int | None,
+                gradients: bool) -> CachePlan | str:
     """The plan for a cache of other kinds than the plans above know (its
     cache layers', or lists it keeps besides them), whose slots of the
-    layers hold nothing yet (see `fresh_caches`), or the reason the layers
-    run one by one."""
-    if not starts_empty_from(cache, first, num_layers, period):
+    layers hold nothing yet, or state alike at each position (see
+    `fresh_caches`), or the reason the layers run one by one."""
+    if starts_empty_from(cache, first, num_layers, period):
+        return CachePlan(cache, parameter, in_place=False, first=first, period=period,
+                         count=num_layers, fresh=fresh_layers(cache, parameter, first, period))
+    # A cache of keys and values only stays with the plans above, which run
+    # it one by one where its windows drop tokens or its lengths differ.
+    layers = cache.layers[first:first + num_layers] if isinstance(
+        getattr(cache, "layers", None), list) else []
+    if all(original_class(layer) in _APPENDED_LAYERS + _WRITTEN_LAYERS for layer in layers) or (
+            not holds_alike_states(cache, first, num_layers, period)):
         return CACHE_REASON
+    if gradients:
+        return DYNAMIC_GRADIENTS_REASON
     return CachePlan(cache, parameter, in_place=False, first=first, period=period,
-                     count=num_layers, fresh=fresh_layers(cache, parameter, first, period))
+                     count=num_layers, held=held_states(cache, first, num_layers, period),
+                     fresh=fresh_layers(cache, parameter, first, period, held=True))
 
 
 def _static_plan(cache, parameter: str, layers: list, first: int, new_tokens: int,

@@ -49,7 +49,7 @@ class _AppendingCache:
         self.keys, self.values = key_states, value_states
         given = (key_states, value_states)
         if self.held:
-            given = tuple(torch.cat([_layer_slice(held, self.index), new], dim=-2)
+            given = tuple(torch.cat([layer_slice(held, self.index), new], dim=-2)
                           for held, new in zip(self.held, given))
         if self.padded_to is not None:
             given = tuple(_padded(new, self.padded_to) for new in given)
@@ -69,9 +69,9 @@ def _recorded_keys_and_values(cache: _AppendingCache) -> tuple:
     return cache.keys.detach(), cache.values.detach()
 
 
-def _layer_slice(stacked: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Slice `index` (a 1-element tensor: the loop step's layer) of a stacked buffer."""
-    return stacked.index_select(0, index)[0]
+def layer_slice(stacked: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Slice `index` (a 0-d or 1-element tensor: the loop step's layer) of a stacked buffer."""
+    return stacked.index_select(0, index.reshape(1))[0]
 
 
 @functools.cache
@@ -113,7 +113,7 @@ class _StackedCacheWriter:
                  (self.length + torch.arange(length, device=device)).view(1, 1, length))
         for stacked, new in ((self.keys, key_states), (self.values, value_states)):
             stacked.index_put_(where, new.to(stacked.dtype))
-        return _layer_slice(self.keys, self.index), _layer_slice(self.values, self.index)
+        return layer_slice(self.keys, self.index), layer_slice(self.values, self.index)
 
 
 @functools.cache

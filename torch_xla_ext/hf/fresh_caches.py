@@ -30,6 +30,14 @@ layers' order:
 A group of layers (a pattern's scan) gets a one-layer cache per position,
 each with the state its position leaves.
 
+A cache whose layers hold state (a decoding step of a hybrid model: Mamba's
+convolution and recurrent states, attention's keys and values) is the same
+case, where each position's cache layers are alike (`holds_alike_states`:
+one class, tensors of one shape and dtype, the same flags and sizes): their
+tensors, stacked along the layers (`held_states`), are the scan's state, and
+each step's one-layer cache holds its layer's slices of them, which the
+layer's update reads and replaces as it would its own.
+
 What the one-layer cache cannot stand for: a side list the layer indexes
 itself with its index (not through the cache's methods) makes the trace
 read the index, so the layers run one by one; a layer that changes other
@@ -47,9 +55,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_xla_ext.class_swaps import lookalike_subclass, original_class
+from torch_xla_ext.hf.caches import layer_slice
 from torch_xla_ext.layer_stack import OpaqueValue, Recording
 
-__all__ = ["fill_fresh", "fresh_layers", "side_lists", "starts_empty_from"]
+__all__ = ["fill_fresh", "fresh_layers", "held_states", "holds_alike_states", "side_lists",
+           "starts_empty_from"]
 
 # Per recording's key and position: what the step left, found when it was
 # traced: the slot-0 cache layer's state (its spec and leaves, each a tensor's
@@ -121,6 +131,58 @@ def starts_empty_from(cache, first: int, count: int, period: int | None) -> bool
                          and all(map(_holds_no_states, held.values()))):
             return False
     return True
+
+
+def holds_alike_states(cache, first: int, count: int, period: int | None) -> bool:
+    """Whether the cache layers of layers `first`, ..., `first + count - 1`
+    hold state, alike at each position of a group (`period` layers): of one
+    class, with tensors of one shape, dtype and device at the same places and
+    the same other values (flags, sizes), so that one trace stands for each
+    position and its tensors stack along the layers; and the cache keeps no
+    side lists, whose slots only its own methods know how to fill."""
+    layers = getattr(cache, "layers", None)
+    if (not isinstance(layers, list) or len(layers) < first + count
+            or getattr(cache, "offloading", False) or side_lists(cache)):
+        return False
+    present = layers[first:first + count]
+    if all(_holds_no_states(layer) for layer in present):
+        return False
+    positions = period or 1
+    return all(_state_form(layer) == _state_form(present[index % positions])
+               for index, layer in enumerate(present))
+
+
+def _state_form(layer) -> tuple:
+    """A cache layer's class, the form of its attributes, and their leaves
+    (a tensor by its shape, dtype and device)."""
+    leaves, spec = tree_flatten(vars(layer))
+    return original_class(layer), spec, [
+        (tuple(leaf.shape), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else leaf
+        for leaf in leaves]
+
+
+def _tensors_of(layer) -> list:
+    return [leaf for leaf in tree_flatten(vars(layer))[0] if isinstance(leaf, torch.Tensor)]
+
+
+def held_states(cache, first: int, count: int, period: int | None) -> tuple:
+    """The tensors of the cache layers of layers `first`, ..., `first + count
+    - 1`, each stacked along its position's layers (`[groups, ...]`), by
+    position: the scan's state (see `holds_alike_states`)."""
+    positions = period or 1
+    present = cache.layers[first:first + count]
+    return tuple(torch.stack(per_layer) for position in range(positions)
+                 for per_layer in zip(*map(_tensors_of, present[position::positions])))
+
+
+def _holding(one, slices: list) -> None:
+    """Gives the one-layer cache `one`'s layer the tensors `slices`, in the
+    order of its own."""
+    layer = one.layers[0]
+    leaves, spec = tree_flatten(vars(layer))
+    given = iter(slices)
+    layer.__dict__.update(tree_unflatten(
+        [next(given) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec))
 
 
 class _SlotZero(list):
@@ -212,24 +274,33 @@ def _marked(leaves: list) -> list:
             if isinstance(leaf, OpaqueValue) else leaf for leaf in leaves]
 
 
-def fresh_layers(cache, parameter: str, first: int, period: int | None) -> Recording:
+def fresh_layers(cache, parameter: str, first: int, period: int | None,
+                 held: bool = False) -> Recording:
     """What each step of a scan over the cache's layers `first`, ... gets as
     its cache argument `parameter` (a group of `period` layers: one per
     position, by `per_position`), and the tensors it records (the calls'
-    that changed a side list, then those the slot-0 cache layer holds)."""
+    that changed a side list, then those the slot-0 cache layer holds).
+    `held`: the cache layers hold state, the scan's (`held_states`), whose
+    slices each step's cache layer holds."""
     positions = range(1 if period is None else period)
-    templates = [copy.deepcopy(cache.layers[first + position])
+    templates = [_fresh_copy(cache.layers[first + position])
                  if first + position < len(cache.layers) else None for position in positions]
     sides = [{name: (_slots(vars(cache)[name])[first + position],)
               if first + position in _slots(vars(cache)[name]) else None
               for name in side_lists(cache)} for position in positions]
-    key = ("fresh one-layer caches", parameter, original_class(cache), period,
+    key = ("fresh one-layer caches", parameter, original_class(cache), period, held,
            tuple(type(template) for template in templates),
            tuple(tuple(template is None for template in side.values()) for side in sides))
+    held_counts = [len(_tensors_of(template)) if held else 0 for template in templates]
 
-    def make(index, *state):
-        stand_ins = [{parameter: _one_layer(cache, template, side)}
-                     for template, side in zip(templates, sides)]
+    def make(index, state=()):
+        stand_ins = []
+        for template, side, count in zip(templates, sides, held_counts):
+            one = _one_layer(cache, template, side)
+            if count:
+                _holding(one, [layer_slice(stacked, index) for stacked in state[:count]])
+                state = state[count:]
+            stand_ins.append({parameter: one})
         return stand_ins[0] if period is None else {"per_position": tuple(stand_ins)}
 
     def recorded(given) -> tuple:
