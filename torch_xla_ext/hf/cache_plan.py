@@ -187,8 +187,9 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
     called with `cache` as `parameter` on `new_tokens` tokens on `device`
     (`gradients`: whether what the layers compute carries gradients), or the
     reason the layers run one by one instead (one of `REASONS`, or the
-    device's). `period`: the layers of each scan step, called as a group (a `StackedLayerKinds`
-    segment), whose cache can only start empty."""
+    device's). `period`: the layers of each scan step, called as a group (a
+    segment of a repeating pattern), whose cache starts empty or holds
+    states alike at each position (`fresh_caches`)."""
     on_another_device = device_reason(device)
     if on_another_device is not None:
         return on_another_device
@@ -201,7 +202,7 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
     if side_lists(cache):  # per-layer state besides its layers, which only its methods know
         return _fresh_plan(cache, parameter, first, num_layers, period, gradients)
     layers = _layer_range(cache, first, num_layers)
-    if period is not None:  # groups of layers: the cache can only start empty
+    if period is not None:  # groups of layers: an empty cache, or one for `_fresh_plan`
         if _holds_nothing(cache, first, first + num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, period=period)
         return _fresh_plan(cache, parameter, first, num_layers, period, gradients)
@@ -231,8 +232,7 @@ def _fresh_plan(cache, parameter: str, first: int, num_layers: int, period: int 
                          count=num_layers, fresh=fresh_layers(cache, parameter, first, period))
     # A cache of keys and values only stays with the plans above, which run
     # it one by one where its windows drop tokens or its lengths differ.
-    layers = cache.layers[first:first + num_layers] if isinstance(
-        getattr(cache, "layers", None), list) else []
+    layers = _layer_range(cache, first, num_layers) or []
     if all(original_class(layer) in _APPENDED_LAYERS + _WRITTEN_LAYERS for layer in layers) or (
             not holds_alike_states(cache, first, num_layers, period)):
         return CACHE_REASON
