@@ -162,7 +162,7 @@ def _state_form(layer) -> tuple:
 
 
 def _tensors_of(layer) -> list:
-    return [leaf for leaf in tree_flatten(vars(layer))[0] if isinstance(leaf, torch.Tensor)]
+    return [leaf for leaf in _leaves(layer) if isinstance(leaf, torch.Tensor)]
 
 
 def held_states(cache, first: int, count: int, period: int | None) -> tuple:
