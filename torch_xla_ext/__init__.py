@@ -16,6 +16,7 @@ _DEFINED_IN = {
     "depends_on_placeholder": "placeholders", "is_placeholder": "placeholders",
     "live_placeholders": "placeholders", "placeholder": "placeholders",
     "placeholder_id": "placeholders",
+    "TorchXlaExtWarning": "diagnostics",
     "Lowered": "scan", "cache_clear": "scan", "cache_info": "scan", "lower": "scan",
     "checkpoint_name": "policies",
     "LayerStack": "layer_stack", "scan_layers": "layer_stack",
@@ -31,7 +32,8 @@ _DEFINED_IN = {
 _SUBMODULES = ("_C", "hf", "layer_stack", "placeholders", "policies", "scan")
 
 __all__ = [
-    "LayerStack", "LivePlaceholder", "Lowered", "PlaceholderError", "cache_clear", "cache_info",
+    "LayerStack", "LivePlaceholder", "Lowered", "PlaceholderError", "TorchXlaExtWarning",
+    "cache_clear", "cache_info",
     "checkpoint_name", "depends_on_placeholder", "generate", "is_placeholder", "live_placeholders",
     "lower", "openxla_scan", "placeholder", "placeholder_id", "policies", "register_torch_scan",
     "scan", "scan_layers", "stack_layers", "trace_loops_in_dynamo", "unregister_torch_scan",

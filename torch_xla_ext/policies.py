@@ -39,6 +39,8 @@ import warnings
 import torch
 from torch._functorch import partitioners
 
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
+
 __all__ = ["checkpoint_name", "Policy", "save_everything", "save_nothing", "save_dots",
            "save_only", "offload", "resolve", "OffloadWarning"]
 
@@ -217,7 +219,7 @@ def resolve(partition_fn, who: str = "scan"):
     return partition_fn
 
 
-class OffloadWarning(UserWarning):
+class OffloadWarning(TorchXlaExtWarning):
     """An offload policy kept its tensors on the device (no host memory)."""
 
 

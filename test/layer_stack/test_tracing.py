@@ -76,7 +76,7 @@ def test_plain_attributes_the_loop_reads_are_constants_of_one_scan_node(device):
     reference, model, plans = converted(device)
     x = torch.randn(2, HIDDEN, device=device)
     close(model(x), reference(x), TRAINING)  # plans this kind of call
-    (loop,) = plans.traced_runs
+    (loop,) = plans.traced_runs.values()
     assert loop["blocks"].attributes == {index: {"kind": "scaled"} for index in range(3)}
     scan_nodes = []
     compiled = torch.compile(model, backend=scan_counting(scan_nodes), fullgraph=True)

@@ -14,7 +14,7 @@ import torch_xla
 import torch_xla_ext as tx
 from reference import scan_loop
 from tolerances import ACCUMULATED, TRAINING, close
-from torch_xla_ext.scan.cache import WeakIdentity
+from torch_xla_ext.scan.cache import CacheInfo, WeakIdentity
 from torch_xla_ext.scan.traced import Traced
 
 DEV = torch_xla.device()
@@ -361,7 +361,7 @@ def test_is_fn_pure_false_traces_every_call_and_stores_nothing():
     h, xs = randn(3), randn(2, 3)
     results = [tx.scan(fn, h, xs, is_fn_pure=False)[0] for _ in range(3)]
     assert len(calls) == 3
-    assert tx.cache_info() == (0, 0, 0, tx.cache_info().maxsize)
+    assert tx.cache_info() == CacheInfo(0, 0, 0, tx.cache_info().maxsize)
     for result in results:
         close(result, scan_loop(fn, h, xs)[0], ACCUMULATED)
 

@@ -379,7 +379,7 @@ def test_concurrent_calls_from_threads_share_one_trace():
 
 def test_cache_is_bounded_least_recently_used_first(monkeypatch):
     import importlib
-    monkeypatch.setattr(importlib.import_module("torch_xla_ext.scan.cache").CACHE, "_maxsize", 2)
+    monkeypatch.setattr(importlib.import_module("torch_xla_ext.scan.cache").CACHE, "maxsize", 2)
     traced_widths = []
 
     def fn(c, x):

@@ -38,6 +38,7 @@ from torch import nn
 
 from torch_xla_ext.layer_stack import Layers
 from torch_xla_ext.policies import save_nothing
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 # Checkpoint functions that recompute what they wrap and do nothing else.
 _RECOMPUTING = (torch.utils.checkpoint.checkpoint, torch_xla.utils.checkpoint.checkpoint)
@@ -53,7 +54,7 @@ _WITHOUT_EFFECT = {"use_reentrant": None, "preserve_rng_state": None,
                    "context_fn": (torch.utils.checkpoint.noop_context_fn,)}
 
 
-class CheckpointingWarning(UserWarning):
+class CheckpointingWarning(TorchXlaExtWarning):
     """Part of what gradient checkpointing was enabled with does not happen
     on the stacked layers; the message says what, and what happens instead."""
 

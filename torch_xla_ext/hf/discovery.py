@@ -22,6 +22,7 @@ import dataclasses
 from torch import nn
 
 from torch_xla_ext.layer_stack import StackedList
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 __all__ = ["LayerList", "Unstackable", "UnstackedLayersWarning", "checkpointing_reason",
            "hooks_reason", "layer_list", "layer_list_paths", "output_recorder",
@@ -31,7 +32,7 @@ __all__ = ["LayerList", "Unstackable", "UnstackedLayersWarning", "checkpointing_
 _TRANSFORMERS_CAPTURE_HOOKS = "transformers.utils.output_capturing"
 
 
-class UnstackedLayersWarning(UserWarning):
+class UnstackedLayersWarning(TorchXlaExtWarning):
     """stack_layers(model) without a path left one of the model's layer lists
     as it was (its layers run one by one, as before) while stacking the
     others; the message names the list and says why."""

@@ -35,11 +35,12 @@ from torch_xla_ext.layer_stack.fakes import apart_from_trace
 from torch_xla_ext.placeholders import placeholder
 from torch_xla_ext.policies import save_everything
 from torch_xla_ext.torch_scan.operator_call import rehearse, scan_through_operator
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 __all__ = ["ExportWarning", "exporting", "scan_as_operator", "stand_in"]
 
 
-class ExportWarning(UserWarning):
+class ExportWarning(TorchXlaExtWarning):
     """An option of a stack that an exported program does not hold (its
     `partition_fn`, its `unroll`): torch's scan operator has no place for
     them; `register_torch_scan`'s options apply where the program runs."""

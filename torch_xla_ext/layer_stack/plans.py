@@ -31,6 +31,7 @@ from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 from torch_xla_ext.layer_stack.tracing import (
     TracedExecution, TracedLoop, traced_loops, traced_runs, warn_graph_break)
 from torch_xla_ext.object_graph import VALUE_TYPES
+from torch_xla_ext.scan.cache import BoundedStore
 
 __all__ = ["OwnerPlans"]
 
@@ -39,14 +40,14 @@ class OwnerPlans:
     """The plans of one owner's forward, by kind of call."""
 
     def __init__(self):
-        # By kind of call: each stacked list's plan, and the stand-ins its executions share.
-        self.plans: dict[tuple, dict[str, tuple[CallPlan, dict]]] = {}
-        # The kinds of call as Dynamo computes them (plain values, compared
-        # as Dynamo hashes none of a call's TreeSpec or dtypes) and for each,
-        # each stacked list's runs as Dynamo traces them, or why its loop runs
-        # at a graph break (`tracing`).
-        self.traced_kinds: list[tuple] = []
-        self.traced_runs: list[dict[str, TracedLoop | str]] = []
+        # By kind of call: each stacked list's plan, and the stand-ins its
+        # executions share; bounded like the scan cache, and cleared with it.
+        self.plans = BoundedStore()  # kind -> {name: (CallPlan, stand-ins)}
+        # By kind of call as Dynamo computes it (plain values, as Dynamo
+        # hashes none of a call's TreeSpec or dtypes): each stacked list's
+        # runs as Dynamo traces them, or why its loop runs at a graph break
+        # (`tracing`).
+        self.traced_runs = BoundedStore()  # kind -> {name: TracedLoop | str}
         # The names of the plain settings of the owner and of its config.
         self.setting_names: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
@@ -60,16 +61,18 @@ class OwnerPlans:
         if reason is not None:
             return {name: Execution(stack, CallPlan((), reason)) for name, stack in stacks.items()}
         key = _kind_of_call(owner, args, kwargs)
-        if key not in self.plans:
+        plans = self.plans.get(key)
+        if plans is None:
             with apart_from_trace():
                 record = record_calls(owner, stacks, args, kwargs)
-            self.plans[key] = {name: (plan_calls(stack, record.calls[name], record), {})
-                               for name, stack in stacks.items()}
+            plans = {name: (plan_calls(stack, record.calls[name], record), {})
+                     for name, stack in stacks.items()}
+            self.plans.put(key, plans)
             if traced_loops() and not exporting():
                 self._add_traced(owner, args, kwargs, {name: plan for name, (plan, _) in
-                                                       self.plans[key].items()}, stacks, record)
+                                                       plans.items()}, stacks, record)
         return {name: Execution(stacks[name], plan, stand_ins)
-                for name, (plan, stand_ins) in self.plans[key].items()}
+                for name, (plan, stand_ins) in plans.items()}
 
     def traced(self, owner: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict
                ) -> dict[str, TracedExecution] | None:
@@ -78,14 +81,10 @@ class OwnerPlans:
         cannot be traced (the loops then run at a graph break)."""
         if not traced_loops() or self.setting_names is None:
             return None
-        kind = _traced_kind(owner, args, kwargs, self.setting_names)
-        for number, each in enumerate(self.traced_kinds):
-            if each == kind:
-                runs = self.traced_runs[number]
-                if all(isinstance(each, TracedLoop) for each in runs.values()):
-                    return {name: TracedExecution(owner._modules[name], each)
-                            for name, each in runs.items()}
-        return None
+        runs = self.traced_runs.peek(_traced_kind(owner, args, kwargs, self.setting_names))
+        if runs is None or not all(isinstance(each, TracedLoop) for each in runs.values()):
+            return None
+        return {name: TracedExecution(owner._modules[name], each) for name, each in runs.items()}
 
     def _add_traced(self, owner, args, kwargs, plans: dict, stacks: dict, record) -> None:
         if self.setting_names is None:
@@ -96,14 +95,11 @@ class OwnerPlans:
                                       record.attributes_read[name])
                     for name, plan in plans.items()}
         kind = _traced_kind(owner, args, kwargs, self.setting_names)
-        if kind in self.traced_kinds:
+        if kind in self.traced_runs:
             # Kinds of call that Dynamo's key does not tell apart: no traced runs for them.
             runs = {name: "it is called in kinds that differ in what Dynamo's key of a call "
                           "(plain values) leaves out" for name in plans}
-            self.traced_runs[self.traced_kinds.index(kind)] = runs
-        else:
-            self.traced_kinds.append(kind)
-            self.traced_runs.append(runs)
+        self.traced_runs.put(kind, runs)
         for name, each in runs.items():
             if isinstance(each, str):
                 warn_graph_break(owner, name, each)

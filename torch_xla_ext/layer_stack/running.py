@@ -30,9 +30,10 @@ from torch_xla_ext.layer_stack.shared_mappings import holding
 from torch_xla_ext.layer_stack.per_layer import (
     INDEX_ARGUMENT, OpaqueValue, PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.scan import Lowered, lower as lower_scan, scan
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 
-class LayerByLayerWarning(UserWarning):
+class LayerByLayerWarning(TorchXlaExtWarning):
     """A LayerStack or scan_layers call ran its layers one by one, as the for loop
     does, instead of as one scan; the message says why."""
 

@@ -49,9 +49,10 @@ from torch.utils._pytree import tree_map_only
 
 from torch_xla_ext.patches.torch_xla import keep_whole_in_auto_wrap, prepare_fsdp_v2
 from torch_xla_ext.scan.sharding import constrained
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 
-class ShardingWarning(UserWarning):
+class ShardingWarning(TorchXlaExtWarning):
     """A sharding request that stacked layers honour only in part."""
 
 

@@ -12,6 +12,7 @@ import torch_xla
 import torch_xla.runtime
 from torch import nn
 
+from torch_xla_ext.diagnostics import TorchXlaExtDeprecationWarning
 from torch_xla_ext.layer_stack import names, optimizer_state, running, sharding
 from torch_xla_ext.layer_stack.alike import check_identical_layers, layer_tensors, layout_of
 from torch_xla_ext.layer_stack.fakes import template_copy
@@ -119,7 +120,7 @@ class LayerStack(nn.Module):
                 f"LayerStack(ignored_attributes=...) is deprecated: pass "
                 f"per_layer_attributes={tuple(sorted(ignored_attributes))!r} instead (the "
                 f"default, {DEFAULT_PER_LAYER_ATTRIBUTES!r}, too if you rely on it).",
-                DeprecationWarning, stacklevel=2)
+                TorchXlaExtDeprecationWarning, stacklevel=2)
         self.per_layer_attributes = frozenset(per_layer_attributes) | ignored_attributes
         self.num_layers = len(layers)
         # 'path.attribute' -> each layer's value, for the per-layer attributes that differ

@@ -46,6 +46,7 @@ from torch_xla_ext.layer_stack.per_layer import (
     PerLayerAttributeRead, reads_recorded_in, reads_watched)
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.policies import save_everything
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 __all__ = ["GraphBreakWarning", "TracedExecution", "TracedLoop", "TracedRun",
            "trace_loops_in_dynamo", "traced_loops", "traced_runs", "warn_graph_break"]
@@ -69,7 +70,7 @@ def traced_loops() -> bool:
     return _SWITCH["on"]
 
 
-class GraphBreakWarning(UserWarning):
+class GraphBreakWarning(TorchXlaExtWarning):
     """With `trace_loops_in_dynamo` on, a kind of call whose loop Dynamo will
     not trace: under torch.compile, it runs at a graph break (which
     `fullgraph=True` refuses)."""

@@ -40,13 +40,14 @@ from torch_xla_ext.placeholders.reads import (
 from torch_xla_ext.placeholders.registry import (
     SUPPORTED_DTYPES, LivePlaceholder, PlaceholderError, depends_on_placeholder, is_placeholder,
     live_placeholders, placeholder_id)
-from torch_xla_ext.placeholders.syncs import is_tracing, tracing, tracing_what
+from torch_xla_ext.placeholders.syncs import (
+    DiscardedComputationWarning, is_tracing, tracing, tracing_what)
 from torch_xla_ext.placeholders.tensors import (
     PlaceholderTensor, mark_derived, mutates_arguments, placeholder, placeholder_sources,
     unguarded_placeholder)
 
 __all__ = [
-    "HOST_READING_XLA_KERNELS", "SUPPORTED_DTYPES", "LivePlaceholder",
+    "HOST_READING_XLA_KERNELS", "SUPPORTED_DTYPES", "DiscardedComputationWarning", "LivePlaceholder",
     "PlaceholderError", "PlaceholderTensor", "data_read_reason", "depends_on_placeholder",
     "indices_position", "is_placeholder", "is_tracing", "live_placeholders", "mark_derived",
     "mutates_arguments", "placeholder", "placeholder_id", "placeholder_sources", "tracing",

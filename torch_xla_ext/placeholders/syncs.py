@@ -19,12 +19,20 @@ import warnings
 import torch
 import torch_xla
 
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
 from torch_xla_ext.patches import torch_xla as torch_xla_patches
 from torch_xla_ext.placeholders.registry import (
     PlaceholderError, depends_on_placeholder, describe_shape, describe_sources, live_derived,
     registered_placeholder)
 
 _XLAC = torch_xla._XLAC
+
+
+class DiscardedComputationWarning(TorchXlaExtWarning, RuntimeWarning):
+    """A sync dropped pending computations that read placeholders: they have
+    no data to run on."""
+
+
 _tracing_state = threading.local()  # .what: what this thread's `tracing` traces
 
 
@@ -73,7 +81,7 @@ def _discard_pending_placeholder_work() -> None:
             f"torch_xla sync: discarded {len(discarded)} pending computation(s) that read "
             f"placeholders, e.g. a {describe_shape(discarded[0])} tensor computed from "
             f"{describe_sources(discarded[0])}; placeholders have no data, so these cannot run. "
-            f"Reading them raises PlaceholderError.", RuntimeWarning, stacklevel=4)
+            f"Reading them raises PlaceholderError.", DiscardedComputationWarning, stacklevel=4)
 
 
 def _replace_with_placeholder(tensor: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torch_xla_ext.diagnostics import ScanCacheWarning
 from torch_xla_ext.scan.avals import Aval, Structure
 from torch_xla_ext.object_graph import VALUE_TYPES, children, describe, find_paths
 from torch_xla_ext.scan.tracing import liftable
@@ -34,6 +35,9 @@ class CacheInfo(NamedTuple):
     misses: int
     size: int
     maxsize: int
+    # Entries of the stores kept beside the cache (`BoundedStore`: the call
+    # plans of stacked layers, one per kind of call, with their stand-ins).
+    plans: int = 0
 
 
 class CacheKey(NamedTuple):
@@ -123,7 +127,7 @@ def fingerprint(fn, name: str = "fn"):
             f"value nor reference weakly, so it cannot tell whether a later call's {name} traces "
             f"the same program; {name} is traced at every call, as with is_fn_pure=False. Give "
             f"the class a '__weakref__' slot, or hold plain constants or tensors instead.",
-            stacklevel=3)
+            ScanCacheWarning, stacklevel=3)
         return None
 
 
@@ -255,10 +259,26 @@ class TraceCache:
             while len(self._entries) > self._maxsize:
                 self._remove(next(iter(self._entries)))
 
+    @property
+    def maxsize(self) -> int:
+        """How many traces it keeps; each `BoundedStore` keeps as many entries."""
+        return self._maxsize
+
+    @maxsize.setter
+    def maxsize(self, maxsize: int) -> None:
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
+            raise ValueError(f"the scan cache's maxsize must be an int of 1 or more, "
+                             f"got {maxsize!r}")
+        with self._lock:
+            self._maxsize = maxsize
+            while len(self._entries) > self._maxsize:
+                self._remove(next(iter(self._entries)))
+
     def info(self) -> CacheInfo:
+        plans = sum(len(store) for store in list(_STORES))
         with self._lock:
             self._drop_dead()
-            return CacheInfo(self._hits, self._misses, len(self._entries), self._maxsize)
+            return CacheInfo(self._hits, self._misses, len(self._entries), self._maxsize, plans)
 
     def clear(self) -> None:
         with self._lock:
@@ -266,6 +286,8 @@ class TraceCache:
             self._aliases.clear()
             self._dead.clear()
             self._hits = self._misses = 0
+        for store in list(_STORES):
+            store.clear()
 
     def _touch(self, key):
         entry = self._entries.get(key)
@@ -296,3 +318,54 @@ class TraceCache:
 
 
 CACHE = TraceCache()
+
+
+class BoundedStore:
+    """A thread-safe map kept beside the trace cache, of what is derived from
+    calls by their kind (a stacked list's call plans and the stand-ins they
+    hand out): at most `CACHE.maxsize` entries, the least recently used
+    dropped first, and emptied by `cache_clear()`, so that a model called
+    with ever new shapes holds no more than the cache does. `cache_info()`
+    counts its entries as `plans`."""
+
+    def __init__(self):
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        _STORES.add(self)
+
+    def get(self, key):
+        """The entry for `key`, now the most recently used, or None."""
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def peek(self, key):
+        """The entry for `key`, or None, leaving the order as it is: for code
+        that Dynamo traces, which cannot enter a lock."""
+        return self._entries.get(key)
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > CACHE.maxsize:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def values(self) -> list:
+        with self._lock:
+            return list(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+
+_STORES: "weakref.WeakSet[BoundedStore]" = weakref.WeakSet()

@@ -53,6 +53,7 @@ from torch._higher_order_ops.scan import scan_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torch_xla_ext.torch_scan.translation import LoopOptions, run_as_loop
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 _install_lock = threading.Lock()
 # torch's own kernels, taken when installing.
@@ -62,7 +63,7 @@ _active: LoopOptions | None = None
 _compiling = threading.local()  # .depth: nesting of tracing_for_backend
 
 
-class TorchScanWarning(UserWarning):
+class TorchScanWarning(TorchXlaExtWarning):
     """What `register_torch_scan` asked for does not happen: a call of torch's
     scan operator ran unrolled, or a compiled graph cannot apply its policy."""
 
