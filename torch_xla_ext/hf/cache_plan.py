@@ -44,7 +44,7 @@ and the stack runs its plan as one scan, or the layers one by one.
   cache layers hold state alike at each position (a hybrid model's decoding
   step: Mamba's states beside attention's keys and values), each step's
   one-layer cache holding its layer's slices of the stacked states.
-* Layers of kinds that run as a few scans (`StackedLayerKinds`) with an
+* Layers of kinds that run as a few scans (a `StackedList`'s runs) with an
   empty `DynamicCache`: each segment's scan fills that segment's layers of
   the cache after it, layer by layer.
 
@@ -108,7 +108,7 @@ class CachePlan:
     buffers, else filled after it; a DynamicCache is appended to after the
     scan, as stacked buffers where every layer keeps all (`stacked`), else
     layer by layer. `period`: the layers of each scan step, called as a
-    group (a `StackedLayerKinds` segment), else one."""
+    group (a run over a repeating pattern), else one."""
     cache: object
     parameter: str
     in_place: bool

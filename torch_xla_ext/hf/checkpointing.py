@@ -15,8 +15,8 @@ function runs inside the scan. Each call of the stack then reads it
 (`under_policy`): while training with it set, the scan runs under
 `save_nothing`, which recomputes each layer in the backward loop, as the
 checkpoint function would; otherwise under the stack's own `partition_fn`,
-so disabling restores it. A layer that runs by itself (a
-`StackedAfterFirst`'s layer 0) keeps transformers' checkpointing, with
+so disabling restores it. A layer that runs by itself (one the
+call plan runs as itself or one by one) keeps transformers' checkpointing, with
 torch_xla's checkpoint function on XLA (`runnable_on`).
 
 `every_n_layers` sets the flag on some GradientCheckpointingLayers only:

@@ -207,14 +207,6 @@ def _layout_difference(index: int, reference: LayerLayout, other: LayerLayout,
     return None if setting is None else (ValueError, setting)
 
 
-def layers_difference(layers: list[nn.Module], per_layer_attributes: frozenset[str]
-                      ) -> tuple[type[Exception], str] | None:
-    """The first difference of a layer from layer 0 (see `_layout_difference`),
-    or None when the layers are alike and can be stacked."""
-    return _first_difference([layout_of(layer, index) for index, layer in enumerate(layers)],
-                             per_layer_attributes)
-
-
 def _first_difference(layouts: list[LayerLayout], per_layer_attributes: frozenset[str]
                       ) -> tuple[type[Exception], str] | None:
     return next(filter(None, (_layout_difference(index, layouts[0], other, per_layer_attributes)

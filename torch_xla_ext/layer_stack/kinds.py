@@ -43,7 +43,6 @@ class PerLayerChoice:
     shape and dtype) and each step picks its layer's."""
     variants: tuple
     choice: tuple[int, ...]
-    whole_call: bool = False  # each variant is a layer's whole (args, kwargs)
 
     def for_layer(self, index: int):
         return self.variants[self.choice[index]]
@@ -59,10 +58,7 @@ def for_layer(tree, index: int):
 
 
 def call_for_layer(args: tuple, kwargs: dict, index: int) -> tuple[tuple, dict]:
-    """Layer `index`'s call: its variant of each PerLayerChoice (of the whole
-    call, when `KindCalls.merged` made one of calls that differ in form)."""
-    if not kwargs and len(args) == 1 and is_choice(args[0]) and args[0].whole_call:
-        return args[0].for_layer(index)
+    """Layer `index`'s call: its variant of each PerLayerChoice."""
     return for_layer((args, kwargs), index)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
@@ -58,9 +59,17 @@ _CHOSEN_ARGUMENT = object()
 # Stands in the call key for a shared mapping, followed by its entries' leaves.
 _SHARED_MAPPING = object()
 
-# The shared mappings of the call whose scan step is being traced (the step
-# holds no mapping: a new one at every forward would make it trace anew).
-_MAPPINGS_TRACED: list = []
+
+class _MappingsTraced(threading.local):
+    """This thread's shared mappings of the calls whose scan steps are being
+    traced, innermost last (the step holds no mapping: a new one at every
+    forward would make it trace anew)."""
+
+    def __init__(self):
+        self.stack: list = []
+
+
+_MAPPINGS_TRACED = _MappingsTraced()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +157,7 @@ def leaves_in_step(constants: tuple, tensor_arguments: tuple, handed: dict, pick
               else index if constant is LAYER_INDEX
               else constant if constant[0] is _SHARED_MAPPING else constant[1]
               for constant in constants]
-    return gathered(values, _SHARED_MAPPING, _MAPPINGS_TRACED[-1])
+    return gathered(values, _SHARED_MAPPING, _MAPPINGS_TRACED.stack[-1])
 
 
 @functools.lru_cache(maxsize=64)
@@ -160,8 +169,8 @@ def choice_tensor(choice: tuple[int, ...], device: torch.device) -> torch.Tensor
 @contextlib.contextmanager
 def traced_with(mappings: list):
     """The shared mappings of the call whose step a scan may trace meanwhile."""
-    _MAPPINGS_TRACED.append(mappings)
+    _MAPPINGS_TRACED.stack.append(mappings)
     try:
         yield
     finally:
-        _MAPPINGS_TRACED.pop()
+        _MAPPINGS_TRACED.stack.pop()
