@@ -63,8 +63,8 @@ def test_the_quickstart_runs(run_isolated, tmp_path):
 # The messages a user of stack_layers or LayerStack can meet, collected from
 # the code of the packages that emit them: every reason a call runs layer by
 # layer (`Unscannable`, `reason=`), every reason a list stays unstacked
-# (`Unstackable`), every warning, every error raised (IndexError aside: an
-# index out of range), and what the functions that may return a reason
+# (`Unstackable`) or layers are not stacked (`Refusal`), every warning, every
+# error raised (IndexError aside: an index out of range), and what the functions that may return a reason
 # (annotated `-> ... | str | None`) return. A message's text is the literal parts of its string
 # or f-string (and the module constants named *_REASON); the section must quote
 # QUOTE characters in a row of one of them (a shorter part whole).
@@ -103,7 +103,7 @@ def message_nodes(tree: ast.Module):
                 yield node.lineno, node.exc.args[0]
         elif isinstance(node, ast.Call):
             name = ast.unparse(node.func).rpartition(".")[2]
-            if name == "Unstackable" and len(node.args) > 1:
+            if name in ("Unstackable", "Refusal") and len(node.args) > 1:
                 yield node.lineno, node.args[1]
             elif name in ("Unscannable", "warn") and node.args:
                 yield node.lineno, node.args[0]

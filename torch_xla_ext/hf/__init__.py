@@ -33,7 +33,8 @@ from torch_xla_ext.hf.discovery import (
     LayerList, Unstackable, UnstackedLayersWarning, layer_list, layer_list_paths,
     recorded_outputs, submodule)
 from torch_xla_ext.hf.stacks import StackedLayers, any_standing, retire
-from torch_xla_ext.layer_stack import OwnerPlans, drive_loops, loop_names, undrive_loops
+from torch_xla_ext.layer_stack import (
+    OwnerPlans, checked_stack_options, drive_loops, loop_names, undrive_loops)
 from torch_xla_ext.patches import peft as peft_changes, transformers as transformers_changes
 
 __all__ = ["StackedLayers", "UnstackedLayersWarning", "stack_layers", "unstack_layers"]
@@ -89,7 +90,8 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     output-capturing hooks, which the scans replay), gradient checkpointing
     on some layers only (`every_n_layers`), a parameter shared between
     layers, a setting that reaches the layer's own modules through another
-    object.
+    object. Each is known before any stack is made (`discovery.layer_list`);
+    an error raised while making one is not a refusal and propagates as it is.
 
     Args:
       model: a transformers model, on any device.
@@ -102,23 +104,21 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         `torch_xla_ext.policies` or its name), `is_layer_pure`, `unroll`
         (layers per iteration of the scan's loop), `per_layer_attributes`
         (default `("layer_idx",)`: settings that only pick a per-layer
-        resource, which a trace must not read).
+        resource, which a trace must not read). A wrong one raises a
+        TypeError or ValueError naming it ("stack_layers: unroll must be
+        ..."), before anything is looked at.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
+    checked_stack_options("stack_layers", **options)  # a wrong option raises, naming it
     adapters.teach_peft(stack_layers, _unstack)
     fsdp.teach_class_lookup()
-    found = [layer_list(model, each) for each in
+    found = [layer_list(model, each, options) for each in
              (layer_list_paths(model) if path is None else [path])]
-    stacks, refused = [], []
-    for each in found:
-        if isinstance(each, LayerList):
-            try:
-                stacks.append((each, _stack(each, options)))
-            except (TypeError, ValueError) as error:
-                refused.append(Unstackable(each.path, str(error), type(error)))
-        elif each is not None:
-            refused.append(each)
+    # What cannot be stacked is known before any stack is made; an error
+    # raised while making one is a bug, and propagates as it is.
+    stacks = [(each, _stack(each, options)) for each in found if isinstance(each, LayerList)]
+    refused = [each for each in found if isinstance(each, Unstackable)]
     for unstackable in refused:
         message = (f"stack_layers: cannot stack the layers at {unstackable.path!r}: "
                    f"{unstackable.reason}")

@@ -10,10 +10,14 @@ as a chain of layers, and how, is found at its calls (`layer_stack.plans`);
 a list whose layers are not called as a chain runs them as themselves.
 Nothing here reads a model's code or names its classes.
 
-What keeps a list from being stacked is decided here, once: hooks on its
-layers (they would not run inside a scan; transformers' own
-output-capturing hooks are replayed), gradient checkpointing enabled on
-some layers only (a scan recomputes every layer or none).
+What keeps a list from being stacked is decided here, once, as a value
+(`Unstackable`) before any stack is built: hooks on its layers (they would
+not run inside a scan; transformers' own output-capturing hooks are
+replayed), gradient checkpointing enabled on some layers only (a scan
+recomputes every layer or none), and what a `StackedList` refuses
+(`layer_stack.stacking_refusal`: layers not alike where they are stored
+together, a parameter shared between them, a setting that reaches the
+layer's own modules through what copies share).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import dataclasses
 
 from torch import nn
 
-from torch_xla_ext.layer_stack import StackedList
+from torch_xla_ext.layer_stack import StackedList, stacking_refusal
 from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 __all__ = ["LayerList", "Unstackable", "UnstackedLayersWarning", "checkpointing_reason",
@@ -96,9 +100,10 @@ def _is_block(module: nn.Module) -> bool:
                if any(True for _ in part.parameters()) or any(True for _ in part.buffers())) >= 2
 
 
-def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
-    """The list at `path` to stack, why it cannot be stacked, or None when it
-    is stacked already."""
+def layer_list(model: nn.Module, path: str, options: dict) -> LayerList | Unstackable | None:
+    """The list at `path` to stack with `options` (the stacks' options,
+    checked already), why it cannot be stacked, or None when it is stacked
+    already."""
     layers = submodule(model, path)
     if isinstance(layers, StackedList):
         return None
@@ -114,6 +119,9 @@ def layer_list(model: nn.Module, path: str) -> LayerList | Unstackable | None:
               or checkpointing_reason(layers, path))
     if reason is not None:
         return Unstackable(path, reason)
+    refusal = stacking_refusal(layers, **options)
+    if refusal is not None:
+        return Unstackable(path, refusal.reason, refusal.error)
     return LayerList(path, owner, name, layers, config, output_recorder(model, path))
 
 

@@ -53,11 +53,14 @@ why), and every call runs as its plan says (`execution`, `plans`).
 
 The modules, one job each:
 
-* layers alike: `alike` (layouts, the check, its messages), `forms` (the
-  comparable forms of settings), `per_layer` (per-layer attributes, watched
-  while tracing), `kinds` (`PerLayerChoice`, what a layer computes);
-* storage: `stack` (`LayerStack`), `segments` (where a list splits),
-  `stacked_list` (`StackedList`), `names` (the one map between stored and
+* layers alike: `alike` (layouts, the check, its messages; `Refusal`, why
+  layers cannot be stacked, a value until a constructor raises it), `forms`
+  (the comparable forms of settings), `per_layer` (per-layer attributes,
+  watched while tracing), `kinds` (`PerLayerChoice`, what a layer computes);
+* storage: `stack` (`LayerStack`; `checked_stack_options`: a wrong option
+  is an argument error, not a refusal), `segments` (where a list splits),
+  `stacked_list` (`StackedList`; `stacking_refusal`, why it would refuse a
+  list, without building it), `names` (the one map between stored and
   per-layer names: state dicts, optimizer state), `optimizer_state`
   (optimizer state dicts saved and loaded in the unconverted layout);
 * calls: `loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
@@ -74,6 +77,7 @@ The modules, one job each:
   the scan), `layer_list` (`scan_layers`), `sharding` (FSDPv2: stacked
   weights and the hidden state a scan carries).
 """
+from torch_xla_ext.layer_stack.alike import Refusal
 from torch_xla_ext.layer_stack.execution import ScanResult
 from torch_xla_ext.layer_stack.exporting import ExportWarning
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, is_choice
@@ -85,14 +89,15 @@ from torch_xla_ext.layer_stack.running import (
     LayerByLayerWarning, Layers, Recording, attempt, attempt_recording, device_reason,
     warn_layer_by_layer)
 from torch_xla_ext.layer_stack.sharding import ShardingWarning
-from torch_xla_ext.layer_stack.stack import LayerStack
+from torch_xla_ext.layer_stack.stack import LayerStack, checked_stack_options
 from torch_xla_ext.layer_stack.stacked_list import (
-    LayerGroup, SegmentStack, StackedList, scan_result)
+    LayerGroup, SegmentStack, StackedList, scan_result, stacking_refusal)
 from torch_xla_ext.layer_stack.tracing import GraphBreakWarning, trace_loops_in_dynamo
 
 __all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "GraphBreakWarning",
            "LayerByLayerWarning", "LayerGroup", "LayerStack", "Layers", "OpaqueValue", "OwnerPlans",
-           "PerLayerChoice", "Recording", "ScanResult", "SegmentStack", "ShardingWarning",
-           "StackedList", "attempt", "attempt_recording", "device_reason", "drive_loops",
-           "is_choice", "loop_names", "scan_layers", "scan_result", "trace_loops_in_dynamo",
+           "PerLayerChoice", "Recording", "Refusal", "ScanResult", "SegmentStack",
+           "ShardingWarning", "StackedList", "attempt", "attempt_recording",
+           "checked_stack_options", "device_reason", "drive_loops", "is_choice", "loop_names",
+           "scan_layers", "scan_result", "stacking_refusal", "trace_loops_in_dynamo",
            "undrive_loops", "warn_layer_by_layer"]

@@ -1,5 +1,7 @@
 """What makes layers alike: each layer's layout (submodule types, tensor specs,
-settings), the check that every layer shares layer 0's, and its messages."""
+settings), the check that every layer shares layer 0's, its messages, and
+layers' kinds. What keeps layers from being stacked is a value, a `Refusal`,
+which a constructor raises (`refusal.exception()`) and `stack_layers` reports."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +11,7 @@ import torch
 from torch import nn
 
 from torch_xla_ext.layer_stack.forms import (
-    Composite, Constant, FormBuilder, LayerReference, by_identity, describe, differences)
+    Composite, Constant, FormBuilder, by_identity, describe, differences)
 
 # Keys that every nn.Module puts in its __dict__ for its own bookkeeping (hooks,
 # registries); `training` is not among them because it changes the computation.
@@ -17,6 +19,21 @@ _MODULE_BOOKKEEPING = frozenset(vars(nn.Module())) - {"training"}
 
 _SAME_CODE_NOTE = ("the stack runs layer 0's code and settings for every layer, "
                    "so all layers must be built the same way")
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why layers cannot be stacked: the exception class a constructor raises
+    for it (ValueError, TypeError) and its message."""
+    error: type[Exception]
+    reason: str
+
+    def within(self, where: str) -> Refusal:
+        """The refusal said of a part of the layers (`where`: a segment's name)."""
+        return Refusal(self.error, f"{where}: {self.reason}")
+
+    def exception(self) -> Exception:
+        return self.error(self.reason)
 
 
 def join(path: str, name: str) -> str:
@@ -50,6 +67,10 @@ class LayerLayout:
     tensors: dict[str, TensorSpec]
     # Objects the settings compare by identity.
     shared: list
+    # Why no stack can hold the layer, whatever the other layers are: a setting
+    # that reaches the layer's own module or tensor through what copies of the
+    # layer share; None if none does.
+    refusal: Refusal | None
 
     def trace_key(self) -> tuple:
         """The part of the layout that decides what a trace of the layer computes."""
@@ -57,24 +78,24 @@ class LayerLayout:
 
 
 def layout_of(layer: nn.Module, index: int) -> LayerLayout:
-    """Layer `index`'s layout; raises ValueError if a setting cannot be used."""
+    """Layer `index`'s layout, with its `refusal` if a setting cannot be used."""
     forms = FormBuilder(layer)
     modules, settings, values, tensors = {}, {}, {}, {}
+    refusal = None
     for path, module in layer.named_modules():
         modules[path] = type(module)
         for attribute, value in vars(module).items():
             if attribute in _MODULE_BOOKKEEPING:
                 continue
             name = join(path, attribute)
-            try:
-                settings[name] = forms.form(value)
-            except LayerReference as reference:
-                place, holder = reference.args
-                raise ValueError(
+            settings[name] = forms.form(value)
+            if forms.own_references and refusal is None:  # found in this setting's form
+                place, holder = forms.own_references[0]
+                refusal = Refusal(ValueError, (
                     f"Layer {index} setting '{name}' refers to the layer's own {place} through "
                     f"{holder}, which the stack's copy of layer 0 shares rather than copies: "
                     f"every layer would use layer 0's {place}, not its own. Reach it through "
-                    f"`self` instead (in a method of the module), or pass it as an argument.") from None
+                    f"`self` instead (in a method of the module), or pass it as an argument."))
             values[name] = value
         for name, param in module._parameters.items():
             if param is not None:
@@ -85,7 +106,18 @@ def layout_of(layer: nn.Module, index: int) -> LayerLayout:
                 persistent = name not in module._non_persistent_buffers_set
                 tensors[join(path, name)] = TensorSpec(False, tuple(buffer.shape),
                                                        buffer.dtype, persistent)
-    return LayerLayout(modules, settings, values, tensors, forms.shared)
+    return LayerLayout(modules, settings, values, tensors, forms.shared, refusal)
+
+
+def layouts_of(layers: list) -> list[LayerLayout] | Refusal:
+    """Each layer's layout; or why a layer cannot be stacked whatever the others
+    are (it is not a module; a setting of it cannot be used), for the first."""
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            return Refusal(TypeError, f"Layer {index} is a {type(layer).__name__}, not an "
+                                      f"nn.Module; pass a list or nn.ModuleList of layers.")
+    layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
+    return next((layout.refusal for layout in layouts if layout.refusal is not None), layouts)
 
 
 def _key_difference(index: int, what: str, reference: dict, other: dict) -> str | None:
@@ -153,32 +185,33 @@ def structure_key(layout: LayerLayout) -> tuple:
 
 
 def structure_difference(index: int, reference: LayerLayout, other: LayerLayout
-                         ) -> tuple[type[Exception], str] | None:
+                         ) -> Refusal | None:
     """How layer `index` is built otherwise than layer 0, beyond the values of
     its settings: other submodules or submodule types, other parameters or
     buffers (names or specs), other setting names. None when it is not; else
-    the error to raise for layers that must be alike, and its message."""
+    the refusal of layers that must be alike."""
     message = _key_difference(index, "submodules", reference.modules, other.modules)
     if message:
-        return ValueError, message
+        return Refusal(ValueError, message)
     for path, module_type in reference.modules.items():
         if other.modules[path] is not module_type:
             where = f"submodule '{path}'" if path else "itself"
-            return TypeError, (f"Layer {index} {where} is a {other.modules[path].__name__} but "
-                               f"layer 0's is a {module_type.__name__}; {_SAME_CODE_NOTE}.")
+            return Refusal(TypeError, (
+                f"Layer {index} {where} is a {other.modules[path].__name__} but layer 0's is "
+                f"a {module_type.__name__}; {_SAME_CODE_NOTE}."))
     message = _key_difference(index, "parameters/buffers", reference.tensors, other.tensors)
     if message:
-        return ValueError, message
+        return Refusal(ValueError, message)
     for name, spec in reference.tensors.items():
         if other.tensors[name] != spec:
             kind = "parameter" if spec.is_parameter else "buffer"
-            return ValueError, (
+            return Refusal(ValueError, (
                 f"Layer {index} {kind} '{name}' has {other.tensors[name].describe()} but "
                 f"layer 0's has {spec.describe()}; the stack keeps one [num_layers, ...] "
-                f"tensor per name, so every layer's '{name}' must match layer 0's.")
+                f"tensor per name, so every layer's '{name}' must match layer 0's."))
     message = _key_difference(index, "settings", reference.settings, other.settings)
     if message:
-        return ValueError, message
+        return Refusal(ValueError, message)
     return None
 
 
@@ -197,20 +230,15 @@ def _setting_difference_of(index: int, reference: LayerLayout, other: LayerLayou
 
 
 def _layout_difference(index: int, reference: LayerLayout, other: LayerLayout,
-                      per_layer_attributes: frozenset[str]) -> tuple[type[Exception], str] | None:
-    """What layer `index` does otherwise than layer 0, in structure or in a
-    setting's value (see `structure_difference`), or None."""
+                       per_layer_attributes: frozenset[str], any_setting: bool
+                       ) -> Refusal | None:
+    """What layer `index` does otherwise than layer 0, in structure or (unless
+    `any_setting`) in a setting's value (see `structure_difference`), or None."""
     structure = structure_difference(index, reference, other)
-    if structure is not None:
+    if structure is not None or any_setting:
         return structure
     setting = _setting_difference_of(index, reference, other, per_layer_attributes)
-    return None if setting is None else (ValueError, setting)
-
-
-def _first_difference(layouts: list[LayerLayout], per_layer_attributes: frozenset[str]
-                      ) -> tuple[type[Exception], str] | None:
-    return next(filter(None, (_layout_difference(index, layouts[0], other, per_layer_attributes)
-                              for index, other in enumerate(layouts[1:], start=1))), None)
+    return None if setting is None else Refusal(ValueError, setting)
 
 
 def _naming_settings(index: int, reference: LayerLayout, other: LayerLayout,
@@ -227,28 +255,26 @@ def _naming_settings(index: int, reference: LayerLayout, other: LayerLayout,
     return naming
 
 
-def check_identical_layers(layers: list, per_layer_attributes: frozenset[str],
-                           any_setting: bool = False
-                           ) -> tuple[LayerLayout, dict[str, tuple], frozenset[str]]:
-    """Layer 0's layout, after checking that every layer shares it; the
-    settings kept per layer: 'path.attribute' -> each layer's value, for the
-    per-layer attributes that differ and for the settings that differ only in
-    naming their module; and which of those are watched (all of them: a
-    trace that reads one runs layer by layer). With `any_setting`, the layers
-    need only share layer 0's structure: every setting that differs is kept
-    per layer, the others unwatched (layers' kinds: see `stacked_list`)."""
-    for index, layer in enumerate(layers):
-        if not isinstance(layer, nn.Module):
-            raise TypeError(f"Layer {index} is a {type(layer).__name__}, not an nn.Module; "
-                            f"pass a list or nn.ModuleList of layers.")
-    layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
+def identical_layers(layers: list, per_layer_attributes: frozenset[str],
+                     any_setting: bool = False
+                     ) -> tuple[LayerLayout, dict[str, tuple], frozenset[str]] | Refusal:
+    """Layer 0's layout, when every layer shares it; the settings kept per
+    layer: 'path.attribute' -> each layer's value, for the per-layer
+    attributes that differ and for the settings that differ only in naming
+    their module; and which of those are watched (all of them: a trace that
+    reads one runs layer by layer). With `any_setting`, the layers need only
+    share layer 0's structure: every setting that differs is kept per layer,
+    the others unwatched (layers' kinds: `layer_kinds`). Else the refusal of
+    the first layer that does not share it (or that no stack can hold)."""
+    layouts = layouts_of(layers)
+    if isinstance(layouts, Refusal):
+        return layouts
     reference = layouts[0]
-    difference = (next(filter(None, (structure_difference(index, reference, other)
-                                     for index, other in enumerate(layouts[1:], start=1))), None)
-                  if any_setting else _first_difference(layouts, per_layer_attributes))
+    difference = next(filter(None, (
+        _layout_difference(index, reference, other, per_layer_attributes, any_setting)
+        for index, other in enumerate(layouts[1:], start=1))), None)
     if difference is not None:
-        error, message = difference
-        raise error(message)
+        return difference
     naming = set().union(*(_naming_settings(index, reference, other, per_layer_attributes)
                            for index, other in enumerate(layouts[1:], start=1)))
     differing = {name for name, form in reference.settings.items()
@@ -259,6 +285,37 @@ def check_identical_layers(layers: list, per_layer_attributes: frozenset[str],
                         for name in reference.settings
                         if name in watched or (any_setting and name in differing)}
     return reference, per_layer_values, watched
+
+
+def layer_kinds(layouts: list[LayerLayout], per_layer_attributes: frozenset[str]
+                ) -> tuple[int, ...]:
+    """Each layer's kind: layers whose settings are equal, but for the
+    per-layer attributes and strings naming their own module, are of one kind
+    (numbered in order of their first layer)."""
+    kinds, firsts = [], []
+    for index, layout in enumerate(layouts):
+        kind = next((number for number, first in enumerate(firsts)
+                     if _same_settings(layouts[first], first, layout, index,
+                                       per_layer_attributes)), None)
+        if kind is None:
+            kind = len(firsts)
+            firsts.append(index)
+        kinds.append(kind)
+    return tuple(kinds)
+
+
+def _same_settings(reference: LayerLayout, reference_index: int, layout: LayerLayout,
+                   index: int, per_layer_attributes: frozenset[str]) -> bool:
+    if structure_key(reference) != structure_key(layout):
+        return False
+    for name, form in reference.settings.items():
+        owner_path, _, attribute = name.rpartition(".")
+        if attribute in per_layer_attributes:
+            continue
+        if any(not names_its_module(index, owner_path, *difference[1:], reference_index)
+               for difference in differences(form, layout.settings[name])):
+            return False
+    return True
 
 
 def layer_tensors(layer: nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor]:

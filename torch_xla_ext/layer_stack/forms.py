@@ -64,11 +64,6 @@ def by_identity(form) -> bool:
     return isinstance(form, Mark) and form.key[0] == "identity"
 
 
-class LayerReference(Exception):
-    """A value that copies of the layer share refers to a module or tensor of the
-    layer: `args` are the layer's module or tensor and the sharing holder."""
-
-
 @functools.cache
 def _has_slots(cls: type) -> bool:
     return any(set(vars(base).get("__slots__", ())) - {"__dict__", "__weakref__"}
@@ -90,6 +85,10 @@ class FormBuilder:
                              *layer.named_buffers(remove_duplicate=False)):
             self._places[id(tensor)] = f"tensor '{name}'"
         self.shared: list = []
+        # (place, holder) of each of the layer's own modules or tensors reached
+        # through what copies of the layer share (`by_reference`), in the order
+        # found: a copy of layer 0 would use layer 0's, not its own.
+        self.own_references: list[tuple[str, str]] = []
         self._ancestors: list[int] = []
         # (id, by_reference) -> form of an object reached again (a config most
         # submodules hold), unless its form points back at an ancestor.
@@ -111,7 +110,7 @@ class FormBuilder:
         if issubclass(kind, (nn.Module, torch.Tensor)) and id(value) in self._places:
             place = self._places[id(value)]
             if by_reference:
-                raise LayerReference(place, by_reference)
+                self.own_references.append((place, by_reference))
             return Mark(("in layer", place), f"the layer's {place}")
         if id(value) in self._ancestors:
             self._cycles += 1

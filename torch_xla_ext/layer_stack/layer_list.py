@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from torch_xla_ext.layer_stack import running
-from torch_xla_ext.layer_stack.alike import check_identical_layers, layer_tensors
+from torch_xla_ext.layer_stack.alike import Refusal, identical_layers, layer_tensors
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.policies import save_everything
 from torch_xla_ext.scan.mutation import Writes
@@ -39,7 +39,10 @@ def scan_layers(layers: Iterable[nn.Module], input_data, partition_fn=save_every
     layers = list(layers)
     if not layers:
         return input_data
-    layout, per_layer_values, _ = check_identical_layers(layers, frozenset(per_layer_attributes))
+    alike = identical_layers(layers, frozenset(per_layer_attributes))
+    if isinstance(alike, Refusal):
+        raise alike.exception()
+    layout, per_layer_values, _ = alike
     per_layer = [layer_tensors(layer, layout.tensors) for layer in layers]
     stacked = {name: torch.stack([tensors[name] for tensors in per_layer])
                for name in layout.tensors}

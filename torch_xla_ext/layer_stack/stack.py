@@ -14,7 +14,8 @@ from torch import nn
 
 from torch_xla_ext.diagnostics import TorchXlaExtDeprecationWarning
 from torch_xla_ext.layer_stack import names, optimizer_state, running, sharding
-from torch_xla_ext.layer_stack.alike import check_identical_layers, layer_tensors, layout_of
+from torch_xla_ext.layer_stack.alike import (
+    LayerLayout, Refusal, identical_layers, layer_tensors, layout_of)
 from torch_xla_ext.layer_stack.fakes import template_copy
 from torch_xla_ext.layer_stack.segments import Segment
 from torch_xla_ext.patches.torch_xla import lower_host_ops
@@ -111,17 +112,20 @@ class LayerStack(nn.Module):
                  ignored_attributes: Iterable[str] = ()):
         super().__init__()
         layers = list(layers)
-        self.partition_fn = resolve_policy(partition_fn, "LayerStack")
-        self.is_layer_pure = is_layer_pure
-        self.unroll = check_unroll(unroll, "LayerStack")
         ignored_attributes = frozenset(ignored_attributes)
+        options = checked_stack_options(
+            "LayerStack", partition_fn=partition_fn, is_layer_pure=is_layer_pure, unroll=unroll,
+            per_layer_attributes=per_layer_attributes, ignored_attributes=ignored_attributes)
+        self.partition_fn = options["partition_fn"]
+        self.is_layer_pure = options["is_layer_pure"]
+        self.unroll = options["unroll"]
+        self.per_layer_attributes = options["per_layer_attributes"]
         if ignored_attributes:
             warnings.warn(
                 f"LayerStack(ignored_attributes=...) is deprecated: pass "
                 f"per_layer_attributes={tuple(sorted(ignored_attributes))!r} instead (the "
                 f"default, {DEFAULT_PER_LAYER_ATTRIBUTES!r}, too if you rely on it).",
                 TorchXlaExtDeprecationWarning, stacklevel=2)
-        self.per_layer_attributes = frozenset(per_layer_attributes) | ignored_attributes
         self.num_layers = len(layers)
         # 'path.attribute' -> each layer's value, for the per-layer attributes that differ
         # (and, for a stack that keeps differing settings, the settings that differ).
@@ -140,9 +144,11 @@ class LayerStack(nn.Module):
         lower_host_ops()  # layers' ops that torch_xla runs on the host cannot be traced
         if not layers:
             return
-        layout, self.per_layer_values, self.watched_paths = check_identical_layers(
-            layers, self.per_layer_attributes, any_setting=self.keeps_differing_settings)
-        _check_no_shared_parameters(layers)
+        checked = stackable_layers(layers, self.per_layer_attributes,
+                                   any_setting=self.keeps_differing_settings)
+        if isinstance(checked, Refusal):
+            raise checked.exception()
+        layout, self.per_layer_values, self.watched_paths = checked
         self.__dict__["_template"] = _meta_copy(layers[0], layout.shared)
         self.training = layers[0].training
         with torch.no_grad():
@@ -327,15 +333,44 @@ def _loaded_per_layer(stack: LayerStack, state_dict, prefix: str, local_metadata
                          error_msgs)
 
 
-def _check_no_shared_parameters(layers: list) -> None:
+def checked_stack_options(who: str, *, partition_fn=save_everything, is_layer_pure=None,
+                          unroll: int | bool = 1,
+                          per_layer_attributes: Iterable[str] = DEFAULT_PER_LAYER_ATTRIBUTES,
+                          ignored_attributes: Iterable[str] = (), **unknown) -> dict:
+    """A `LayerStack`'s options as `who` ("LayerStack", "stack_layers", ...)
+    was given them, checked and resolved: the policy (a name looked up),
+    `unroll` as steps, the per-layer attributes as one frozenset (with the
+    deprecated `ignored_attributes`). A wrong option is the caller's mistake,
+    not a refusal of the layers: a TypeError or ValueError naming it, raised."""
+    if unknown:
+        raise TypeError(f"{who}: unknown option {next(iter(unknown))!r}; the options are "
+                        f"partition_fn, is_layer_pure, unroll and per_layer_attributes")
+    return dict(partition_fn=resolve_policy(partition_fn, who), is_layer_pure=is_layer_pure,
+                unroll=check_unroll(unroll, who),
+                per_layer_attributes=frozenset(per_layer_attributes) | frozenset(ignored_attributes))
+
+
+def stackable_layers(layers: list, per_layer_attributes: frozenset[str], any_setting: bool
+                     ) -> tuple[LayerLayout, dict[str, tuple], frozenset[str]] | Refusal:
+    """What a `LayerStack` checks of its (non-empty) layers: what
+    `alike.identical_layers` gives, or why the stack cannot hold them (layers
+    not alike, a parameter shared between two)."""
+    alike = identical_layers(layers, per_layer_attributes, any_setting)
+    if isinstance(alike, Refusal):
+        return alike
+    return _shared_parameter(layers) or alike
+
+
+def _shared_parameter(layers: list) -> Refusal | None:
     """LayerStack gives each layer its own slice, which would untie shared parameters."""
     owners = {}
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters():
             first_index, first_name = owners.setdefault(id(param), (index, name))
             if first_index != index:
-                raise ValueError(
+                return Refusal(ValueError, (
                     f"Layer {index} parameter '{name}' is the same tensor as layer "
                     f"{first_index}'s '{first_name}'; a LayerStack stores one copy per layer "
                     f"and would untie them. Give each layer its own parameters, or keep "
-                    f"the shared one outside the layers.")
+                    f"the shared one outside the layers."))
+    return None

@@ -12,6 +12,8 @@ It looks like the `nn.ModuleList` it replaced: `len`, `stack[i]` (layer i,
 whose tensors are views of its slices), iteration, and `state_dict()` /
 `load_state_dict()` with per-layer names (`names.NameMap`, the one map,
 which optimizer state dicts use too); `unstacked()` gives the layers back.
+Why a list cannot be stacked is known before anything is built, as a value:
+`stacking_refusal`, from the checks the constructors raise from.
 """
 from __future__ import annotations
 
@@ -25,19 +27,18 @@ from torch import nn
 
 from torch_xla_ext.layer_stack import names as names_of, optimizer_state, running, sharding
 from torch_xla_ext.layer_stack.execution import ScanResult
-from torch_xla_ext.layer_stack.alike import (layout_of, names_its_module, structure_difference,
-                                             structure_key)
-from torch_xla_ext.layer_stack.forms import differences
+from torch_xla_ext.layer_stack.alike import (
+    LayerLayout, Refusal, layer_kinds, layout_of, layouts_of, structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.layer_state import KeptLayers, attributes_of, written
 from torch_xla_ext.layer_stack.loops import (
     TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
-from torch_xla_ext.layer_stack.segments import plan_segments
-from torch_xla_ext.layer_stack.stack import LayerStack
+from torch_xla_ext.layer_stack.segments import Segment, plan_segments
+from torch_xla_ext.layer_stack.stack import LayerStack, checked_stack_options, stackable_layers
 from torch_xla_ext.policies import save_everything
 
-__all__ = ["LayerGroup", "SegmentStack", "StackedList", "scan_result"]
+__all__ = ["LayerGroup", "SegmentStack", "StackedList", "scan_result", "stacking_refusal"]
 
 # Settings compared by value for `differing_settings` (others by identity).
 _PLAIN = (type(None), bool, int, float, str)
@@ -78,6 +79,9 @@ class SegmentStack(LayerStack):
 class StackedList(nn.Module):
     """Layers of any structure, stacked per segment (see the module docstring).
 
+    Layers it cannot stack raise the TypeError or ValueError of
+    `stacking_refusal`, which says why as a value.
+
     Args:
       layers: the layers, in order.
       options: passed to each segment's `LayerStack` (`partition_fn`,
@@ -86,34 +90,22 @@ class StackedList(nn.Module):
 
     def __init__(self, layers: Iterable[nn.Module], **options):
         super().__init__()
-        layers = list(layers)
-        for index, layer in enumerate(layers):
-            if not isinstance(layer, nn.Module):
-                raise TypeError(f"Layer {index} is a {type(layer).__name__}, not an nn.Module; "
-                                f"pass a list or nn.ModuleList of layers.")
+        split = _split(list(layers),
+                       checked_stack_options("StackedList", **options)["per_layer_attributes"])
+        if isinstance(split, Refusal):
+            raise split.exception()
         self.options = options
-        layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
-        self.plan = plan_segments([structure_key(layout) for layout in layouts])
+        layouts, self.plan = split.layouts, split.plan
         # Where no two neighbouring layers are built alike, how layer 1 differs
         # from layer 0: no run makes a scan, and each layer runs as itself.
         self.unlike_neighbours = (
-            structure_difference(1, layouts[0], layouts[1])[1].split(";")[0]
+            structure_difference(1, layouts[0], layouts[1]).reason.split(";")[0]
             if len(self.plan) > 1 and all(segment.single for segment in self.plan) else None)
-        self.segments = nn.ModuleList()
-        for segment in self.plan:
-            members = layers[segment.start:segment.stop]
-            if segment.single:
-                self.segments.append(members[0])
-                continue
-            if segment.period > 1:
-                members = [LayerGroup(members[first:first + segment.period])
-                           for first in range(0, len(members), segment.period)]
-            try:
-                self.segments.append(SegmentStack(members, **options))
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"{segment}: {error}") from error
+        self.segments = nn.ModuleList(
+            members[0] if segment.single else SegmentStack(members, **options)
+            for segment, members in zip(self.plan, split.members))
         per_layer = frozenset(options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES))
-        self.kinds = _kinds(layouts, per_layer)
+        self.kinds = layer_kinds(layouts, per_layer)
         self.kept_layers = KeptLayers()  # the layers that keep state on themselves
         self.register_state_dict_post_hook(_saved_per_layer)
         self.register_load_state_dict_pre_hook(_loaded_per_layer)
@@ -374,6 +366,52 @@ class StackedList(nn.Module):
         return f"num_layers={len(self)}, segments={[str(each) for each in self.plan]}"
 
 
+def stacking_refusal(layers: Iterable[nn.Module], **options) -> Refusal | None:
+    """Why `StackedList(layers, **options)` refuses `layers`, as a value, or
+    None when it stacks them; nothing is built. The constructor raises
+    `refusal.exception()` from the same checks: each layer a module whose
+    settings reach its own modules and tensors as its own (not through a
+    function's closure or a weak reference, which copies share); and per
+    segment, its layers (or groups) alike in structure with no parameter
+    shared between two, the reason then starting with the segment ("layers
+    0-3 (4 layers): ..."). A wrong option is the caller's mistake, raised
+    here (TypeError or ValueError naming it), not a refusal."""
+    split = _split(list(layers),
+                   checked_stack_options("stacking_refusal", **options)["per_layer_attributes"])
+    return split if isinstance(split, Refusal) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """A list of layers as a `StackedList` stores it: each layer's layout, the
+    segments, and each segment's members (its layers, or its groups)."""
+    layouts: list[LayerLayout]
+    plan: tuple[Segment, ...]
+    members: list[list[nn.Module]]
+
+
+def _split(layers: list, per_layer_attributes: frozenset[str]) -> _Split | Refusal:
+    """`layers` split into segments, each segment's stack checked as its
+    constructor checks it (`stack.stackable_layers`); or the first refusal."""
+    layouts = layouts_of(layers)
+    if isinstance(layouts, Refusal):
+        return layouts
+    plan = plan_segments([structure_key(layout) for layout in layouts])
+    members = []
+    for segment in plan:
+        segment_layers = layers[segment.start:segment.stop]
+        if segment.period > 1:
+            segment_layers = [LayerGroup(segment_layers[first:first + segment.period])
+                              for first in range(0, len(segment_layers), segment.period)]
+        if not segment.single:
+            checked = stackable_layers(segment_layers, per_layer_attributes,
+                                       any_setting=SegmentStack.keeps_differing_settings)
+            if isinstance(checked, Refusal):
+                return checked.within(str(segment))
+        members.append(segment_layers)
+    return _Split(layouts, plan, members)
+
+
 def scan_result(run, outcome) -> ScanResult | str:
     """`running.attempt`'s outcome for `run` as its execution takes it."""
     if isinstance(outcome, str):
@@ -381,36 +419,6 @@ def scan_result(run, outcome) -> ScanResult | str:
     hidden, kept, handed = outcome
     return ScanResult(hidden, {(0, leaf): stacked for leaf, stacked in zip(run.kept[0], kept)}
                       if run.kept else {}, handed)
-
-
-def _kinds(layouts: list, per_layer_attributes: frozenset[str]) -> tuple[int, ...]:
-    """Each layer's kind: layers whose settings are equal, but for the
-    per-layer attributes and strings naming their own module, are of one kind
-    (numbered in order of their first layer)."""
-    kinds, firsts = [], []
-    for index, layout in enumerate(layouts):
-        kind = next((number for number, first in enumerate(firsts)
-                     if _same_settings(layouts[first], first, layout, index,
-                                       per_layer_attributes)), None)
-        if kind is None:
-            kind = len(firsts)
-            firsts.append(index)
-        kinds.append(kind)
-    return tuple(kinds)
-
-
-def _same_settings(reference, reference_index: int, layout, index: int,
-                   per_layer_attributes: frozenset[str]) -> bool:
-    if structure_key(reference) != structure_key(layout):
-        return False
-    for name, form in reference.settings.items():
-        owner_path, _, attribute = name.rpartition(".")
-        if attribute in per_layer_attributes:
-            continue
-        if any(not names_its_module(index, owner_path, *difference[1:], reference_index)
-               for difference in differences(form, layout.settings[name])):
-            return False
-    return True
 
 
 def _saved_per_layer(stack: StackedList, state_dict, prefix: str, local_metadata) -> None:
