@@ -333,6 +333,17 @@ class BoundedStore:
         self._lock = threading.Lock()
         _STORES.add(self)
 
+    # A copy (of a model, deep-copied or unpickled) holds copies of the
+    # entries, with a lock of its own, and counts in `cache_info()`.
+    def __getstate__(self) -> dict:
+        with self._lock:
+            return {"entries": collections.OrderedDict(self._entries)}
+
+    def __setstate__(self, state: dict) -> None:
+        self._entries = state["entries"]
+        self._lock = threading.Lock()
+        _STORES.add(self)
+
     def get(self, key):
         """The entry for `key`, now the most recently used, or None."""
         with self._lock:
