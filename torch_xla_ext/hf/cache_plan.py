@@ -148,11 +148,12 @@ class CachePlan:
             return (*self.held, self.cache.layers[self.first].cumulative_length)
         return self.held
 
-    def commit(self, recorded: tuple, new_tokens: int) -> None:
+    def commit(self, recorded: tuple, found, new_tokens: int) -> None:
         """Leaves the cache as the layers' own updates of `new_tokens` tokens
-        would have, from what the scan recorded."""
+        would have, from what the scan recorded (and what its step's trace
+        found, `Recording.found`)."""
         if self.fresh is not None:
-            fill_fresh(self.cache, self.fresh, recorded, self.first, self.count, self.period)
+            fill_fresh(self.cache, found, recorded, self.first, self.count, self.period)
         elif self.encoder_decoder:
             fill_encoder_decoder(self.cache, recorded, self.first)
         elif self.in_place:

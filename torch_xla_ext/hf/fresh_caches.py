@@ -49,7 +49,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import threading
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -61,15 +60,9 @@ from torch_xla_ext.layer_stack import OpaqueValue, Recording
 __all__ = ["fill_fresh", "fresh_layers", "held_states", "holds_alike_states", "side_lists",
            "starts_empty_from"]
 
-# Per recording's key and position: what the step left, found when it was
-# traced: the slot-0 cache layer's state (its spec and leaves, each a tensor's
-# stand-in `_TENSOR` or itself), or None if it has none, and the calls that
-# changed a side list (method name, spec and leaves of their arguments, the
-# layer's index as `_INDEX`).
-_STATES: dict = {}
+# In what a step left (`_left_in`), a tensor's place and the layer's index.
 _TENSOR = object()
 _INDEX = object()
-_LOCK = threading.Lock()
 # The one-layer cache's record of the calls that changed its side lists.
 _WRITES = "_side_list_writes"
 
@@ -269,6 +262,25 @@ def _check_nothing_else_changed(cache, one) -> None:
             f"pass use_cache=False, or unstack the layers (unstack_layers) for this call")
 
 
+def _left_in(one) -> tuple[list, tuple | None, list]:
+    """What a step left in its one-layer cache `one`: the calls that changed
+    a side list (method name, spec and leaves of their arguments, each tensor
+    `_TENSOR`, the layer's index `_INDEX`), the slot-0 cache layer's state
+    (its spec and leaves, marked alike) or None if it has none, and the
+    tensors of both, in that order."""
+    writes, tensors = [], []
+    for name, arguments in one.__dict__[_WRITES]:
+        leaves, spec = tree_flatten(arguments)
+        writes.append((name, spec, _marked(leaves)))
+        tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    layer_state = None
+    if len(one.layers):
+        leaves, spec = tree_flatten(vars(one.layers[0]))
+        layer_state = (spec, _marked(leaves))
+        tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return writes, layer_state, tensors
+
+
 def _marked(leaves: list) -> list:
     return [_TENSOR if isinstance(leaf, torch.Tensor) else _INDEX
             if isinstance(leaf, OpaqueValue) else leaf for leaf in leaves]
@@ -278,8 +290,9 @@ def fresh_layers(cache, parameter: str, first: int, period: int | None,
                  held: bool = False) -> Recording:
     """What each step of a scan over the cache's layers `first`, ... gets as
     its cache argument `parameter` (a group of `period` layers: one per
-    position, by `per_position`), and the tensors it records (the calls'
-    that changed a side list, then those the slot-0 cache layer holds).
+    position, by `per_position`), the tensors it records (the calls'
+    that changed a side list, then those the slot-0 cache layer holds), and
+    what else the step left, found when it is traced (`Recording.found`).
     `held`: the cache layers hold state, the scan's (`held_states`), whose
     slices each step's cache layer holds."""
     positions = range(1 if period is None else period)
@@ -303,43 +316,36 @@ def fresh_layers(cache, parameter: str, first: int, period: int | None,
             stand_ins.append({parameter: one})
         return stand_ins[0] if period is None else {"per_position": tuple(stand_ins)}
 
+    def one_layer_caches(given) -> list:
+        return [each[parameter] for each in ([given] if period is None
+                                             else given["per_position"])]
+
     def recorded(given) -> tuple:
-        stand_ins = [given] if period is None else given["per_position"]
-        found = []
-        for position, each in enumerate(stand_ins):
-            one = each[parameter]
+        tensors = []
+        for one in one_layer_caches(given):
             _check_nothing_else_changed(cache, one)
-            tensors = []
-            writes = []
-            for name, arguments in one.__dict__[_WRITES]:
-                leaves, spec = tree_flatten(arguments)
-                writes.append((name, spec, _marked(leaves)))
-                tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-            layer_state = None
-            if len(one.layers):
-                leaves, spec = tree_flatten(vars(one.layers[0]))
-                layer_state = (spec, _marked(leaves))
-                tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-            with _LOCK:
-                _STATES[key, position] = (writes, layer_state)
             # Detached: what the cache holds is read by later calls, not differentiated.
-            found.append(tuple(tensor.detach() for tensor in tensors))
-        return tuple(found)
+            tensors.append(tuple(tensor.detach() for tensor in _left_in(one)[2]))
+        return tuple(tensors)
 
-    return Recording(key, make, recorded)
+    def found(given) -> tuple:
+        return tuple(_left_in(one)[:2] for one in one_layer_caches(given))
+
+    return Recording(key, make, recorded, found)
 
 
-def fill_fresh(cache, recording: Recording, recorded: tuple, first: int, count: int,
+def fill_fresh(cache, found: tuple, recorded: tuple, first: int, count: int,
                period: int | None) -> None:
     """Leaves the cache's slots `first`, ..., `first + count - 1` as the
     layers' own calls would have: each layer's side-list writes made again,
-    and its cache layer given the state its step left (see the module
+    and its cache layer given the state its step left, as the step's trace
+    found them (`found`, by position: `Recording.found`; see the module
     docstring)."""
     positions = 1 if period is None else period
     for group in range(count // positions):
         for position in range(positions):
             index = first + group * positions + position
-            writes, layer_state = _STATES[recording.key, position]
+            writes, layer_state = found[position]
             tensors = iter(stacked[group] for stacked in recorded[position])
 
             def filled(leaves: list) -> list:

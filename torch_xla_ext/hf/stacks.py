@@ -163,8 +163,8 @@ class StackedLayers(StackedList):
                                     plan.recording, state=plan.state)
         if isinstance(outcome, str):
             return outcome
-        last_hidden, recorded, kept, handed = outcome
-        plan.commit(recorded, hidden.shape[-2])
+        last_hidden, recorded, kept, handed, found = outcome
+        plan.commit(recorded, found, hidden.shape[-2])
         return scan_result(run, (last_hidden, kept, handed))
 
 

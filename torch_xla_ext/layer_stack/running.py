@@ -85,6 +85,11 @@ class Recording:
     # tensor) and the state tensors the call may write in place.
     make: Callable[[torch.Tensor, tuple], dict]
     recorded: Callable[[dict], tuple]  # the tensors recorded in them by the call
+    # What the call left in them besides tensors (flags, sizes, the calls it
+    # made), alike at every layer: found when the step is traced and kept
+    # with the step, since a call whose trace the scan's cache holds runs no
+    # layer code (`run_recording` hands it on).
+    found: Callable[[dict], Any] | None = None
 
 
 def run(layers: Layers, hidden, args: tuple, kwargs: dict):
@@ -159,8 +164,9 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
                   state: tuple[torch.Tensor, ...] = ()):
     """`run` with `recording`'s keyword arguments given to every layer: returns
     the last hidden state, the recorded tensors and the kept output leaves,
-    each stacked [num_layers, ...], and the last layer's output leaves that
-    HandedOn arguments take, by number. The layers may write the `state` tensors (a key/value cache stacked
+    each stacked [num_layers, ...], the last layer's output leaves that
+    HandedOn arguments take, by number, and what `recording.found` gave when
+    the step was traced (None without it). The layers may write the `state` tensors (a key/value cache stacked
     along the layers, say) in place, through what `recording` gives them:
     state is a carry of the loop, so XLA writes it in place, a few positions
     at a time, and after the call `state` holds what the loop left. Raises
@@ -173,7 +179,7 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
             if final is not tensor:  # a read-only state leaves the loop as itself
                 tensor.copy_(final)
         _replay_hooks(layers, calls)
-        return last_hidden, recorded, kept, handed
+        return last_hidden, recorded, kept, handed, step.found_when_traced.get("found")
 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
 
@@ -348,12 +354,17 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
                               f"every layer gets, and a scan's layers all see it as it was "
                               f"before the scan")
         _check_recorded_calls(calls)
+        if recording is not None and recording.found is not None:
+            found_when_traced["found"] = recording.found(given)
         output_leaves = tree_flatten(output)[0]
         handed = {number: output_leaves[number] for number in handed}
         return ((hidden, tensor_arguments, handed, *with_state),
                 (recording.recorded(given) if recording else None, calls,
                  tuple(output_leaves[leaf] for leaf in kept)))
 
+    # Owned by the step, as long as its template lives (`_STEPS`).
+    found_when_traced: dict = {}
+    run_one_layer.found_when_traced = found_when_traced
     return run_one_layer
 
 
