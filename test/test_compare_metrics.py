@@ -228,8 +228,8 @@ def test_a_failing_mode_shows_its_error_and_the_others_still_run(
     json_path = tmp_path / "figures.json"
     monkeypatch.chdir(tmp_path)
     completed = compare_metrics("--workload", "failing_workload:build_but_not_scan",
-                                "--modes", "scan,loop", "--hidden", 8, "--steps", 2,
-                                "--json", json_path)
+                                "--modes", "scan,loop", "--layers", 4, "--hidden", 8,
+                                "--steps", 2, "--json", json_path)
     assert completed.returncode == 1
     error_lines = completed.stderr.splitlines()
     assert "mode 'scan' with 4 layers: exit code 1; the end of its output:" in error_lines
