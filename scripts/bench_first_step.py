@@ -16,7 +16,7 @@ The first step's wall time is split into:
   (`layer_stack.dry_run.record_calls`: the owner's forward run once with the
   layers recorded on stand-ins), `rehearse` (`layer_stack.kinds.program_of`:
   make_fx of a layer's step on fakes, to tell which layers compute alike),
-  `plan` (`layer_stack.call_plan.plan_calls`, less the rehearsals it asks
+  `plan` (`layer_stack.planner.plan_calls`, less the rehearsals it asks
   for), `trace` (`scan.tracing.trace`: the scan's step on placeholders),
   `differentiate` (`scan.autograd.TrainingPlan`: AOTAutograd's forward and
   backward graphs, less their lowering) and `lower` (`scan.loop.lower_body`:
@@ -60,7 +60,7 @@ LR = 0.1
 STAGES = (
     ("record calls", "torch_xla_ext.layer_stack.dry_run", "record_calls"),
     ("rehearse", "torch_xla_ext.layer_stack.kinds", "program_of"),
-    ("plan", "torch_xla_ext.layer_stack.call_plan", "plan_calls"),
+    ("plan", "torch_xla_ext.layer_stack.planner", "plan_calls"),
     ("trace", "torch_xla_ext.scan.tracing", "trace"),
     ("differentiate", "torch_xla_ext.scan.autograd", "TrainingPlan.__init__"),
     ("lower", "torch_xla_ext.scan.loop", "lower_body"),

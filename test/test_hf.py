@@ -24,7 +24,7 @@ from per_layer import per_layer_grads
 from tolerances import LOGGED_LOSSES, TRAINING, close, close_by_name
 from torch_xla_ext.hf import StackedLayers, cache_plan, stack_layers, unstack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning
-from torch_xla_ext.layer_stack.running import device_reason
+from torch_xla_ext.layer_stack.scan_runner import device_reason
 
 VOCAB, SEQ, BATCH = 128, 8, 2
 FAMILIES = {

@@ -1,6 +1,6 @@
 """torch.compile of a model converted by stack_layers, with torch_xla's
 `openxla` backend: Dynamo breaks its graph where the owner's loop over the
-stacked layers starts (`layer_stack.loops.at_graph_break`), the loop runs
+stacked layers starts (`layer_stack.owner_loops.at_graph_break`), the loop runs
 as it does without torch.compile (its layers as one scan: a While loop
 forward and one backward), and Dynamo compiles what comes before and after
 it. A training step trains as the unconverted model's eager step does, and
@@ -159,7 +159,7 @@ def fullgraph_training_scenario():
 
 def test_a_fullgraph_compiled_loss_holds_the_layers_as_one_scan_node(run_isolated, tmp_path):
     """Dynamo's graph holds the loop as one node of torch's scan operator
-    (`layer_stack.tracing`), which trains as the unconverted model."""
+    (`layer_stack.dynamo`), which trains as the unconverted model."""
     result = run_isolated(fullgraph_training_scenario, env={"XLA_FLAGS": dump_flags(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])

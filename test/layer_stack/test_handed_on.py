@@ -12,7 +12,7 @@ from torch import nn
 from layer_calls import HIDDEN, Block, converted, forward_with_warnings
 from per_layer import per_layer_grads
 from tolerances import TRAINING, close, close_by_name
-from torch_xla_ext.layer_stack.call_plan import Leaf, plan_calls
+from torch_xla_ext.layer_stack.planner import Leaf, plan_calls
 from torch_xla_ext.layer_stack.dry_run import record_calls
 
 

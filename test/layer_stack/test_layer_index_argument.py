@@ -13,7 +13,7 @@ from torch import nn
 from layer_calls import HIDDEN, Block, converted, forward_with_warnings, planned
 from per_layer import per_layer_grads
 from tolerances import TRAINING, close
-from torch_xla_ext.layer_stack.call_plan import Leaf
+from torch_xla_ext.layer_stack.planner import Leaf
 
 LAYERS = 3
 

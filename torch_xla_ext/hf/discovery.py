@@ -6,7 +6,7 @@ attention and an MLP, a mixer and a norm, held directly or in a list of
 the block's parts, T5's), not of single linear or
 embedding layers, and not inside a block of another such list (a
 mixture-of-experts layer's experts). Which lists the model's forward calls
-as a chain of layers, and how, is found at its calls (`layer_stack.plans`);
+as a chain of layers, and how, is found at its calls (`layer_stack.plan_store`);
 a list whose layers are not called as a chain runs them as themselves.
 Nothing here reads a model's code or names its classes.
 

@@ -45,11 +45,11 @@ A list of layers of any structure, called by its owner's own forward loop:
 `StackedList`. It stores the layers in segments (`segments`: runs of layers
 alike in structure, patterns that repeat, single layers), each a
 `LayerStack` over its layers or groups, and looks like the `nn.ModuleList`
-it replaced. Its owner's forward is hooked (`loops`): at the first call of
+it replaced. Its owner's forward is hooked (`owner_loops`): at the first call of
 each kind of call, the forward runs once with the layers recorded
-(`dry_run`), which gives the plan of that kind of call (`call_plan`, data:
+(`dry_run`), which gives the plan of that kind of call (`planner`, data:
 which layers run as which scan, which as themselves, which one by one and
-why), and every call runs as its plan says (`execution`, `plans`).
+why), and every call runs as its plan says (`executor`, `plan_store`).
 
 The modules, one job each:
 
@@ -63,14 +63,14 @@ The modules, one job each:
   list, without building it), `names` (the one map between stored and
   per-layer names: state dicts, optimizer state), `optimizer_state`
   (optimizer state dicts saved and loaded in the unconverted layout);
-* calls: `loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
-  running a layer on no data), `dry_run`, `call_plan`, `plans`,
-  `execution`, `shared_mappings` (a mapping every layer call gets, whose
+* calls: `owner_loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
+  running a layer on no data), `dry_run`, `planner`, `plan_store`,
+  `executor`, `shared_mappings` (a mapping every layer call gets, whose
   entries layers write and read), `layer_state` (attributes a layer sets on
-  its own modules, kept per layer); `running` (one scan over stacked tensors,
+  its own modules, kept per layer); `scan_runner` (one scan over stacked tensors,
   `lower`, the layer-by-layer loop), `operands` (a call's arguments as the
   scan's operands), `exporting` (under `torch.export`: the
-  scan as torch's scan operator, stand-ins of the trace), `tracing` (under
+  scan as torch's scan operator, stand-ins of the trace), `dynamo` (under
   Dynamo, with `trace_loops_in_dynamo`: the loop as torch's scan operator,
   what the forward reads of its items, `GraphBreakWarning`), `hooks` (the
   layers' forward hooks, replayed after
@@ -78,21 +78,21 @@ The modules, one job each:
   weights and the hidden state a scan carries).
 """
 from torch_xla_ext.layer_stack.alike import Refusal
-from torch_xla_ext.layer_stack.execution import ScanResult
+from torch_xla_ext.layer_stack.executor import ScanResult
 from torch_xla_ext.layer_stack.exporting import ExportWarning
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, is_choice
 from torch_xla_ext.layer_stack.layer_list import scan_layers
-from torch_xla_ext.layer_stack.loops import drive_loops, loop_names, undrive_loops
+from torch_xla_ext.layer_stack.owner_loops import drive_loops, loop_names, undrive_loops
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES, OpaqueValue
-from torch_xla_ext.layer_stack.plans import OwnerPlans
-from torch_xla_ext.layer_stack.running import (
+from torch_xla_ext.layer_stack.plan_store import OwnerPlans
+from torch_xla_ext.layer_stack.scan_runner import (
     LayerByLayerWarning, Layers, Recording, attempt, attempt_recording, device_reason,
     warn_layer_by_layer)
 from torch_xla_ext.layer_stack.sharding import ShardingWarning
 from torch_xla_ext.layer_stack.stack import LayerStack, checked_stack_options
 from torch_xla_ext.layer_stack.stacked_list import (
     LayerGroup, SegmentStack, StackedList, scan_result, stacking_refusal)
-from torch_xla_ext.layer_stack.tracing import GraphBreakWarning, trace_loops_in_dynamo
+from torch_xla_ext.layer_stack.dynamo import GraphBreakWarning, trace_loops_in_dynamo
 
 __all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "GraphBreakWarning",
            "LayerByLayerWarning", "LayerGroup", "LayerStack", "Layers", "OpaqueValue", "OwnerPlans",

@@ -1,7 +1,7 @@
 """How consecutive layer calls of the dry run relate, leaf by leaf: whether a
 call can be a later step of the scan another call starts (`called_otherwise`
 says why not), and how a run's calls give each leaf of their arguments
-(`leaf_plans`, as `Leaf`s). `call_plan` splits the calls into runs with these.
+(`leaf_plans`, as `Leaf`s). `planner` splits the calls into runs with these.
 
 Between the layers of one scan, an argument may differ where it is a
 tensor (the scan stacks them), None for some layers and a tensor for others,

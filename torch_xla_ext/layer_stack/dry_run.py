@@ -21,7 +21,7 @@ calls: which placeholders it uses other than by handing them to a layer
 whether it reads a tensor's value while looping (which layers run, or how
 often, can then change from call to call: LayerDrop). The random number
 generators are put back afterwards, so the real call draws what it would
-have drawn. `CallRecord` is what the dry run found; `call_plan` reads it.
+have drawn. `CallRecord` is what the dry run found; `planner` reads it.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import program_of
 from torch_xla_ext.layer_stack.layer_state import attributes_restored
-from torch_xla_ext.layer_stack.loops import ReadRecorder, driving, iterating
+from torch_xla_ext.layer_stack.owner_loops import ReadRecorder, driving, iterating
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping, written_keys
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.scan.loop import xla_rng_kept

@@ -6,7 +6,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from torch_xla_ext.layer_stack import running
+from torch_xla_ext.layer_stack import scan_runner
 from torch_xla_ext.layer_stack.alike import Refusal, identical_layers, layer_tensors
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.policies import save_everything
@@ -49,8 +49,8 @@ def scan_layers(layers: Iterable[nn.Module], input_data, partition_fn=save_every
     buffers = {name: stacked[name] for name, spec in layout.tensors.items()
                if not spec.is_parameter}
     writes = Writes(buffers.values())
-    output = running.run(
-        running.Layers(layers[0], layout, stacked, per_layer_paths=tuple(per_layer_values),
+    output = scan_runner.run(
+        scan_runner.Layers(layers[0], layout, stacked, per_layer_paths=tuple(per_layer_values),
                        layer_at=layers.__getitem__, num_layers=len(layers), drop_in=True,
                        partition_fn=partition_fn, is_layer_pure=is_layer_pure, unroll=1),
         input_data, (), {})

@@ -18,7 +18,7 @@ each access. So:
   layer's module at its first access.
 
 A scan's steps all run one template, so it cannot keep such state per
-layer: the call plan runs layers that set attributes one by one (`call_plan`).
+layer: the call plan runs layers that set attributes one by one (`planner`).
 """
 from __future__ import annotations
 

@@ -19,11 +19,11 @@ the number gave.
 * `kinds.program_of` traces a layer under it: the numbers the layer
   computed with are part of what it finds, and given `LiftedNumbers`, it
   traces those ordinals' numbers as 0-d inputs of the graph;
-* `differing` (the call plan, `call_plan._lifted`): the ordinals whose
+* `differing` (the call plan, `planner._lifted`): the ordinals whose
   numbers differ between the calls of a run, with each layer's numbers
   there; only those, so that numbers equal in every layer (an `eps`) stay
   constants of the trace;
-* `substituting` (a scan's step, `running`): the step's layer call under
+* `substituting` (a scan's step, `scan_runner`): the step's layer call under
   the mode, each lifted ordinal's number replaced by the step's slice of
   the per-layer numbers (`LiftedNumbers.stacked`, which the scan takes
   with what it scans over), in every trace of the step (forward, backward,

@@ -8,11 +8,11 @@ How the other modules treat such a mapping:
   layer's fake run gets a copy, and what the layer put in it is written
   into the forward's own mapping as placeholders, so that later layers
   find the entries there; the mapping is put back as it was afterwards;
-* the call plan (`call_plan`) takes every entry present at a layer's call
+* the call plan (`planner`) takes every entry present at a layer's call
   as read by it: a layer that writes entries runs as itself, never inside
   a scan, since the scan's layers all see the mapping as it was when the
   scan began;
-* a scan (`running`) takes the entries present as tensor arguments that
+* a scan (`scan_runner`) takes the entries present as tensor arguments that
   ride the carry unchanged, and hands each step's layer the very mapping
   object holding the traced entries (`gathered`, `holding`); a layer that
   writes one makes the call run layer by layer.

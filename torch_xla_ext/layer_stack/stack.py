@@ -13,7 +13,7 @@ import torch_xla.runtime
 from torch import nn
 
 from torch_xla_ext.diagnostics import TorchXlaExtDeprecationWarning
-from torch_xla_ext.layer_stack import names, optimizer_state, running, sharding
+from torch_xla_ext.layer_stack import names, optimizer_state, scan_runner, sharding
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, identical_layers, layer_tensors, layout_of)
 from torch_xla_ext.layer_stack.fakes import template_copy
@@ -273,7 +273,7 @@ class LayerStack(nn.Module):
     def forward(self, hidden, *args, **kwargs):
         if self._template is None:
             return hidden
-        return running.run(self.runner(), hidden, args, kwargs)
+        return scan_runner.run(self.runner(), hidden, args, kwargs)
 
     def lower(self, hidden, *args, device_kind: str | None = None, **kwargs) -> Lowered:
         """Stages `self(hidden, *args, **kwargs)` without running it: the HLO of
@@ -285,7 +285,7 @@ class LayerStack(nn.Module):
             raise ValueError("lower: an empty LayerStack runs no scan")
         if device_kind is None:
             device_kind = torch_xla.runtime.device_type()
-        return running.lower(self.runner(), hidden, args, kwargs, device_kind)
+        return scan_runner.lower(self.runner(), hidden, args, kwargs, device_kind)
 
     def stack_options(self) -> dict:
         """The options this stack was made with, to make another alike."""
@@ -293,12 +293,12 @@ class LayerStack(nn.Module):
                     unroll=self.unroll, per_layer_attributes=tuple(sorted(self.per_layer_attributes)))
 
     def runner(self, first: int = 0, count: int | None = None, template: nn.Module | None = None,
-               positions: int = 0) -> running.Layers:
+               positions: int = 0) -> scan_runner.Layers:
         """Layers `first`, ..., `first + count - 1` (default: all) as the
         runners take them, run by `template` (default: the stack's own; a
         copy with other settings, for layers of another kind); with
         `positions`, `template` is a group of that many layers, each step
-        running `positions` consecutive layers (see `running.Layers`)."""
+        running `positions` consecutive layers (see `scan_runner.Layers`)."""
         count = len(self) - first if count is None else count
         tensors = self._stacked_tensors()
         if (first, count) != (0, len(self)):
@@ -307,7 +307,7 @@ class LayerStack(nn.Module):
         if positions:
             tensors = {name: tensor.view(count // positions, positions, *tensor.shape[1:])
                        for name, tensor in tensors.items()}
-        return running.Layers(
+        return scan_runner.Layers(
             template, layout_of(template, 0), tensors,
             per_layer_paths=tuple(sorted(
                 f"layers.{position}.{path}" if positions else path

@@ -6,7 +6,7 @@ alike, and each pattern that repeats, is a `LayerStack` over its groups
 (`segments.s.stacked...`, `[groups, ...]`); a layer alike to none of its
 neighbours is held as itself (`segments.s...`). Settings may differ between
 the layers of a segment (each layer keeps its own); which layers one trace
-can run is decided per call (`call_plan`).
+can run is decided per call (`planner`).
 
 It looks like the `nn.ModuleList` it replaced: `len`, `stack[i]` (layer i,
 whose tensors are views of its slices), iteration, and `state_dict()` /
@@ -25,13 +25,13 @@ from typing import Iterable, Sequence
 
 from torch import nn
 
-from torch_xla_ext.layer_stack import names as names_of, optimizer_state, running, sharding
-from torch_xla_ext.layer_stack.execution import ScanResult
+from torch_xla_ext.layer_stack import names as names_of, optimizer_state, scan_runner, sharding
+from torch_xla_ext.layer_stack.executor import ScanResult
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, layer_kinds, layout_of, layouts_of, structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.layer_state import KeptLayers, attributes_of, written
-from torch_xla_ext.layer_stack.loops import (
+from torch_xla_ext.layer_stack.owner_loops import (
     TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import Segment, plan_segments
@@ -288,18 +288,18 @@ class StackedList(nn.Module):
         return layer(*args, **kwargs)
 
     def scan_run(self, run, hidden, args: tuple, kwargs: dict):
-        """Runs `run` (a `call_plan.Run` of its layers) as one scan on
+        """Runs `run` (a `planner.Run` of its layers) as one scan on
         `hidden`, each layer called with `args`/`kwargs` (a PerLayerChoice
         giving each layer its own; for a segment of groups, `calls`, each
-        position's): an `execution.ScanResult`, or why it cannot (a str),
+        position's): an `executor.ScanResult`, or why it cannot (a str),
         before anything ran. A subclass may run calls with arguments a scan
         cannot take as they are (a key/value cache) otherwise."""
         layers = self.runner(run)
         if isinstance(layers, str):
             return layers
-        return scan_result(run, running.attempt(layers, hidden, args, kwargs))
+        return scan_result(run, scan_runner.attempt(layers, hidden, args, kwargs))
 
-    def runner(self, run) -> running.Layers | str:
+    def runner(self, run) -> scan_runner.Layers | str:
         """The layers of `run` as the runners take them: run by a template
         with the settings of the run's first layer (each group's positions
         by theirs; a run of groups of layers that one segment stores one by
@@ -413,7 +413,7 @@ def _split(layers: list, per_layer_attributes: frozenset[str]) -> _Split | Refus
 
 
 def scan_result(run, outcome) -> ScanResult | str:
-    """`running.attempt`'s outcome for `run` as its execution takes it."""
+    """`scan_runner.attempt`'s outcome for `run` as its execution takes it."""
     if isinstance(outcome, str):
         return outcome
     hidden, kept, handed = outcome

@@ -1,14 +1,14 @@
 """The call plans of an owner's forward, one per kind of call.
 
-`OwnerPlans.start` is what `loops.drive_loops` asks at each forward of an
+`OwnerPlans.start` is what `owner_loops.drive_loops` asks at each forward of an
 owner: the driver of each of its stacked lists' loops, an `Execution` of
 the plan for this kind of call. A kind of call is what the plan can depend
 on: the forward's arguments' form, the tensors' shapes and dtypes, the
 constants, the classes of other objects, the owner's mode and settings,
 whether gradients are computed, and whether `torch.export` traces. A kind
-met for the first time is planned from a dry run (`dry_run`, `call_plan`),
+met for the first time is planned from a dry run (`dry_run`, `planner`),
 run apart from an export's trace; later calls of that kind reuse the plan,
-whose every call is checked as it runs (`execution`). Layers away from an
+whose every call is checked as it runs (`executor`). Layers away from an
 XLA device are planned to run one by one, with no dry run: the scan is an
 XLA loop (under `torch.export`, torch's scan operator on any device); so are
 layers whose stack says that no call can scan them now
@@ -21,14 +21,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from torch_xla_ext.layer_stack.call_plan import CallPlan, plan_calls
+from torch_xla_ext.layer_stack.planner import CallPlan, plan_calls
 from torch_xla_ext.layer_stack.dry_run import record_calls
-from torch_xla_ext.layer_stack.execution import Execution
+from torch_xla_ext.layer_stack.executor import Execution
 from torch_xla_ext.layer_stack.exporting import exporting
 from torch_xla_ext.layer_stack.fakes import apart_from_trace
-from torch_xla_ext.layer_stack.running import device_reason
+from torch_xla_ext.layer_stack.scan_runner import device_reason
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
-from torch_xla_ext.layer_stack.tracing import (
+from torch_xla_ext.layer_stack.dynamo import (
     TracedExecution, TracedLoop, traced_loops, traced_runs, warn_graph_break)
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.scan.cache import BoundedStore
@@ -46,7 +46,7 @@ class OwnerPlans:
         # By kind of call as Dynamo computes it (plain values, as Dynamo
         # hashes none of a call's TreeSpec or dtypes): each stacked list's
         # runs as Dynamo traces them, or why its loop runs at a graph break
-        # (`tracing`).
+        # (`dynamo`).
         self.traced_runs = BoundedStore()  # kind -> {name: TracedLoop | str}
         # The names of the plain settings of the owner and of its config.
         self.setting_names: tuple[tuple[str, ...], tuple[str, ...]] | None = None

@@ -1,6 +1,6 @@
 """What an owner's forward does with its stacked layers, found by a dry run
 (layer_stack.dry_run), and the plan of its calls made from it
-(layer_stack.call_plan), on small owners: a plain loop is one scan, work or
+(layer_stack.planner), on small owners: a plain loop is one scan, work or
 a value read between layers runs them one by one naming the line, layers of
 two structures are two runs, and per-layer outputs the forward keeps are
 the scan's."""
@@ -11,7 +11,7 @@ from torch import nn
 
 from layer_calls import HIDDEN, Block, Loop, planned
 from torch_xla_ext.layer_stack import StackedList
-from torch_xla_ext.layer_stack.call_plan import Leaf
+from torch_xla_ext.layer_stack.planner import Leaf
 from torch_xla_ext.layer_stack.dry_run import Source
 
 
@@ -76,7 +76,7 @@ def test_work_between_layers_runs_them_one_by_one_naming_the_line(device):
     (run,) = plan.runs
     assert (run.start, run.stop, run.how) == (0, 3, "one by one")
     assert "the forward works on what layer 0 returned before layer 1 gets it" in run.reason
-    assert "test_call_plan.py:" in run.reason and "`x = x * 2`" in run.reason
+    assert "test_planner.py:" in run.reason and "`x = x * 2`" in run.reason
 
 
 class ReadsBetween(Owner):
@@ -100,7 +100,7 @@ def test_a_value_read_between_layers_runs_the_call_one_by_one_naming_the_line(de
         index for index, kept in enumerate(keep) if kept]
     assert plan.runs == () and plan.reason.startswith(
         "the forward reads a tensor's value while it loops over the layers")
-    assert "test_call_plan.py:" in plan.reason and "`if keep:`" in plan.reason
+    assert "test_planner.py:" in plan.reason and "`if keep:`" in plan.reason
     assert torch.equal(torch.get_rng_state(), rng)  # the real call draws what it would have
 
 
@@ -167,4 +167,4 @@ def test_a_dry_run_that_stops_runs_the_call_one_by_one_saying_where(device):
     assert plan.runs == () and plan.reason == record.failure
     assert plan.reason.startswith("UsesAValue.forward, run once with its layers recorded on "
                                   "stand-ins, raised PlaceholderError at ")
-    assert "test_call_plan.py:" in plan.reason
+    assert "test_planner.py:" in plan.reason

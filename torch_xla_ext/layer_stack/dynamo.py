@@ -2,11 +2,11 @@
 layers one call of torch's scan operator in Dynamo's graph.
 
 `torch.compile(fullgraph=True)` cannot break its graph at the loop
-(`loops.at_graph_break`), and Dynamo can trace neither the call plan's
+(`owner_loops.at_graph_break`), and Dynamo can trace neither the call plan's
 making (the dry run's fakes, the comparison of programs) nor the layer's
 forward inside the operator's body (`functional_call`'s reparametrizing
 context manager). So what Dynamo sees is decided before it traces, as data:
-when an eager call plans a kind of call (`plans.OwnerPlans`), `traced_runs`
+when an eager call plans a kind of call (`plan_store.OwnerPlans`), `traced_runs`
 also makes, for each run of the plan, a `TracedRun`: the layer traced once
 by `make_fx` on fakes into a graph `(weights, hidden, *tensor arguments) ->
 hidden`, which Dynamo inlines into the operator's body, and where each
@@ -16,7 +16,7 @@ run's first call is the scan over the stacked tensors, and each call gives
 what the plan says.
 
 A plan that this cannot follow gets the reason instead, and under Dynamo its
-loop runs at a graph break, as without `fullgraph` (`loops`): arguments that
+loop runs at a graph break, as without `fullgraph` (`owner_loops`): arguments that
 are not tensors or constants (a key/value cache, written in place), layers
 that differ in settings or numbers, a policy or `unroll` (the operator has no
 place for them), per-layer values the forward keeps, runs of groups, tensor
@@ -39,7 +39,7 @@ from torch._higher_order_ops.scan import scan as torch_scan
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from torch_xla_ext.layer_stack.call_plan import SCAN, CallPlan, Run
+from torch_xla_ext.layer_stack.planner import SCAN, CallPlan, Run
 from torch_xla_ext.layer_stack.fakes import apart_from_trace
 from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.per_layer import (

@@ -1,5 +1,5 @@
 """Dynamo's trace of an owner's loop over its stacked layers
-(layer_stack.tracing, with `trace_loops_in_dynamo`): what the forward reads
+(layer_stack.dynamo, with `trace_loops_in_dynamo`): what the forward reads
 of its loop items (`decoder_layer.attention_type`) is decided by the eager
 call that planned the kind of call. Plain values are constants of Dynamo's
 graph, which holds the loop as one scan node; anything else keeps the loop at

@@ -1,7 +1,7 @@
 """Running a forward's layer calls as its call plan says.
 
 An `Execution` is the driver of one forward's loop over one stacked list
-(`loops`). Each `LayerCall` comes to it in order. A layer that runs as
+(`owner_loops`). Each `LayerCall` comes to it in order. A layer that runs as
 itself, or one by one, runs at its call. The calls of a scan are checked
 against the plan (each gets what the call before returned, the same
 objects as the first call where the plan shares them, a tensor per layer
@@ -24,10 +24,10 @@ from typing import Any
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_xla_ext.layer_stack.exporting import stand_in
-from torch_xla_ext.layer_stack.call_plan import SCAN, CallPlan, Run
+from torch_xla_ext.layer_stack.planner import SCAN, CallPlan, Run
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, same_leaf
 from torch_xla_ext.layer_stack.operands import LAYER_INDEX, HandedOn
-from torch_xla_ext.layer_stack.running import warn_layer_by_layer
+from torch_xla_ext.layer_stack.scan_runner import warn_layer_by_layer
 
 __all__ = ["Execution", "ScanResult"]
 

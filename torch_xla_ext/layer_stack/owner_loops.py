@@ -6,7 +6,7 @@ each layer. `drive_loops(owner, names)` puts hooks on the owner: while its
 forward runs, indexing, slicing or iterating the lists gives `LayerCall`s, callables
 that stand for the layers (and read as them: `call.attention_type` is the
 layer's), and each call goes to the driver of that forward, which decides
-what runs (`execution.Execution` of a call plan, or the dry run's recorder,
+what runs (`executor.Execution` of a call plan, or the dry run's recorder,
 `dry_run`, which is also told what the forward reads: a `ReadRecorder`).
 Anywhere else (user code, peft, a forward called past its hooks), the
 lists give the layers as modules.
@@ -17,7 +17,7 @@ own) has its own.
 
 Under `torch.compile`, the owner's hooks first ask `traced` (given to
 `drive_loops`) for drivers that Dynamo can trace, made from what an eager
-call of this kind planned (`tracing`): with them, the hooks, the lists'
+call of this kind planned (`dynamo`): with them, the hooks, the lists'
 slicing and iteration and the layers' calls are traced, and each run of
 layers is one call of torch's scan operator in Dynamo's graph; the loop's
 items (`TracedLayerCall`) read as the dry run of that kind of call read them. Without
@@ -56,7 +56,7 @@ class Driver(Protocol):
 
 class ReadRecorder:
     """The base of a driver that is told what the forward reads of its loop's
-    items (the dry run's): what Dynamo's trace of the loop must answer (`tracing`)."""
+    items (the dry run's): what Dynamo's trace of the loop must answer (`dynamo`)."""
 
     def read(self, index: int, name: str, value) -> None:
         raise NotImplementedError
