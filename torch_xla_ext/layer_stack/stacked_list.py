@@ -27,6 +27,7 @@ from torch import nn
 
 from torch_xla_ext.layer_stack import names as names_of, optimizer_state, scan_runner, sharding
 from torch_xla_ext.layer_stack.executor import ScanResult
+from torch_xla_ext.layer_stack.addressed import RefusedEdits, addressed
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, layer_kinds, layout_of, layouts_of, structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
@@ -76,7 +77,7 @@ class SegmentStack(LayerStack):
     keeps_differing_settings = True
 
 
-class StackedList(nn.Module):
+class StackedList(RefusedEdits, nn.Module):
     """Layers of any structure, stacked per segment (see the module docstring).
 
     Layers it cannot stack raise the TypeError or ValueError of
@@ -237,14 +238,21 @@ class StackedList(nn.Module):
         # Layer i as a module, by its name in the list it replaced ("3"), as
         # `get_submodule` and `getattr` find it there.
         if name.isdigit() and int(name) < len(self):
-            return self.layer(int(name))
+            return self._addressed(int(name))
         return super().__getattr__(name)
 
     def _in_loop(self, index: int):
         """Layer `index` as its owner's forward loop gets it: a `LayerCall`
         that its driver runs; anywhere else, the layer as a module."""
         driver = active_driver(self)
-        return self.layer(index) if driver is None else loop_item(driver, index, self.layer)
+        return self._addressed(index) if driver is None else loop_item(driver, index, self.layer)
+
+    def _addressed(self, index: int) -> nn.Module:
+        """Layer `index` outside the owner's forward: a module made for the access
+        refuses hooks (`addressed`); one that runs (held as itself, kept) takes them."""
+        layer = self.layer(index)
+        held = self.segments[self.place(index)[0]], self.kept_layers.modules.get(index)
+        return layer if any(layer is each for each in held) else addressed(layer, index)
 
     def unstacked(self) -> list[nn.Module]:
         """The layers as modules of their own, their tensors copied from the
