@@ -60,7 +60,9 @@ The modules, one job each:
 * storage: `stack` (`LayerStack`; `checked_stack_options`: a wrong option
   is an argument error, not a refusal), `segments` (where a list splits),
   `stacked_list` (`StackedList`; `stacking_refusal`, why it would refuse a
-  list, without building it), `names` (the one map between stored and
+  list, without building it), `addressed` (a layer as code outside the
+  owner's forward gets it, refusing hooks; edits of the list refused),
+  `names` (the one map between stored and
   per-layer names: state dicts, optimizer state), `optimizer_state`
   (optimizer state dicts saved and loaded in the unconverted layout);
 * calls: `owner_loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
