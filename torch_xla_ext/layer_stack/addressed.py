@@ -19,7 +19,7 @@ import weakref
 
 from torch import nn
 
-from torch_xla_ext.class_swaps import lookalike_subclass, reduce_as_original, swap_in
+from torch_xla_ext.class_swaps import lookalike_subclass, swap_in
 
 __all__ = ["RefusedEdits", "addressed"]
 
@@ -41,10 +41,7 @@ def addressed(layer: nn.Module, index: int) -> nn.Module:
 
 @functools.cache
 def _refusing_hooks(cls: type) -> type:
-    methods = {name: _refusal(name) for name in _REGISTRATIONS}
-    # Pickled or copied, it is a module of its own class again.
-    methods["__reduce_ex__"] = lambda self, protocol: reduce_as_original(self, self.__dict__)
-    return lookalike_subclass(cls, methods)
+    return lookalike_subclass(cls, {name: _refusal(name) for name in _REGISTRATIONS})
 
 
 def _refusal(name: str):
