@@ -7,53 +7,55 @@ views of its slices of the stacked ones, made for that access
 own copy of the layer, never through such a module, so a hook put on it (or
 on one of its submodules) would never run. Rather than let it be dropped
 without a word, its hook registrations raise a ValueError that says so and
-what to do (`addressed`); everything else about it (reading its settings and
-weights, calling it) is as before. Likewise the list refuses what would
+what to do (`addressed`); everything else about it (its class, reading its
+settings and weights, calling it) is as before. Likewise the list refuses what would
 replace, add or delete a layer (`RefusedEdits`): its stacks would go on
 running the old layers.
 """
 from __future__ import annotations
 
-import functools
-import weakref
+import collections
 
 from torch import nn
 
-from torch_xla_ext.class_swaps import lookalike_subclass, swap_in
-
 __all__ = ["RefusedEdits", "addressed"]
 
-_REGISTRATIONS = ("register_forward_hook", "register_forward_pre_hook",
-                  "register_full_backward_hook", "register_full_backward_pre_hook",
-                  "register_backward_hook")
-# What each addressed module is, for the refusal's message ("layer 3's mlp").
-_DESCRIPTIONS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+# Where a module keeps the hooks each registration adds (torch's own
+# attributes): forward hooks and pre-hooks, full backward hooks and pre-hooks.
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def addressed(layer: nn.Module, index: int) -> nn.Module:
-    """`layer`, a module made for an access of layer `index`, with the hook
-    registrations of it and its submodules refused; returns it."""
+    """`layer`, a module made for an access of layer `index`, with hooks
+    refused on it and its submodules; returns it. Its class is its own
+    (code checks `type(layer) is ...`): what refuses is each module's hook
+    dicts, which every registration writes before anything else."""
     for path, module in layer.named_modules():
-        _DESCRIPTIONS[module] = f"layer {index}" + (f"'s {path}" if path else "")
-        swap_in(module, _refusing_hooks(type(module)))
+        where = f"layer {index}" + (f"'s {path}" if path else "")
+        for name in _HOOK_DICTS:
+            module.__dict__[name] = _RefusingHooks(where, module.__dict__[name])
     return layer
 
 
-@functools.cache
-def _refusing_hooks(cls: type) -> type:
-    return lookalike_subclass(cls, {name: _refusal(name) for name in _REGISTRATIONS})
+class _RefusingHooks(collections.OrderedDict):
+    """A module's hook dict that takes no new hook, saying why."""
 
+    def __init__(self, where: str, hooks):
+        super().__init__()
+        self.where = where
+        for key, hook in hooks.items():  # the hooks it had (transformers' own) stay
+            super().__setitem__(key, hook)
 
-def _refusal(name: str):
-    def refuse(self, *args, **kwargs):
+    def __setitem__(self, key, hook) -> None:
         raise ValueError(
-            f"{name}: {_DESCRIPTIONS.get(self, 'this module')} of the stacked layers is a "
-            f"module made for this access, whose tensors are views of the stacked weights: a "
-            f"hook on it would never run, since each scan runs the stacked weights through "
-            f"one copy of the layer. To hook a layer, run the model unconverted "
-            f"(unstack_layers(model)), or hook the stack's owner, whose hooks run as before")
-    refuse.__name__ = refuse.__qualname__ = name
-    return refuse
+            f"{self.where} of the stacked layers is a module made for this access, whose "
+            f"tensors are views of the stacked weights: a hook on it would never run, since "
+            f"each scan runs the stacked weights through one copy of the layer. To hook a "
+            f"layer, run the model unconverted (unstack_layers(model)), or hook the stack's "
+            f"owner, whose hooks run as before")
+
+    def __reduce__(self):  # copied or pickled, a plain dict of hooks again
+        return collections.OrderedDict, (list(self.items()),)
 
 
 class RefusedEdits:
