@@ -20,7 +20,8 @@ cache runs: the one description of it, and the decision), `caches`
 whole-model operations on a stacked model), `checkpointing` (transformers'
 gradient checkpointing as the scan's policy), `experts` (mixture-of-experts
 implementations), `fsdp` (transformers' FSDP class lookup finding stacked
-layers).
+layers), `replaced_parameters` (an optimizer made before converting, which
+holds the layers' own parameters, refuses to step).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import warnings
 from torch import nn
 
 from torch_xla_ext.hf import adapters, fsdp
+from torch_xla_ext.hf.replaced_parameters import mark_replaced
 from torch_xla_ext.hf.discovery import (
     LayerList, Unstackable, UnstackedLayersWarning, layer_list, layer_list_paths,
     recorded_outputs, submodule)
@@ -137,6 +139,7 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     for each, stack in stacks:
         setattr(each.owner, each.name, stack)
         owners.setdefault(id(each.owner), (each.owner, []))[1].append(each.name)
+    mark_replaced(model, [(each.path, each.layers) for each, _ in stacks])
     for owner, names in owners.values():
         plans = OwnerPlans()
         drive_loops(owner, (*loop_names(owner), *names), plans.start, plans.traced)

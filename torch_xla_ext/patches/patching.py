@@ -5,9 +5,10 @@ it can be undone by putting back what it replaced.
 
 A `Patch` is a list of changes, each made by the library's module here:
 `Replaced` (an attribute of the library's class or module replaced by a
-wrapper of what it held) and `Added` (classes added to a set the library
-reads). Undoing puts back the attributes' values (or removes an attribute
-that was inherited) and takes the classes out, all or nothing: if another
+wrapper of what it held), `Added` (classes added to a set the library
+reads) and `Registered` (a hook given to one of the library's registration
+functions). Undoing puts back the attributes' values (or removes an attribute
+that was inherited), takes the classes out and removes the hooks, all or nothing: if another
 library has replaced one of the attributes since, it holds a wrapper of ours,
 so the patch stays.
 """
@@ -31,6 +32,13 @@ class Added(NamedTuple):
     """`items` added to the set `collection` (those it did not hold)."""
     collection: set
     items: tuple
+
+
+class Registered(NamedTuple):
+    """`register(hook)` called; undoing removes the hook through the handle
+    it returned (torch's `RemovableHandle`)."""
+    register: Callable[[Callable], Any]
+    hook: Callable
 
 
 _ABSENT = object()  # an attribute the owner inherited rather than held
@@ -111,6 +119,8 @@ def _make(change) -> tuple:
         replacement = change.wrap(getattr(change.owner, change.name))
         setattr(change.owner, change.name, replacement)
         return change, replacement, before
+    if isinstance(change, Registered):
+        return change, change.register(change.hook)
     new = tuple(item for item in change.items if item not in change.collection)
     change.collection.update(new)
     return change, new
@@ -123,6 +133,8 @@ def _revert(change, *made) -> None:
             delattr(change.owner, change.name)
         else:
             setattr(change.owner, change.name, before)
+    elif isinstance(change, Registered):
+        made[0].remove()
     else:
         change.collection.difference_update(made[0])
 

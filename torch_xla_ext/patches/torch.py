@@ -1,6 +1,7 @@
-"""The change torch_xla_ext makes to torch's optimizers: `hook_optimizers`,
-installed by the first layer stack, once per process, never undone
-(docs/design.md says why). The other change to torch, kernels of torch's
+"""The changes torch_xla_ext makes to torch's optimizers: `hook_optimizers`,
+installed by the first layer stack, and `guard_optimizer_steps`, by the
+first `stack_layers`, once per process, never undone (docs/design.md says
+why). The other change to torch, kernels of torch's
 scan operator for XLA tensors, is `torch_xla_ext.torch_scan`'s whole job and
 stays there (docs/design.md)."""
 from __future__ import annotations
@@ -8,11 +9,12 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from torch_xla_ext.patches.patching import Patch, Replaced
+from torch_xla_ext.patches.patching import Patch, Registered, Replaced
 
-__all__ = ["hook_optimizers"]
+__all__ = ["guard_optimizer_steps", "hook_optimizers"]
 
 _OPTIMIZERS = Patch("torch.optim")
+_OPTIMIZER_STEPS = Patch("torch.optim")
 
 
 def hook_optimizers(made: Callable) -> None:
@@ -29,3 +31,14 @@ def hook_optimizers(made: Callable) -> None:
             return __init__
         return [Replaced(torch.optim.Optimizer, "__init__", wrap)]
     _OPTIMIZERS.install(changes)
+
+
+def guard_optimizer_steps(before_step: Callable) -> None:
+    """Every optimizer's `step()`, those made before too, first calls
+    `before_step(optimizer)` (torch's global step pre-hook)."""
+    def changes():
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        return [Registered(register_optimizer_step_pre_hook,
+                           lambda optimizer, args, kwargs: before_step(optimizer))]
+    _OPTIMIZER_STEPS.install(changes)
