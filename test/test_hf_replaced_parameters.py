@@ -7,24 +7,16 @@ import warnings
 import pytest
 import torch
 import torch_xla
-import transformers
 from torch import nn
 
 import torch_xla_ext as tx
 from layer_calls import HIDDEN, Block
-
-
-def tiny_llama():
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=3, num_attention_heads=4,
-                                      num_key_value_heads=2, use_cache=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+from test_hf import VOCAB, make_model
 
 
 def step(model, optimizer):
     device = torch_xla.device()
-    ids = torch.randint(0, 64, (2, 8), device=device)
+    ids = torch.randint(0, VOCAB, (2, 8), device=device)
     model(ids, labels=ids).loss.backward()
     optimizer.step()
     torch_xla.sync()
@@ -32,7 +24,7 @@ def step(model, optimizer):
 
 def test_an_optimizer_made_before_converting_refuses_to_step_naming_the_parameters():
     device = torch_xla.device()
-    model = tiny_llama().to(device)
+    model = make_model(layers=3).to(device)
     made_before = torch.optim.SGD(model.parameters(), lr=0.1)
     tx.stack_layers(model)
     before = {name: tensor.cpu().clone() for name, tensor in model.state_dict().items()}
@@ -48,7 +40,7 @@ def test_an_optimizer_made_before_converting_refuses_to_step_naming_the_paramete
 
 def test_an_optimizer_of_the_parameters_the_model_keeps_steps_as_before():
     device = torch_xla.device()
-    model = tiny_llama().to(device)
+    model = make_model(layers=3).to(device)
     head = torch.optim.SGD(model.lm_head.parameters(), lr=0.1)  # made before, not the layers'
     tx.stack_layers(model)
     weight = model.lm_head.weight.cpu().clone()

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 import torch_xla
-import transformers
 from torch import nn
 
 import torch_xla_ext as tx
 from layer_calls import HIDDEN, Block, Loop, converted
+from test_hf import make_model
 from tolerances import SAME_OPS, close
 from torch_xla_ext.layer_stack import LayerStack, StackedList
 
@@ -24,17 +24,9 @@ REGISTRATIONS = {
 }
 
 
-def tiny_llama():
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=2, use_cache=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
-
-
 @pytest.mark.parametrize("registration", sorted(REGISTRATIONS))
 def test_a_hook_on_a_converted_layer_or_its_submodule_is_refused_naming_it(registration):
-    model = tx.stack_layers(tiny_llama())
+    model = tx.stack_layers(make_model())
     hooks_before = hook_count(model)
     for module, named in ((model.model.layers[3], "layer 3 of"),
                           (model.get_submodule("model.layers.1.mlp"), "layer 1's mlp of")):
@@ -52,7 +44,7 @@ def hook_count(model: nn.Module) -> int:
 
 def test_an_addressed_layer_still_reads_and_runs_as_the_layer():
     device = torch_xla.device()
-    model = tiny_llama()
+    model = make_model()
     reference = copy.deepcopy(model.model.layers[2]).to(device)
     tx.stack_layers(model).to(device)
     layer = model.model.layers[2]
@@ -100,16 +92,16 @@ def test_a_layer_held_as_itself_is_the_module_that_runs_and_its_hook_runs():
     lambda layers, new: setattr(layers, "1", new),
 ], ids=["setitem", "delitem", "append", "insert", "extend", "setattr"])
 def test_replacing_adding_or_deleting_a_layer_is_refused_and_changes_nothing(edit):
-    model = tx.stack_layers(tiny_llama())
+    model = tx.stack_layers(make_model())
     before = dict(model.state_dict())
     with pytest.raises(TypeError, match="stored stacked, and replacing, adding or deleting one is "
                                         "not supported.*unstack_layers"):
-        edit(model.model.layers, copy.deepcopy(tiny_llama().model.layers[0]))
+        edit(model.model.layers, copy.deepcopy(make_model().model.layers[0]))
     assert len(model.model.layers) == 4 and list(model.state_dict()) == list(before)
 
 
 def test_a_copy_of_an_addressed_layer_is_a_module_of_its_own_that_takes_hooks():
-    model = tx.stack_layers(tiny_llama())
+    model = tx.stack_layers(make_model())
     with torch.inference_mode():  # views without gradients, which deepcopy takes
         copied = copy.deepcopy(model.model.layers[1])
     handle = copied.mlp.register_forward_hook(lambda *args: None)
