@@ -29,7 +29,7 @@ The first step's wall time is split into:
 `ours / unconverted tracing` is the project's own stages against the
 unconverted step's host work outside compile and run (the goal: at most 1).
 With --xla-passes, each worker also logs XLA's HLO pass timings
-(TF_CPP_VMODULE=hlo_pass_pipeline=1, which costs the compile a little; the
+(it sets TF_CPP_VMODULE=hlo_pass_pipeline=1, which costs the compile a little; the
 figures of such a run are not the headline ones) and the table lists the
 passes that took longest in the converted and the unconverted compile, and the
 compile's time outside the HLO passes (LLVM's code generation on XLA:CPU).
@@ -118,22 +118,18 @@ def instrument(clock: StageClock) -> None:
                 setattr(module, name, getattr(owner, name))
 
 
-def metric_seconds(name: str) -> float:
+def metric(name: str) -> tuple[int, float]:
+    """torch_xla's metric `name` so far: its count of samples and their seconds."""
     import torch_xla.debug.metrics as met
 
     data = met.metric_data(name)
-    return 0.0 if data is None else data[1] / 1e9
-
-
-def metric_count(name: str) -> int:
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data(name)
-    return 0 if data is None else data[0]
+    return (0, 0.0) if data is None else (data[0], data[1] / 1e9)
 
 
 def worker(model_type: str, layers: int | None, mode: str, passes_log: str | None) -> None:
-    if passes_log:  # XLA logs to fd 2: keep this process's log in a file
+    if passes_log:
+        # Before torch_xla loads: XLA logs each HLO pass's time, to fd 2, kept in a file.
+        os.environ.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1")
         log = os.open(passes_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(log, 2)
     import warnings
@@ -167,9 +163,8 @@ def worker(model_type: str, layers: int | None, mode: str, passes_log: str | Non
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
-            compile_before, run_before = metric_seconds("CompileTime"), metric_seconds(
-                "ExecuteTime")
-            compiles_before = metric_count("CompileTime")
+            (compiles_before, compile_before), (_, run_before) = (metric("CompileTime"),
+                                                                  metric("ExecuteTime"))
             started = time.perf_counter()
             loss = model(ids, labels=ids).loss
             if step == 0:
@@ -182,10 +177,12 @@ def worker(model_type: str, layers: int | None, mode: str, passes_log: str | Non
             xm.wait_device_ops()
             seconds = time.perf_counter() - started
             if step == 0:
+                (compiles, compile_seconds), (_, run_seconds) = (metric("CompileTime"),
+                                                                 metric("ExecuteTime"))
                 figures.update({"first step s": seconds,
-                                "XLA compile s": metric_seconds("CompileTime") - compile_before,
-                                "run s": metric_seconds("ExecuteTime") - run_before,
-                                "compiles": metric_count("CompileTime") - compiles_before,
+                                "XLA compile s": compile_seconds - compile_before,
+                                "run s": run_seconds - run_before,
+                                "compiles": compiles - compiles_before,
                                 "loss": loss.item()})
             else:
                 figures["second step s"] = seconds
@@ -230,23 +227,9 @@ def run_type(model_type: str, layers: int | None, passes: bool, limit: float) ->
         if passes:
             log = os.path.join(tempfile.mkdtemp(prefix="bench_first_step_"), f"{mode}.log")
             arguments += ["--passes-log", log]
-        environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0",
-                           TF_CPP_VMODULE="hlo_pass_pipeline=1") if passes else None
-        outcome = (harness.measure(__file__, arguments, limit, f"{model_type} {mode}")
-                   if environment is None else _measured_with(environment, arguments, limit,
-                                                              f"{model_type} {mode}"))
+        outcome = harness.measure(__file__, arguments, limit, f"{model_type} {mode}")
         figures[mode] = outcome.figures if outcome.ok else {"failed": outcome.status}
     return figures
-
-
-def _measured_with(environment: dict, arguments: list, limit: float, label: str):
-    saved = dict(os.environ)
-    os.environ.update(environment)
-    try:
-        return harness.measure(__file__, arguments, limit, label)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def ratio(a: dict, b: dict, key: str) -> float | None:
