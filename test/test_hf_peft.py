@@ -279,3 +279,14 @@ def test_peft_imported_after_stack_layers_is_taught_then(run_isolated):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("StackedLayers ['base_model.model.model.layers.segments.0."
                                     "stacked.self_attn.q_proj.lora_A.default.weight'"), result.stdout
+
+
+def test_the_adapter_state_dict_is_the_unconverted_ones():
+    # peft picks an adapter's entries by visiting its adapted modules (also behind
+    # transformers' get_adapter_state_dict and accelerate's saving); it found none.
+    from peft import get_peft_model_state_dict
+
+    reference, model = peft_pair(**Q_AND_V)
+    expected, found = get_peft_model_state_dict(reference), get_peft_model_state_dict(model)
+    assert len(expected) == 4 * LAYERS and list(found) == list(expected)
+    close_by_name(found, expected, TRAINING)

@@ -12,7 +12,10 @@ Which operations, on which model:
   `delete_adapter`, on the tuner's model);
 * `layers_as_modules(model)`: saving an adapter and reading the adapters'
   status (`PeftModel.save_pretrained`, `get_model_status`,
-  `get_layer_status`);
+  `get_layer_status`), and picking an adapter's entries of a state dict by
+  visiting the adapted modules (`BaseTuner._get_adapter_state_dict`, behind
+  `get_peft_model_state_dict`, transformers' `get_adapter_state_dict` and
+  accelerate's saving; on its `model` argument);
 * `templates_as_modules(model)`: switching adapters on and off and choosing
   the active ones (`BaseTuner._enable_adapter_layers`, `set_adapter`,
   `set_requires_grad`, on the tuner's model).
@@ -54,12 +57,18 @@ def wrap_model_operations(unstacked: Context, layers_as_modules: Context,
               for name in _LAYER_MODULES),
             *(Replaced(BaseTuner, name, _inside(templates_as_modules, _tuner_model))
               for name in _TEMPLATES),
+            Replaced(BaseTuner, "_get_adapter_state_dict",
+                     _inside_classmethod(layers_as_modules, _model_argument)),
         ]
     _PEFT.install(changes)
 
 
 def _tuner_model(tuner, *_, **__):
     return tuner.model
+
+
+def _model_argument(model=None, *_, **__):
+    return model
 
 
 def _inside(context: Context, model_of: Callable) -> Callable:
@@ -70,6 +79,20 @@ def _inside(context: Context, model_of: Callable) -> Callable:
             with context(model_of(*args, **kwargs)):
                 return method(*args, **kwargs)
         return wrapper
+    return wrap
+
+
+def _inside_classmethod(context: Context, model_of: Callable) -> Callable:
+    """As `_inside`, for a classmethod (its subclasses' overrides reach it
+    through `super()`): `model_of` gets the arguments after the class."""
+    def wrap(bound):
+        method = bound.__func__
+
+        @functools.wraps(method)
+        def wrapper(cls, *args, **kwargs):
+            with context(model_of(*args, **kwargs)):
+                return method(cls, *args, **kwargs)
+        return classmethod(wrapper)
     return wrap
 
 
