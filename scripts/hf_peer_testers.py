@@ -132,28 +132,26 @@ class PeerTestCase(ModelTesterMixin):
         pass
 
 
+def model_classes(prefix: str, heads: tuple[str, ...] = (
+        "ForCausalLM", "ForSequenceClassification", "ForQuestionAnswering",
+        "ForTokenClassification")) -> tuple[type, ...]:
+    """transformers' `<prefix>Model` and its classes with `heads`."""
+    return tuple(getattr(transformers, prefix + suffix) for suffix in ("Model", *heads))
+
+
 class LlamaModelTest(PeerTestCase, unittest.TestCase):
     model_tester_class = LlamaTester
-    all_model_classes = (transformers.LlamaModel, transformers.LlamaForCausalLM,
-                         transformers.LlamaForSequenceClassification,
-                         transformers.LlamaForQuestionAnswering,
-                         transformers.LlamaForTokenClassification)
+    all_model_classes = model_classes("Llama")
 
 
 class Qwen3ModelTest(PeerTestCase, unittest.TestCase):
     model_tester_class = Qwen3Tester
-    all_model_classes = (transformers.Qwen3Model, transformers.Qwen3ForCausalLM,
-                         transformers.Qwen3ForSequenceClassification,
-                         transformers.Qwen3ForQuestionAnswering,
-                         transformers.Qwen3ForTokenClassification)
+    all_model_classes = model_classes("Qwen3")
 
 
 class MistralModelTest(PeerTestCase, unittest.TestCase):
     model_tester_class = MistralTester
-    all_model_classes = (transformers.MistralModel, transformers.MistralForCausalLM,
-                         transformers.MistralForSequenceClassification,
-                         transformers.MistralForQuestionAnswering,
-                         transformers.MistralForTokenClassification)
+    all_model_classes = model_classes("Mistral")
 
 
 class Gemma3TextModelTest(PeerTestCase, unittest.TestCase):
@@ -164,8 +162,4 @@ class Gemma3TextModelTest(PeerTestCase, unittest.TestCase):
 
 class MixtralModelTest(PeerTestCase, unittest.TestCase):
     model_tester_class = MixtralTester
-    all_model_classes = (transformers.MixtralModel, transformers.MixtralForCausalLM,
-                         transformers.MixtralForSequenceClassification,
-                         transformers.MixtralForQuestionAnswering,
-                         transformers.MixtralForTokenClassification)
-
+    all_model_classes = model_classes("Mixtral")
