@@ -34,6 +34,35 @@ from typing import Any, Callable, Mapping, Sequence
 DEFAULT_DEVICE = "CPU"
 os.environ.setdefault("PJRT_DEVICE", DEFAULT_DEVICE)
 
+# XLA:CPU keeps each compiled graph's kernels in memory mappings of their own
+# (about three a kernel; a graph of a few layers has hundreds), and torch_xla
+# keeps its compiled graphs: the test suite and the peer suites compile
+# thousands, and at Linux's limit of 65530 mappings (vm.max_map_count) a
+# process dies in its next mmap ("LLVM compilation error: Cannot allocate
+# memory", or a segfault). Keeping the last 128 graphs bounds the mappings.
+COMPILATION_CACHE_SIZE = "128"
+# Their time is XLA:CPU compiling thousands of tiny graphs. Three settings
+# change how fast a kernel is compiled or runs, not what it computes: no LLVM
+# optimizations, and fusions emitted by XLA:CPU's elemental emitter instead of
+# its MLIR fusion emitters (slow to compile), cut that time about threefold;
+# one LLVM module per graph instead of parts compiled in threads of their own
+# (each worker has one core: the threads only contend) another eighth. XLA's
+# HLO passes, which the HLO tests read, still run.
+FAST_COMPILATION_FLAGS = ("--xla_backend_optimization_level=0",
+                          "--xla_cpu_use_fusion_emitters=false",
+                          "--xla_cpu_parallel_codegen_split_count=1")
+
+
+def compile_fast() -> None:
+    """FAST_COMPILATION_FLAGS and the cache bound, in this process's
+    environment (its workers inherit them); a caller's own setting of each wins.
+    For correctness runs (tests, peer suites), never for timed benchmarks."""
+    os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", COMPILATION_CACHE_SIZE)
+    for flag in FAST_COMPILATION_FLAGS:
+        if flag.partition("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), flag]))
+
+
 RESULT_PREFIX = "benchmark worker result: "
 OUTPUT_TAIL_LINES = 25
 # Executions each run records for --op-times, and the kinds of op listed (the

@@ -62,14 +62,6 @@ TESTERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_peer_test
 # keep each error's first line).
 PYTEST_OPTIONS = ("-q", "-p", "no:cacheprovider", "-p", "no:warnings", "-c", os.devnull,
                   "--tb=no", "--no-header")
-# The run's time is XLA:CPU compiling the tests' thousands of tiny graphs.
-# The test suite's settings (test/conftest.py) change how fast a kernel is
-# compiled, not what it computes: about six times faster here. The cache
-# bound keeps a worker under Linux's limit of memory mappings.
-FAST_COMPILATION_FLAGS = ("--xla_backend_optimization_level=0",
-                          "--xla_cpu_use_fusion_emitters=false",
-                          "--xla_cpu_parallel_codegen_split_count=1")
-COMPILATION_CACHE_SIZE = "128"
 
 
 # ---------------------------------------------------------------- worker side
@@ -248,15 +240,6 @@ def print_report(results: dict[str, dict[str, dict]], markdown: bool) -> None:
 # ---------------------------------------------------------------- command line
 
 
-def compile_fast() -> None:
-    """FAST_COMPILATION_FLAGS and the cache bound for the workers; a caller's own
-    setting of each wins."""
-    os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", COMPILATION_CACHE_SIZE)
-    for flag in FAST_COMPILATION_FLAGS:
-        if flag.partition("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), flag]))
-
-
 def family_list(text: str) -> list[str]:
     """argparse type of --families: comma-separated names of FAMILIES."""
     chosen = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
@@ -287,7 +270,7 @@ def main(argv=None) -> None:
         tests = hf_peer_sdist.ensure_tests()
     except hf_peer_sdist.SdistUnavailable as error:
         sys.exit(f"{parser.prog}: error: {error}")
-    compile_fast()
+    harness.compile_fast()  # as the test suite compiles: the results, not times, are read
     script = os.path.abspath(__file__)
     chosen = " or ".join(map(repr, args.tests)) or "all"
     print(f"{harness.device_name()}: transformers' ModelTesterMixin tests ({chosen}) from "

@@ -1,31 +1,23 @@
 import os
+import sys
 
 import pytest
 
 from isolated import ForkServer, call_source
 
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)
+import harness  # noqa: E402 (the scripts' folder first)
+
 # Tests run on PJRT's CPU backend unless the caller chose a device; the package
 # itself never chooses one.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-# XLA:CPU keeps each compiled graph's kernels in memory mappings of their own
-# (about three a kernel; a graph of a few layers has hundreds), and torch_xla
-# keeps its compiled graphs: the suite compiles thousands, and at Linux's limit
-# of 65530 mappings (vm.max_map_count) a process dies in its next mmap ("LLVM
-# compilation error: Cannot allocate memory", or a segfault). Keeping the last
-# 128 graphs bounds the mappings; no test reuses an older one.
-os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "128")
-# The suite's time is XLA:CPU compiling thousands of tiny graphs. Three
-# settings change how fast a kernel is compiled or runs, not what it computes:
-# no LLVM optimizations, and fusions emitted by XLA:CPU's elemental emitter
-# instead of its MLIR fusion emitters (slow to compile), cut that time about
-# threefold; one LLVM module per graph instead of parts compiled in threads of
-# their own (each test worker has one core: the threads only contend) another
-# eighth of test_hf_layer_kinds' CPU time. XLA's HLO passes, which the HLO
-# tests read, still run. A caller's own setting wins.
-for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-             "--xla_cpu_parallel_codegen_split_count=1"):
-    if flag.partition("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), flag]))
+# The suite's time is XLA:CPU compiling thousands of tiny graphs: the settings
+# that compile them faster, and the bound on torch_xla's compiled graphs that
+# keeps a process under Linux's limit of memory mappings (harness.compile_fast
+# says why each); no test reuses an older graph.
+harness.compile_fast()
 
 
 @pytest.fixture(scope="session")
