@@ -109,14 +109,14 @@ def weight_spec(name: str, axes: tuple) -> tuple | None:
 
 
 def shard_by_hand(model, mesh, axes) -> None:
-    """Marks every weight of `model` with `weight_spec`; a stacked one with
-    its layer dimension whole."""
+    """Marks every weight of `model` with `weight_spec` (a stacked layer's
+    weight: its stacked tensor, with the layer dimension whole)."""
     import torch_xla.distributed.spmd as xs
 
     for name, param in model.named_parameters():
         spec = weight_spec(name, axes)
         if spec is not None:
-            xs.mark_sharding(param, mesh, (None, *spec) if ".stacked." in name else spec)
+            xs.mark_sharding(param, mesh, spec)  # a stacked layer's: its stacked tensor
 
 
 def make_model(args):
@@ -216,12 +216,14 @@ def measured_steps(args, dump: str) -> dict:
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
+    from torch_xla_ext.layer_stack import StackedList
     from torch_xla_ext.metrics.hlo import collective_totals, collectives, dumped_modules
 
     xr.use_spmd()
     model = make_model(args)
-    stacked_shapes = {tuple(p.shape) for name, p in model.named_parameters()
-                      if ".stacked." in name}
+    stacked_shapes = {tuple(tensor.shape) for module in model.modules()
+                      if isinstance(module, StackedList) for stack in module.stacks()
+                      for tensor in stack.storage.stacked.values()}
     module, mesh, ids_spec = sharded(model, args)
     module.train()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)

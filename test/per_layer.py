@@ -1,49 +1,46 @@
-"""A converted model's stacked tensors under their unconverted names, for
-comparisons with the unconverted model: the stacks' own name map
-(`StackedList.layer_parameters`) says which slice of which stored tensor
-each per-layer parameter is."""
-from torch_xla_ext.layer_stack import StackedList
+"""A converted model's parameters and gradients by their names, for
+comparisons with the unconverted model: the layers' own Parameters keep
+their unconverted names, and their gradients are slices of the stacked ones."""
 
 
 def per_layer_grads(model) -> dict:
-    """Every gradient under its parameter's unconverted name (frozen parameters have none)."""
-    return {name: param.grad for name, param in per_layer_parameters(model).items()
+    """Every gradient under its parameter's name (frozen parameters have none)."""
+    return {name: param.grad for name, param in model.named_parameters()
             if param.grad is not None}
 
 
 def per_layer_parameters(model) -> dict:
-    """Every parameter under its unconverted name: a stacked one's slices as
-    views, with their gradients' slices as `.grad` where they have one."""
-    found, stacked = {}, set()
-    for path, stack in model.named_modules():
-        if not isinstance(stack, StackedList):
-            continue
-        prefix = f"{path}." if path else ""
-        params = dict(stack.named_parameters())
-        for stored, index, per_layer in stack.layer_parameters():
-            param = params[stored]
-            stacked.add(prefix + stored)
-            found[prefix + per_layer] = param if index is None else _Slice(param, index)
-    for name, param in model.named_parameters():
-        if name not in stacked:
-            found[name] = param
-    return found
+    """Every parameter under its name."""
+    return dict(model.named_parameters())
 
 
-class _Slice:
-    """Slice `index` of a stacked parameter, as a parameter of its own reads."""
+class StackedTensors:
+    """A segment's stacked tensors by attribute path, as a module tree reads
+    them (`stacked_tensors(stack.segments[0]).self_attn.q_proj.weight`)."""
 
-    def __init__(self, param, index: int):
-        self.param, self.index = param, index
+    def __init__(self, tensors: dict, prefix: str = ""):
+        self._tensors, self._prefix = tensors, prefix
 
-    @property
-    def grad(self):
-        return None if self.param.grad is None else self.param.grad[self.index]
+    def __getattr__(self, name: str):
+        path = self._prefix + name
+        if path in self._tensors:
+            return self._tensors[path]
+        if not any(key.startswith(path + ".") for key in self._tensors):
+            raise AttributeError(f"no stacked tensor under {path!r}")
+        return StackedTensors(self._tensors, path + ".")
 
-    @property
-    def data(self):
-        return self.param.data[self.index]
 
-    @property
-    def requires_grad(self):
-        return self.param.requires_grad
+def stacked_tensors(segment) -> StackedTensors:
+    """The stacked tensors of a `StackedList`'s segment stack."""
+    return StackedTensors(segment.storage.stacked)
+
+
+def stacked_of(model) -> dict:
+    """Every stacked tensor of the model's stacked lists, by the list's path,
+    segment and tensor name ('model.layers/0/self_attn.q_proj.weight')."""
+    from torch_xla_ext.layer_stack import StackedList
+
+    return {f"{path}/{number}/{name}": tensor
+            for path, module in model.named_modules() if isinstance(module, StackedList)
+            for number, stack in enumerate(module.segments) if hasattr(stack, "storage")
+            for name, tensor in stack.storage.stacked.items()}

@@ -23,7 +23,8 @@ from reference import host_copies
 from per_layer import per_layer_grads
 from tolerances import LOGGED_LOSSES, TRAINING, close, close_by_name
 from torch_xla_ext.hf import StackedLayers, cache_plan, stack_layers, unstack_layers
-from torch_xla_ext.layer_stack import LayerByLayerWarning
+from torch_xla_ext.layer_stack import LayerByLayerWarning, StackedList
+from torch_xla_ext.layer_stack.storage import storage_of
 from torch_xla_ext.layer_stack.scan_runner import device_reason
 
 VOCAB, SEQ, BATCH = 128, 8, 2
@@ -176,8 +177,17 @@ def training_step_hlo(model, device) -> tuple[str, torch.Tensor]:
     ids, mask = batch(device)
     loss = model(ids, attention_mask=mask, labels=ids).loss
     loss.backward()
-    return torch_xla._XLAC._get_xla_tensors_hlo(
-        [loss, *(p.grad for p in model.parameters())]), loss
+    return torch_xla._XLAC._get_xla_tensors_hlo([loss, *step_gradients(model)]), loss
+
+
+def step_gradients(model) -> list[torch.Tensor]:
+    """The gradients a training step's sync computes: each stacked tensor's,
+    whose slices the layers' Parameters hold as views, and the others'."""
+    stacked = [tensor.grad for module in model.modules() if isinstance(module, StackedList)
+               for stack in module.stacks() for tensor in stack.storage.stacked.values()
+               if tensor.grad is not None]
+    return stacked + [p.grad for p in model.parameters()
+                      if p.grad is not None and storage_of(p) is None]
 
 
 def instruction_count(hlo: str) -> int:
@@ -216,10 +226,10 @@ def test_state_dict_and_layers_look_unconverted():
     assert "model.layers.3.self_attn.q_proj.weight" in actual
     for key, value in expected.items():
         assert torch.equal(actual[key], value), key
-    names = dict(model.named_parameters())
-    assert names["model.layers.segments.0.stacked.self_attn.q_proj.weight"].shape == (4, 32, 32)
-    assert sum(p.numel() for p in model.parameters()) == sum(
-        p.numel() for p in reference.parameters())
+    assert [name for name, _ in model.named_parameters()] == [
+        name for name, _ in reference.named_parameters()]
+    stacked = model.model.layers.segments[0].storage.stacked
+    assert stacked["self_attn.q_proj.weight"].shape == (4, 32, 32)
     layer = model.model.layers[3]
     assert type(layer) is type(reference.model.layers[3])
     assert torch.equal(layer.mlp.up_proj.weight, reference.model.layers[3].mlp.up_proj.weight)
@@ -913,15 +923,16 @@ def fsdp_training_step_scenario():
     reference.to(device).train()
     model.to(device).train()
     for param in model.model.layers.parameters():
-        # FSDP style: each stacked weight split along its first dimension after the layers'.
-        xs.mark_sharding(param, mesh, (None, "fsdp") + (None,) * (param.dim() - 2))
+        # FSDP style: each layer's weight split along its first dimension, as
+        # a user shards an unconverted layer's: the stacked weight is sharded.
+        xs.mark_sharding(param, mesh, ("fsdp",) + (None,) * (param.dim() - 1))
     ids = torch.randint(0, 128, (2, 8)).to(device)
     results = []
     for which in (reference, model):
         optimizer = torch.optim.AdamW(which.parameters(), lr=1e-2)
         loss = which(ids, labels=ids).loss
         loss.backward()
-        hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss, *(p.grad for p in which.parameters())])
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss, *step_gradients(which)])
         optimizer.step()
         torch_xla.sync()
         results.append((loss.cpu(), {k: v.cpu() for k, v in which.state_dict().items()}, hlo))
@@ -929,7 +940,7 @@ def fsdp_training_step_scenario():
     assert "while" in hlo, "no while loop in the sharded step"
     assert "sharding={devices=[1,4,1]" in hlo, "the stacked weights are not sharded in the step"
     assert "devices=[1,4,1]" in torch_xla._XLAC._get_xla_sharding_spec(
-        model.model.layers.segments[0].stacked.self_attn.q_proj.weight)
+        model.model.layers.segments[0].storage.stacked["self_attn.q_proj.weight"])
     close(loss, reference_loss, TRAINING)
     assert list(state) == list(reference_state)
     close(state, reference_state, TRAINING)

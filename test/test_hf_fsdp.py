@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch_xla
 
+import per_layer
+
 from optimized_hlo import dump_flags, loop_states, step_module
 from support import supports
 from tolerances import TRAINING, close
@@ -64,7 +66,7 @@ def wrapped_as_the_trainer_does_scenario():
     assert isinstance(wrapped, SpmdFullyShardedDataParallel), type(wrapped)
     # What a unit per layer adds, the stack does: nothing to warn about.
     assert not [w for w in caught if issubclass(w.category, ShardingWarning)], caught
-    stacked = dict(model.model.layers.segments[0].stacked.named_parameters())
+    stacked = per_layer.stacked_of(model)
     assert len(stacked) == 9, sorted(stacked)
     for name, param in stacked.items():
         # The layer dimension whole, one other cut across the 4 devices (FSDP).
@@ -184,8 +186,7 @@ def kinds_wrapped_as_the_trainer_does_scenario():
     # Checkpointing each unit does not reach stacked layers, which are no units: said.
     assert [w for w in caught if issubclass(w.category, ShardingWarning)
             and "auto_wrapper_callable" in str(w.message)], [str(w.message) for w in caught]
-    stacked = {name: param for name, param in model.model.layers.named_parameters()
-               if ".stacked." in name}
+    stacked = per_layer.stacked_of(model)
     assert len(stacked) == 2 * 13, sorted(stacked)
     for name, param in stacked.items():
         assert tiles(param)[0] == 1 and math.prod(tiles(param)) == 4, (name, tiles(param))

@@ -1,6 +1,8 @@
 """Optimizer state dicts across stack_layers: saved by the unconverted model's
 optimizer and loaded by the converted model's, and the reverse, against an
-uninterrupted run of the unconverted model (torch_xla_ext.layer_stack.optimizer_state)."""
+uninterrupted run of the unconverted model: the converted model's optimizer
+holds the layers' own Parameters, and the state of the stacked steps is
+given per layer (torch_xla_ext.layer_stack.stacked_steps)."""
 import io
 import os
 import tempfile
@@ -156,11 +158,8 @@ def test_named_groups_save_the_unconverted_names_order_and_state(model_kind):
     converted_optimizer = torch.optim.AdamW(trainable(converted))
     converted_optimizer.load_state_dict(unconverted_optimizer.state_dict())
 
-    stacked_name, stacked = next((name, param) for name, param in trainable(converted)
-                                 if param.dim() == 3)
-    close(converted_optimizer.state[stacked]["exp_avg"], stacked * 2, TRAINING)
     assert converted_optimizer.param_groups[0]["param_names"] == [
-        name for name, _ in trainable(converted)], stacked_name
+        name for name, _ in trainable(reference)]
     expected = unconverted_optimizer.state_dict()
     actual = converted_optimizer.state_dict()
     assert actual["param_groups"] == expected["param_groups"]
@@ -168,31 +167,6 @@ def test_named_groups_save_the_unconverted_names_order_and_state(model_kind):
     for index, state in expected["state"].items():
         for key, value in state.items():
             close(actual["state"][index][key], value, TRAINING)
-
-
-def test_a_state_dict_in_the_stacked_layout_loads_as_it_is():
-    converted = stack_layers(make_model(layers=2))
-    optimizer = torch.optim.SGD(converted.parameters(), lr=0.1, momentum=0.9)
-    for param in converted.parameters():
-        optimizer.state[param] = {"momentum_buffer": param.detach() + 1}
-    stacked_layout = {"state": {index: dict(optimizer.state[param]) for index, param in
-                                enumerate(converted.parameters())},
-                      "param_groups": [{**optimizer.param_groups[0],
-                                        "params": list(range(len(list(converted.parameters()))))}]}
-    again = torch.optim.SGD(converted.parameters(), lr=0.1, momentum=0.9)
-    again.load_state_dict(stacked_layout)
-    for param in converted.parameters():
-        close(again.state[param]["momentum_buffer"], param + 1, TRAINING)
-
-
-def test_layers_without_one_state_are_refused_with_what_to_do():
-    reference = make_model(layers=2)
-    unconverted = torch.optim.AdamW(reference.parameters())
-    artificial_state(unconverted)
-    unconverted.state[reference.model.layers[1].mlp.up_proj.weight]["step"] = torch.tensor(4.0)
-    converted = stack_layers(make_model(layers=2))
-    with pytest.raises(ValueError, match=r"different 'step'.*\[3.0, 4.0\].*unconverted model"):
-        torch.optim.AdamW(converted.parameters()).load_state_dict(unconverted.state_dict())
 
 
 # transformers' Trainer on the XLA device (through accelerate), as test_hf.py

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch_xla
 from support import supports
+import per_layer
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
@@ -45,7 +46,7 @@ def stacked_tensors(model) -> torch.nn.Module:
     """The stacked tensors of a model whose layers are one segment, one run of alike layers."""
     stack = stacked(model)
     assert stack.plan == (Segment(0, 1, len(stack)),)
-    return stack.segments[0].stacked
+    return per_layer.stacked_tensors(stack.segments[0])
 
 
 @pytest.mark.parametrize("config", [
@@ -277,8 +278,8 @@ def test_peft_imported_after_stack_layers_is_taught_then(run_isolated):
     # stack_layers does not import peft (seconds) for users who do not use it.
     result = run_isolated(PEFT_IMPORTED_AFTER)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("StackedLayers ['base_model.model.model.layers.segments.0."
-                                    "stacked.self_attn.q_proj.lora_A.default.weight'"), result.stdout
+    assert result.stdout.startswith("StackedLayers ['base_model.model.model.layers.0."
+                                    "self_attn.q_proj.lora_A.default.weight'"), result.stdout
 
 
 def test_the_adapter_state_dict_is_the_unconverted_ones():

@@ -27,7 +27,8 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 
 def shard_by_hand(model, mesh, other_axis) -> None:
     """Each weight split on 'model' by its role, its other dimension on
-    `other_axis`; a stacked one with the layer dimension whole."""
+    `other_axis` (a stacked layer's weight: its stacked tensor, with the
+    layer dimension whole)."""
     import torch_xla.distributed.spmd as xs
 
     for name, param in model.named_parameters():
@@ -35,7 +36,7 @@ def shard_by_hand(model, mesh, other_axis) -> None:
         spec = (("model", other_axis) if module in COLUMN_PARALLEL
                 else (other_axis, "model") if module in ROW_PARALLEL else None)
         if spec is not None:
-            xs.mark_sharding(param, mesh, (None, *spec) if ".stacked." in name else spec)
+            xs.mark_sharding(param, mesh, spec)  # a stacked layer's: its stacked tensor
 
 
 def spmd_mesh(shape, axes):

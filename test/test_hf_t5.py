@@ -151,8 +151,8 @@ def test_unstack_layers_and_state_dicts_of_t5(device):
     stack = model.encoder.block
     assert stack[0] is stack.segments[0]  # held as itself
     assert stack[-1].layer[0].SelfAttention.q.weight.shape == (32, 32)
-    assert dict(stack.named_parameters())[
-        "segments.1.stacked.layer.0.SelfAttention.q.weight"].shape == (2, 32, 32)
+    assert stack.segments[1].storage.stacked["layer.0.SelfAttention.q.weight"].shape == (2, 32, 32)
+    assert list(stack.state_dict()) == list(reference.encoder.block.state_dict())
     assert torch.equal(stack[2].layer[1].DenseReluDense.wi.weight,
                        expected["encoder.block.2.layer.1.DenseReluDense.wi.weight"])
     assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())

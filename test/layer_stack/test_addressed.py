@@ -1,8 +1,8 @@
 """A stacked layer as code outside its owner's forward addresses it
-(`layers[3]`, `get_submodule`, iteration): a module made for the access,
-which reads and runs as the layer, and whose hook registrations raise a
-ValueError saying that the hook would never run, where they used to be
-dropped without a word; a layer held as itself is the module that runs."""
+(`layers[3]`, `get_submodule`, iteration): the layer itself, which reads
+and runs as the layer, and whose hook registrations raise a ValueError
+saying that the hook would never run, where they used to be dropped
+without a word; a layer held as itself is the module that runs."""
 import copy
 
 import pytest
@@ -30,8 +30,8 @@ def test_a_hook_on_a_converted_layer_or_its_submodule_is_refused_naming_it(regis
     hooks_before = hook_count(model)
     for module, named in ((model.model.layers[3], "layer 3 of"),
                           (model.get_submodule("model.layers.1.mlp"), "layer 1's mlp of")):
-        with pytest.raises(ValueError, match=rf"^{named} the stacked layers is a module made "
-                                             rf"for this access.*would never run"):
+        with pytest.raises(ValueError, match=rf"^{named} the stacked layers runs inside a scan "
+                                             rf".*would never run"):
             getattr(module, registration)(REGISTRATIONS[registration])
     assert hook_count(model) == hooks_before
 
@@ -59,7 +59,7 @@ def test_an_addressed_layer_still_reads_and_runs_as_the_layer():
 def test_a_layer_stack_item_refuses_hooks_too():
     torch.manual_seed(0)
     stack = LayerStack([nn.Linear(4, 4) for _ in range(3)])
-    with pytest.raises(ValueError, match="^layer 2 of the stacked layers is a module made"):
+    with pytest.raises(ValueError, match="^layer 2 of the stacked layers runs inside a scan"):
         stack[-1].register_forward_hook(lambda *args: None)
 
 

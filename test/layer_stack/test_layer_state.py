@@ -57,7 +57,7 @@ def test_layers_that_set_attributes_run_one_by_one_and_keep_them_between_calls(d
     for index in (2, 3):  # the layers as modules, outside the forward, hold it too
         torch.testing.assert_close(model.blocks[index].linear.previous.cpu(),
                                    reference.blocks[index].linear.previous.cpu())
-    assert model.blocks[0] is not model.blocks[0]  # the others are built at each access
+    assert model.blocks[0] is model.blocks[0]  # every layer is itself
 
 
 def test_a_kept_layer_s_tensors_are_the_stack_s_and_its_state_survives_copies(device):
@@ -67,9 +67,9 @@ def test_a_kept_layer_s_tensors_are_the_stack_s_and_its_state_survives_copies(de
     kept = model.blocks[1]
     assert kept is model.blocks[1]
     with torch.no_grad():
-        model.blocks.segments[0].stacked.linear.weight.mul_(2)
+        model.blocks.segments[0].storage.stacked["linear.weight"].mul_(2)
     torch.testing.assert_close(model.blocks[1].linear.weight.cpu(),
-                               model.blocks.segments[0].stacked.linear.weight[1].cpu())
+                               model.blocks.segments[0].storage.stacked["linear.weight"][1].cpu())
     for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model.cpu()))):
         torch.testing.assert_close(other.blocks[1].linear.previous.cpu(),
                                    kept.linear.previous.cpu())

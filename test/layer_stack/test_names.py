@@ -1,7 +1,7 @@
-"""The one map between a StackedList's stored tensors and its layers' own
-names (layer_stack.names.NameMap): a single layer held as itself, a pattern
-stacked by groups and a run stacked by layers, whose state_dict, loading and
-parameters in the unconverted order all look like the nn.ModuleList's."""
+"""A StackedList's layers under their own names: a single layer held as
+itself, a pattern stacked by groups and a run stacked by layers, whose
+state_dict, loading and parameters in the unconverted order are the
+nn.ModuleList's, the layers' tensors views of the stacked ones."""
 import copy
 
 import pytest
@@ -58,12 +58,13 @@ def stack_and_list():
 def test_the_segments_store_a_single_layer_a_pattern_by_groups_and_a_run_by_layers():
     stack, _ = stack_and_list()
     assert stack.plan == (Segment(0, 1, 1), Segment(1, 2, 2), Segment(5, 1, 3))
-    shapes = {name: tuple(param.shape) for name, param in stack.named_parameters()}
-    assert shapes["segments.0.gate.weight"] == (1, 4)  # itself
-    assert shapes["segments.1.stacked.layers.0.linear.bias"] == (2, 4)  # position 0 of 2 groups
-    assert shapes["segments.1.stacked.layers.1.linear.weight"] == (2, 4, 4)
-    assert "segments.1.stacked.layers.1.linear.bias" not in shapes  # Narrow has none
-    assert shapes["segments.2.stacked.linear.weight"] == (3, 4, 4)
+    assert stack.segments[0] is stack[0]  # itself
+    shapes = [{name: tuple(tensor.shape) for name, tensor in segment.storage.stacked.items()}
+              for segment in stack.segments[1:]]
+    assert shapes[0]["layers.0.linear.bias"] == (2, 4)  # position 0 of 2 groups
+    assert shapes[0]["layers.1.linear.weight"] == (2, 4, 4)
+    assert "layers.1.linear.bias" not in shapes[0]  # Narrow has none
+    assert shapes[1]["linear.weight"] == (3, 4, 4)
 
 
 def test_the_state_dict_has_the_lists_keys_in_its_order_and_values():
@@ -82,36 +83,19 @@ def test_the_state_dict_has_the_lists_keys_in_its_order_and_values():
     assert list(owner.state_dict()) == [f"layers.{key}" for key in expected]
 
 
-def test_layer_parameters_are_the_lists_parameters_in_its_order():
+def test_the_parameters_are_the_lists_in_its_order_as_views_of_the_stacked_ones():
     stack, unconverted = stack_and_list()
-    stored = dict(stack.named_parameters())
-    entries = stack.layer_parameters()
-    assert [per_layer for _, _, per_layer in entries] == [
-        name for name, _ in unconverted.named_parameters()]
     expected = dict(unconverted.named_parameters())
-    for name, index, per_layer in entries:
-        value = stored[name] if index is None else stored[name][index]
-        assert torch.equal(value, expected[per_layer]), per_layer
-    assert ("segments.0.gate.weight", None, "0.gate.weight") in entries
-    assert ("segments.1.stacked.layers.1.linear.weight", 1, "4.linear.weight") in entries
-    assert ("segments.2.stacked.linear.bias", 2, "7.linear.bias") in entries
+    params = dict(stack.named_parameters())
+    assert list(params) == list(expected)
+    for name, param in params.items():
+        assert param.is_leaf and torch.equal(param, expected[name]), name
+    stacked = stack.segments[2].storage.stacked["linear.weight"]
+    assert torch._C._is_alias_of(params["6.linear.weight"], stacked)
     # An optimizer over named parameters saves the list's names.
     optimizer = torch.optim.SGD(stack.named_parameters(), lr=0.1)
     (group,) = optimizer.state_dict()["param_groups"]
-    assert group["param_names"] == [name for name, _ in unconverted.named_parameters()]
-
-
-def test_stored_and_per_layer_names_map_both_ways():
-    names = stack_and_list()[0].names
-    assert names.stored("3.linear.weight") == ("segments.1.stacked.layers.0.linear.weight", 1)
-    assert names.stored("6.count") == ("segments.2.stacked.count", 1)
-    assert names.stored("0.gate.bias") == ("segments.0.gate.bias", None)
-    assert names.stored("8.linear.weight") is None
-    assert names.per_layer_name("segments.0.gate.bias") == "0.gate.bias"
-    # A stacked tensor is many layers' (no one name), a key of no tensor is itself.
-    assert names.per_layer_name("segments.2.stacked.linear.bias") == (
-        "segments.2.stacked.linear.bias")
-    assert names.per_layer_name("elsewhere") == "elsewhere"
+    assert group["param_names"] == list(expected)
 
 
 def test_an_unconverted_state_dict_loads_layer_by_layer():

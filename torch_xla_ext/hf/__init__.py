@@ -19,9 +19,7 @@ cache runs: the one description of it, and the decision), `caches`
 (transformers' key/value caches around the scan), `adapters` (peft's
 whole-model operations on a stacked model), `checkpointing` (transformers'
 gradient checkpointing as the scan's policy), `experts` (mixture-of-experts
-implementations), `fsdp` (transformers' FSDP class lookup finding stacked
-layers), `replaced_parameters` (an optimizer made before converting, which
-holds the layers' own parameters, refuses to step).
+implementations).
 """
 from __future__ import annotations
 
@@ -29,15 +27,14 @@ import warnings
 
 from torch import nn
 
-from torch_xla_ext.hf import adapters, fsdp
-from torch_xla_ext.hf.replaced_parameters import mark_replaced
+from torch_xla_ext.hf import adapters
 from torch_xla_ext.hf.discovery import (
     LayerList, Unstackable, UnstackedLayersWarning, layer_list, layer_list_paths,
     recorded_outputs, submodule)
 from torch_xla_ext.hf.stacks import StackedLayers, any_standing, retire
 from torch_xla_ext.layer_stack import (
     OwnerPlans, checked_stack_options, drive_loops, loop_names, undrive_loops)
-from torch_xla_ext.patches import peft as peft_changes, transformers as transformers_changes
+from torch_xla_ext.patches import peft as peft_changes
 
 __all__ = ["StackedLayers", "UnstackedLayersWarning", "stack_layers", "unstack_layers"]
 
@@ -45,10 +42,10 @@ __all__ = ["StackedLayers", "UnstackedLayersWarning", "stack_layers", "unstack_l
 def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Module:
     """Stacks the layer lists of a transformers model in place; returns `model`.
 
-    Each list becomes a `StackedLayers`: its layers' weights held once,
-    stacked per segment of layers alike in structure
-    (`model.layers.segments.0.stacked.self_attn.q_proj.weight` is
-    `[layers, out, in]`), receiving the gradients. The model's own forward
+    Each list becomes a `StackedLayers` holding the same layers, whose
+    weights are stored once, stacked per segment of layers alike in
+    structure (`[layers, out, in]`), each layer's Parameters views of their
+    slices (`torch_xla_ext.layer_stack.storage`). The model's own forward
     then runs its loop over the layers as a few scans: at its first call of
     each kind (the arguments' shapes and constants, the model's mode and
     settings), the forward runs once with the layers recorded, and the plan
@@ -70,13 +67,13 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     Every call gives the unconverted model's results; each checks that the
     forward calls the layers as its plan says, and raises where it does not.
 
-    What stays as it was: the model's forward and config, every other module,
-    `state_dict()` keys and values (`model.layers.3.self_attn.q_proj.weight`),
-    so `save_pretrained()` writes an ordinary checkpoint and
-    `load_state_dict()` of one works; an optimizer's `state_dict()` (saved in
-    the unconverted layout and loaded from it, see
-    `torch_xla_ext.layer_stack.optimizer_state`); `model.model.layers[i]` (a
-    module whose tensors are views of slice i of the stacked ones) and `len()`.
+    What stays as it was: the model's forward and config, every module (the
+    layers too, the same objects, found by class in `modules()`) and
+    Parameter (the same leaf tensors, under the same names), so optimizers
+    made before or after converting, per-layer param groups, freezing
+    layers and `state_dict()` are the unconverted model's:
+    `save_pretrained()` writes an ordinary checkpoint and `load_state_dict()`
+    of one works.
     Per-layer outputs the model collects (`output_hidden_states`,
     `output_attentions`), with transformers' hooks or in its own loop, come
     from the scans. peft: `stack_layers(get_peft_model(model, config))` and
@@ -114,7 +111,6 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
         raise TypeError(f"stack_layers: model must be an nn.Module, got {type(model).__name__}")
     checked_stack_options("stack_layers", **options)  # a wrong option raises, naming it
     adapters.teach_peft(stack_layers, _unstack)
-    fsdp.teach_class_lookup()
     found = [layer_list(model, each, options) for each in
              (layer_list_paths(model) if path is None else [path])]
     # What cannot be stacked is known before any stack is made; an error
@@ -139,7 +135,6 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     for each, stack in stacks:
         setattr(each.owner, each.name, stack)
         owners.setdefault(id(each.owner), (each.owner, []))[1].append(each.name)
-    mark_replaced(model, [(each.path, each.layers) for each, _ in stacks])
     for owner, names in owners.values():
         plans = OwnerPlans()
         drive_loops(owner, (*loop_names(owner), *names), plans.start, plans.traced)
@@ -173,7 +168,6 @@ def unstack_layers(model: nn.Module, path: str | None = None) -> nn.Module:
         _unstack(model, each)
     if not any_standing():
         peft_changes.undo()
-        transformers_changes.undo()
     return model
 
 

@@ -1,34 +1,27 @@
 """peft's whole-model operations on models whose layers stack_layers stacked.
 
 peft finds the modules it adapts, saves and merges by walking the model's
-modules (`named_modules()`): when it adds an adapter (`get_peft_model`,
-`PeftModel.from_pretrained`, `add_adapter`), when it saves or loads one (which
-adapter tensors there are), and when it merges or drops them
-(`merge_and_unload`, `unload`). A stack keeps the layers' modules in its
-template, out of that walk: peft would refuse the stacked tensors as targets,
-save an empty adapter and leave the adapters in a merged model. So the first
-`stack_layers` call in a process where peft is installed teaches peft's
-classes to see the layers as modules, for a model that holds a stack (any
-other model is left to peft's own code): at once if peft is imported, else
-when it is (importing peft takes seconds, which a user who does not use it
-should not pay):
+modules (`named_modules()`), where a stacked list's layers are, as
+themselves: saving an adapter, reading its status and picking its state
+dict entries need nothing of ours. Two kinds of operation change the
+layers, which the stacks must follow; so the first `stack_layers` call in
+a process where peft is installed wraps them, for a model that holds a
+stack (any other model is left to peft's own code): at once if peft is
+imported, else when it is (importing peft takes seconds, which a user who
+does not use it should not pay):
 
-* adding or loading an adapter and merging or dropping the adapters unstack
-  the layers (a copy of their tensors), let peft do its work on them, and
-  stack them again with the same options: `get_peft_model(stack_layers(model))`
-  and `stack_layers(get_peft_model(model))` give the same model (loading may
-  add modules to the layers, which views of them would lose);
-* saving an adapter, and reading the adapters' status (`get_model_status`,
-  `get_layer_status`), run with the layers as modules whose tensors are views
-  of the stacked ones (no copies; the stack is back afterwards, so training
-  goes on with the same parameters and optimizer);
+* adding or loading an adapter and merging, dropping or deleting adapters
+  change the layers' structure: they unstack the layers (each gets its
+  tensors back), let peft do its work on them, and stack them again with
+  the same options, so `get_peft_model(stack_layers(model))` and
+  `stack_layers(get_peft_model(model))` give the same model, with the same
+  Parameter objects;
 * switching adapters on and off (`disable_adapter()`, `enable_adapter_layers`)
-  and choosing the active ones (`set_adapter`, `set_requires_grad`) run with
-  each stack's template layer (whose settings every layer's step runs) among
-  the model's modules; then each stacked tensor takes its template tensor's
-  `requires_grad`, as peft set it. The stacked parameters stay the same
-  objects, so an optimizer made before keeps them;
-* deleting an adapter unstacks the layers, as adding one does.
+  and choosing the active ones (`set_adapter`, `set_requires_grad`) change
+  settings: they run with each segment's template layer (whose code and
+  settings the scan runs) among the model's modules, so peft sets them on
+  it as on the layers (the `requires_grad` peft sets is the layers', which
+  the scans read at each call).
 
 This module (what each operation runs inside) and `torch_xla_ext.patches.peft`
 (which of peft's methods are wrapped, on which model) are the only places
@@ -53,43 +46,24 @@ def teach_peft(stack_layers, unstack) -> None:
     convert with `stack_layers` and `unstack` (`unstack(model, path)`
     replaces one stack by its layers, without undoing the patch)."""
     wrap_model_operations(unstacked=functools.partial(_unstacked, stack_layers, unstack),
-                          layers_as_modules=_layers_as_modules,
                           templates_as_modules=_templates_as_modules)
 
 
 @contextlib.contextmanager
 def _templates_as_modules(model: nn.Module):
-    """While the block runs, each stack's template layer is a submodule of
-    the stack (`<stack>.template`), for peft to change its settings; after
-    it, each stacked tensor takes the `requires_grad` of its template tensor."""
-    stacks = [module for module in model.modules()
-              if isinstance(module, LayerStack) and module.template is not None]
-    for stack in stacks:
-        stack._modules["template"] = stack.template
+    """While the block runs, each segment's template layer is a submodule of
+    its stacked list (`<list>.template_<segment>`), for peft to change its
+    settings as it changes the layers'."""
+    lists = [module for module in model.modules() if isinstance(module, StackedList)]
+    added = [(each, f"template_{number}", stack.template) for each in lists
+             for number, stack in enumerate(each.segments) if isinstance(stack, LayerStack)]
+    for each, name, template in added:
+        each._modules[name] = template
     try:
         yield
     finally:
-        for stack in stacks:
-            del stack._modules["template"]
-            in_template = dict(stack.template.named_parameters())
-            for name, param in stack.stacked.named_parameters():
-                param.requires_grad_(in_template[name].requires_grad)
-
-
-@contextlib.contextmanager
-def _layers_as_modules(model: nn.Module):
-    """While the block runs, each stacked list of the model is an
-    `nn.ModuleList` of its layers as modules, whose tensors are views of the
-    stacked ones (no copies): for peft reading each layer as a module."""
-    stacks = [(model.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2], module)
-              for path, module in model.named_modules() if isinstance(module, StackedList)]
-    for parent, name, stack in stacks:
-        setattr(parent, name, nn.ModuleList([stack.layer(index) for index in range(len(stack))]))
-    try:
-        yield
-    finally:
-        for parent, name, stack in stacks:
-            setattr(parent, name, stack)
+        for each, name, _ in added:
+            del each._modules[name]
 
 
 @contextlib.contextmanager

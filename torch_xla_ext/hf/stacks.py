@@ -102,8 +102,8 @@ class StackedLayers(StackedList):
         super().__setstate__(state)
         _standing.add(self)  # a copy, or unpickled
 
-    def layer(self, index: int, copied: bool = False, as_built: bool = False) -> nn.Module:
-        return checkpointing.given_to([super().layer(index, copied, as_built)], self)[0]
+    def layer(self, index: int) -> nn.Module:
+        return checkpointing.given_to([super().layer(index)], self)[0]
 
     def unstacked(self) -> list[nn.Module]:
         return checkpointing.given_to(super().unstacked(), self)

@@ -1,14 +1,14 @@
 """Stacked layers as code outside the owner's forward addresses them.
 
-`layers[3]`, `get_submodule("model.layers.3")` or iterating the list outside
-the owner's forward gives a module of the layer's class whose tensors are
-views of its slices of the stacked ones, made for that access
-(`LayerStack.layer`). The scans run the stacked tensors through the stack's
-own copy of the layer, never through such a module, so a hook put on it (or
-on one of its submodules) would never run. Rather than let it be dropped
-without a word, its hook registrations raise a ValueError that says so and
-what to do (`addressed`); everything else about it (its class, reading its
-settings and weights, calling it) is as before. Likewise the list refuses what would
+`layers[3]`, `get_submodule("model.layers.3")`, `modules()` or iterating
+the list give the layer itself, whose tensors are views of its slices of
+the stacked ones (`storage`). The scans run the stacked tensors through
+the stack's own copy of the layer, so a module hook put on a layer (or on
+one of its submodules) would not run. Rather than let it be dropped without
+a word, its hook registrations raise a ValueError that says so and what to
+do (`addressed`, undone by `unaddressed` when the layers leave the stack);
+everything else about it (its class, reading and writing its settings and
+weights, calling it) is as before. Likewise the list refuses what would
 replace, add or delete a layer (`RefusedEdits`): its stacks would go on
 running the old layers.
 """
@@ -18,7 +18,7 @@ import collections
 
 from torch import nn
 
-__all__ = ["RefusedEdits", "addressed"]
+__all__ = ["RefusedEdits", "addressed", "unaddressed"]
 
 # Where a module keeps the hooks each registration adds (torch's own
 # attributes): forward hooks and pre-hooks, full backward hooks and pre-hooks.
@@ -26,14 +26,22 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 
 
 def addressed(layer: nn.Module, index: int) -> nn.Module:
-    """`layer`, a module made for an access of layer `index`, with hooks
-    refused on it and its submodules; returns it. Its class is its own
-    (code checks `type(layer) is ...`): what refuses is each module's hook
-    dicts, which every registration writes before anything else."""
+    """`layer`, layer `index` of a stack, with hooks refused on it and its
+    submodules; returns it. Its class is its own (code checks `type(layer)
+    is ...`): what refuses is each module's hook dicts, which every
+    registration writes before anything else."""
     for path, module in layer.named_modules():
         where = f"layer {index}" + (f"'s {path}" if path else "")
         for name in _HOOK_DICTS:
             module.__dict__[name] = _RefusingHooks(where, module.__dict__[name])
+    return layer
+
+
+def unaddressed(layer: nn.Module) -> nn.Module:
+    """`layer` taking hooks again (its hook dicts plain ones); returns it."""
+    for module in layer.modules():
+        for name in _HOOK_DICTS:
+            module.__dict__[name] = collections.OrderedDict(module.__dict__[name])
     return layer
 
 
@@ -48,9 +56,8 @@ class _RefusingHooks(collections.OrderedDict):
 
     def __setitem__(self, key, hook) -> None:
         raise ValueError(
-            f"{self.where} of the stacked layers is a module made for this access, whose "
-            f"tensors are views of the stacked weights: a hook on it would never run, since "
-            f"each scan runs the stacked weights through one copy of the layer. To hook a "
+            f"{self.where} of the stacked layers runs inside a scan of the stacked weights "
+            f"through one copy of the layer, so a hook on it would never run. To hook a "
             f"layer, run the model unconverted (unstack_layers(model)), or hook the stack's "
             f"owner, whose hooks run as before")
 
@@ -79,7 +86,9 @@ class RefusedEdits:
         _refuse_edit(f"layers.insert({index!r}, ...)")
 
     def __setattr__(self, name: str, value) -> None:
-        if name.isdigit():  # a layer by its name in the list, as setattr and peft set one
+        # A layer by its name in the list, as setattr and peft set one (the
+        # layer it holds, set again, changes nothing).
+        if name.isdigit() and value is not self._modules.get(name):
             _refuse_edit(f"setattr(layers, {name!r}, ...)")
         super().__setattr__(name, value)
 

@@ -203,7 +203,7 @@ class _Recorder(ReadRecorder):
     def _sources(self, index: int, leaves: list, spec: TreeSpec) -> tuple:
         key = (self.stack.call_kind(index), spec, tuple(_leaf_key(leaf) for leaf in leaves))
         if key not in self._found:
-            self._found[key] = _fake_run(self.stack.layer(index, as_built=True), leaves, spec)
+            self._found[key] = _fake_run(self.stack.built_layer(index), leaves, spec)
         return self._found[key]
 
     def _program(self, index: int, leaves: list, spec: TreeSpec) -> tuple[tuple, tuple]:
@@ -213,7 +213,7 @@ class _Recorder(ReadRecorder):
         if key not in self._found:
             self.inside = True
             try:
-                layer = self.stack.layer(index, as_built=True)
+                layer = self.stack.built_layer(index)
                 with attributes_restored(layer):
                     self._found[key] = program_of(layer, self.stack.as_traced(leaves), spec)
             finally:

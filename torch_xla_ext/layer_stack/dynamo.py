@@ -265,8 +265,10 @@ class TracedExecution:
     def _scan(self, run: TracedRun, leaves: list) -> torch.Tensor:
         segment = self.stack.segments[run.segment]
         stop = run.first + run.stop - run.start
-        weights = {name: tensor[run.first:stop] for name, tensor in (
-            *segment.stacked.named_parameters(), *segment.stacked.named_buffers())}
+        # The stacked tensors as the eager call that planned the kind of call
+        # left them (`storage.LayerStorage.operands`).
+        weights = {name: tensor[run.first:stop]
+                   for name, tensor in segment.storage.stacked.items()}
         tensors = [leaves[number] for number in run.tensor_leaves]
         body = run.body
 

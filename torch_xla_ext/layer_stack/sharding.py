@@ -47,7 +47,9 @@ import torch_xla.runtime
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from torch_xla_ext.patches.torch_xla import keep_whole_in_auto_wrap, prepare_fsdp_v2
+from torch_xla_ext.layer_stack.storage import storage_of
+from torch_xla_ext.patches.torch_xla import (
+    keep_whole_in_auto_wrap, prepare_fsdp_v2, route_mark_sharding)
 from torch_xla_ext.scan.sharding import constrained
 from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
@@ -112,11 +114,42 @@ def teach_fsdp_v2(stack_class: type) -> None:
     keep_whole_in_auto_wrap(stack_class)
 
 
+# The classes of modules that hold stacks out of the module tree (`stacks()`).
+_HOLDERS: set[type] = set()
+
+
 def keep_whole(holder_class: type) -> None:
-    """torch_xla's size-based auto-wrap policy keeps modules of
-    `holder_class` (`StackedList`, which holds stacks) whole, as it keeps
-    stacks (above)."""
+    """torch_xla's auto-wrapping keeps modules of `holder_class`
+    (`StackedList`, whose `stacks()` are its segments' stacks) whole, as it
+    keeps stacks (above); FSDPv2 finds their stacks; and `mark_sharding` of
+    a stacked layer's parameter shards its stacked tensor (`storage`)."""
+    _HOLDERS.add(holder_class)
     keep_whole_in_auto_wrap(holder_class)
+    route_mark_sharding(_layer_tensor_sharded)
+
+
+def _layer_tensor_sharded(tensor, mesh, partition_spec):
+    """`mark_sharding` of a stacked layer's parameter: its stacked tensor
+    sharded (`LayerStorage.shard`), the layer's view returned; None for any
+    other tensor."""
+    place = storage_of(tensor) if isinstance(tensor, torch.Tensor) else None
+    if place is None:
+        return None
+    import torch_xla.distributed.spmd.xla_sharding as xla_sharding
+
+    storage, name, index = place
+    storage.shard(name, index, mesh, partition_spec, xla_sharding.mark_sharding)
+    return tensor
+
+
+def _stacks_in(module: nn.Module, stack_class: type) -> list:
+    found = []
+    for each in module.modules():
+        if isinstance(each, stack_class):
+            found.append(each)
+        elif isinstance(each, tuple(_HOLDERS)):
+            found.extend(each.stacks())
+    return found
 
 
 def _before_wrapping(stack_class: type, module, *args, mesh=None, **kwargs) -> None:
@@ -126,8 +159,7 @@ def _before_wrapping(stack_class: type, module, *args, mesh=None, **kwargs) -> N
     import torch_xla.distributed.spmd as spmd
     from torch_xla.experimental import spmd_fully_sharded_data_parallel as fsdp_v2
 
-    stacks = ([each for each in module.modules() if isinstance(each, stack_class)]
-              if isinstance(module, nn.Module) else [])
+    stacks = _stacks_in(module, stack_class) if isinstance(module, nn.Module) else []
     sharding_mesh = spmd.get_global_mesh() if mesh is None else mesh
     # Not a module, a module wrapped already, or no usable mesh: FSDPv2's
     # own checks raise, before anything is sharded.

@@ -19,9 +19,9 @@ from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, identical_layers, layer_tensors, layout_of)
 from torch_xla_ext.layer_stack.fakes import template_copy
 from torch_xla_ext.layer_stack.segments import Segment
+from torch_xla_ext.layer_stack.storage import LayerStorage, computed_now
 from torch_xla_ext.patches.torch_xla import lower_host_ops
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
-from torch_xla_ext.placeholders import depends_on_placeholder
 from torch_xla_ext.policies import resolve as resolve_policy, save_everything
 from torch_xla_ext.scan import Lowered
 from torch_xla_ext.scan.loop import check_unroll
@@ -42,17 +42,6 @@ def _meta_copy(layer: nn.Module, shared: Iterable) -> nn.Module:
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
     return copy.deepcopy(layer, memo)
 
-
-def _computed_now(tensors: list[torch.Tensor]) -> None:
-    """Computes the XLA tensors among `tensors` now, in a graph of their own.
-    Left lazy, the stacking (or slicing) of a model already on the device
-    would be part of the next step's graph, which would then differ from
-    every later step's and compile twice, and the tensors it reads would stay
-    alive until then. (Tensors computed from placeholders have no value.)"""
-    lazy = [tensor for tensor in tensors
-            if tensor.device.type == "xla" and not depends_on_placeholder(tensor)]
-    if lazy:
-        torch_xla._XLAC._xla_sync_multi(lazy, devices=[], wait=False)
 
 
 class LayerStack(nn.Module):
@@ -153,6 +142,10 @@ class LayerStack(nn.Module):
         layout, self.per_layer_values, self.watched_paths = checked
         self.__dict__["_template"] = _meta_copy(layers[0], layout.shared)
         self.training = layers[0].training
+        if self.stores_in_layers:
+            self.__dict__["members"] = layers
+            self.__dict__["storage"] = LayerStorage(layers, list(layout.tensors))
+            return
         with torch.no_grad():
             per_layer = [layer_tensors(layer, layout.tensors) for layer in layers]
             for name, spec in layout.tensors.items():
@@ -164,7 +157,7 @@ class LayerStack(nn.Module):
                                              nn.Parameter(stacked, requires_grad=spec.flag))
                 else:
                     owner.register_buffer(local_name, stacked, persistent=spec.flag)
-        _computed_now(list(self._stacked_tensors().values()))
+        computed_now(list(self._stacked_tensors().values()))
 
     # Whether the stack's state_dict() names the layers' tensors itself (not
     # when another stack holding it does: `stacked_list.StackedList`).
@@ -173,6 +166,9 @@ class LayerStack(nn.Module):
     # value of every setting that differs (a StackedList's segments: their
     # runs and kinds are planned per call).
     keeps_differing_settings = False
+    # Whether the layers keep their own tensors, views of the stacked ones
+    # (`storage.LayerStorage`), rather than the stack holding them.
+    stores_in_layers = False
     # Set by FSDPv2 when it wraps the stack (see `sharding`): a unit's output sharding.
     unit_output = None
 
@@ -213,6 +209,8 @@ class LayerStack(nn.Module):
         return node
 
     def _stacked_tensors(self) -> dict[str, torch.Tensor]:
+        if self.stores_in_layers:
+            return self.storage.operands()
         tensors = dict(self.stacked.named_parameters())
         tensors.update(self.stacked.named_buffers())
         return tensors
@@ -230,7 +228,7 @@ class LayerStack(nn.Module):
         buffers copied from its slices (parameters keep `requires_grad`), as
         the layers were before stacking."""
         layers = [self.layer(index, copied=True) for index in range(len(self))]
-        _computed_now([tensor for layer in layers for tensor in (*layer.parameters(),
+        computed_now([tensor for layer in layers for tensor in (*layer.parameters(),
                                                                  *layer.buffers())])
         return layers
 

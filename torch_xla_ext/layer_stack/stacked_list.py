@@ -8,10 +8,15 @@ neighbours is held as itself (`segments.s...`). Settings may differ between
 the layers of a segment (each layer keeps its own); which layers one trace
 can run is decided per call (`planner`).
 
-It looks like the `nn.ModuleList` it replaced: `len`, `stack[i]` (layer i,
-whose tensors are views of its slices), iteration, and `state_dict()` /
-`load_state_dict()` with per-layer names (`names.NameMap`, the one map,
-which optimizer state dicts use too); `unstacked()` gives the layers back.
+It is the `nn.ModuleList` it replaced, as code that walks the model sees
+it: the layers themselves are its children "0", "1", ..., the same objects
+with the same Parameters (leaf tensors, under their unconverted names), so
+`modules()`, `parameters()`, `state_dict()`, optimizers and per-layer
+param groups see the unconverted model. Each segment stores its layers'
+tensors once, stacked (`storage.LayerStorage`), the layers' tensors views
+of their slices; the segments' stacks are not children (no module or
+tensor is counted twice). `unstacked()` gives the layers back, each with
+tensors of its own.
 Why a list cannot be stacked is known before anything is built, as a value:
 `stacking_refusal`, from the checks the constructors raise from.
 """
@@ -25,13 +30,12 @@ from typing import Iterable, Sequence
 
 from torch import nn
 
-from torch_xla_ext.layer_stack import names as names_of, optimizer_state, scan_runner, sharding
+from torch_xla_ext.layer_stack import scan_runner, sharding, stacked_steps
 from torch_xla_ext.layer_stack.executor import ScanResult
-from torch_xla_ext.layer_stack.addressed import RefusedEdits, addressed
+from torch_xla_ext.layer_stack.addressed import RefusedEdits, addressed, unaddressed
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, layer_kinds, layout_of, layouts_of, structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
-from torch_xla_ext.layer_stack.layer_state import KeptLayers, attributes_of, written
 from torch_xla_ext.layer_stack.owner_loops import (
     TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
@@ -75,6 +79,11 @@ class SegmentStack(LayerStack):
     its layers need only be alike in structure."""
     owns_names = False
     keeps_differing_settings = True
+    stores_in_layers = True
+
+    def layer(self, index: int, copied: bool = False) -> nn.Module:
+        """Member `index` itself (a layer, or a group of a repeating pattern)."""
+        return self.members[index]
 
 
 class StackedList(RefusedEdits, nn.Module):
@@ -102,38 +111,39 @@ class StackedList(RefusedEdits, nn.Module):
         self.unlike_neighbours = (
             structure_difference(1, layouts[0], layouts[1]).reason.split(";")[0]
             if len(self.plan) > 1 and all(segment.single for segment in self.plan) else None)
-        self.segments = nn.ModuleList(
+        layers = list(layers)
+        # Not children: what they hold is the layers' (see the module docstring).
+        self.__dict__["segments"] = [
             members[0] if segment.single else SegmentStack(members, **options)
-            for segment, members in zip(self.plan, split.members))
+            for segment, members in zip(self.plan, split.members)]
+        for index, layer in enumerate(layers):  # a layer held as itself runs as itself
+            self.add_module(str(index), layer if self.plan[self.place(index)[0]].single
+                            else addressed(layer, index))
         per_layer = frozenset(options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES))
         self.kinds = layer_kinds(layouts, per_layer)
-        self.kept_layers = KeptLayers()  # the layers that keep state on themselves
-        self.register_state_dict_post_hook(_saved_per_layer)
-        self.register_load_state_dict_pre_hook(_loaded_per_layer)
-        optimizer_state.track(self, inner=self.stacks())
         sharding.keep_whole(StackedList)
+        stacked_steps.step_stacked()
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        optimizer_state.track(self, inner=self.stacks())  # a copy, or unpickled
-        sharding.keep_whole(StackedList)
+        sharding.keep_whole(StackedList)  # a copy, or unpickled
+        stacked_steps.step_stacked()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for stack in self.stacks():  # the layers' tensors moved or cast: stacked again
+            stack.storage.restacked()
+        return self
+
+    def train(self, mode: bool = True) -> "StackedList":
+        super().train(mode)
+        for stack in self.stacks():
+            stack.train(mode)
+        return self
 
     def stacks(self) -> list[LayerStack]:
         """The segments' stacks (not the layers held as themselves)."""
         return [each for each in self.segments if isinstance(each, SegmentStack)]
-
-    @property
-    def names(self) -> names_of.NameMap:
-        """The stored names and the layers' own (`names.NameMap`)."""
-        return names_of.NameMap(
-            names_of.part_of(f"segments.{number}.stacked.", segment, stored.template, True)
-            if isinstance(stored, SegmentStack)
-            else names_of.part_of(f"segments.{number}.", segment, stored, False)
-            for number, (segment, stored) in enumerate(zip(self.plan, self.segments)))
-
-    def layer_parameters(self) -> list[tuple[str, int | None, str]]:
-        """As `LayerStack.layer_parameters`: for optimizer state dicts."""
-        return self.names.parameters()
 
     def stack_options(self) -> dict:
         """The options the segments' stacks were made with (resolved: a
@@ -186,18 +196,21 @@ class StackedList(RefusedEdits, nn.Module):
         segment = self.plan[self.place(index)[0]]
         return len(set(self.kinds[segment.start:segment.stop]))
 
-    def layer(self, index: int, copied: bool = False, as_built: bool = False) -> nn.Module:
-        """Layer `index` as a module: holding views of its slices of the
-        stacked tensors, or copies of them; a layer held as itself is itself.
-        A layer that set attributes on itself in a call is that call's module
-        from then on, unless `as_built` (`layer_state.KeptLayers`)."""
-        index = self._checked(index)
-        number, group, position = self.place(index)
+    def layer(self, index: int) -> nn.Module:
+        """Layer `index`, the module itself."""
+        return self._modules[str(self._checked(index))]
+
+    def built_layer(self, index: int) -> nn.Module:
+        """Layer `index` as its segment's template builds it (a copy holding
+        views of its slices and its settings, none of the attributes it set
+        on itself in calls): what a dry run rehearses; a layer held as itself
+        is itself."""
+        number, group, position = self.place(self._checked(index))
         stored = self.segments[number]
-        if isinstance(stored, SegmentStack):
-            built = stored.layer(group, copied)
-            stored = built.layers[position] if self.plan[number].period > 1 else built
-        return stored if as_built else self.kept_layers.layer(index, stored, copied)
+        if not isinstance(stored, SegmentStack):
+            return stored
+        built = LayerStack.layer(stored, group)
+        return built.layers[position] if self.plan[number].period > 1 else built
 
     def __getitem__(self, index):
         driver = traced_driver(self) if tracing() else None
@@ -234,39 +247,18 @@ class StackedList(RefusedEdits, nn.Module):
         items = (self._in_loop(index) for index in range(len(self)))
         return items if active_driver(self) is None else iterated(self, items)
 
-    def __getattr__(self, name: str):
-        # Layer i as a module, by its name in the list it replaced ("3"), as
-        # `get_submodule` and `getattr` find it there.
-        if name.isdigit() and int(name) < len(self):
-            return self._addressed(int(name))
-        return super().__getattr__(name)
-
     def _in_loop(self, index: int):
         """Layer `index` as its owner's forward loop gets it: a `LayerCall`
         that its driver runs; anywhere else, the layer as a module."""
         driver = active_driver(self)
-        return self._addressed(index) if driver is None else loop_item(driver, index, self.layer)
-
-    def _addressed(self, index: int) -> nn.Module:
-        """Layer `index` outside the owner's forward: a module made for the access
-        refuses hooks (`addressed`); one that runs (held as itself, kept) takes them."""
-        layer = self.layer(index)
-        held = self.segments[self.place(index)[0]], self.kept_layers.modules.get(index)
-        return layer if any(layer is each for each in held) else addressed(layer, index)
+        return self.layer(index) if driver is None else loop_item(driver, index, self.layer)
 
     def unstacked(self) -> list[nn.Module]:
-        """The layers as modules of their own, their tensors copied from the
-        stacked ones (`LayerStack.unstacked`)."""
-        layers = []
-        for segment, stored in zip(self.plan, self.segments):
-            if not isinstance(stored, SegmentStack):
-                layers.append(stored)
-            elif segment.period > 1:
-                layers += [layer for group in stored.unstacked() for layer in group.layers]
-            else:
-                layers += stored.unstacked()
-        return [self.kept_layers.layer(index, layer, copied=True)
-                for index, layer in enumerate(layers)]
+        """The layers, each given tensors of its own (copies of its slices)
+        and hooks again; the stacks let them go."""
+        for stack in self.stacks():
+            stack.storage.release()
+        return [unaddressed(self.layer(index)) for index in range(len(self))]
 
     def unscannable(self) -> str | None:
         """Why no call can run these layers as a scan now, known without a
@@ -281,15 +273,8 @@ class StackedList(RefusedEdits, nn.Module):
         return leaves
 
     def call_layer(self, index: int, args: tuple, kwargs: dict):
-        """Layer `index`'s call, run by the layer itself (as a module); a
-        layer that sets attributes on itself is kept (`layer_state`)."""
-        layer = self.layer(index)
-        before = attributes_of(layer)
-        output = self.run_layer(layer, args, kwargs)
-        paths = written(before, attributes_of(layer))
-        if paths:
-            self.kept_layers.keep(operator.index(index) % len(self), layer, paths)
-        return output
+        """Layer `index`'s call, run by the layer itself."""
+        return self.run_layer(self.layer(index), args, kwargs)
 
     def run_layer(self, layer: nn.Module, args: tuple, kwargs: dict):
         """Calls a layer module (a subclass's rules around the call)."""
@@ -427,21 +412,3 @@ def scan_result(run, outcome) -> ScanResult | str:
     hidden, kept, handed = outcome
     return ScanResult(hidden, {(0, leaf): stacked for leaf, stacked in zip(run.kept[0], kept)}
                       if run.kept else {}, handed)
-
-
-def _saved_per_layer(stack: StackedList, state_dict, prefix: str, local_metadata) -> None:
-    names = stack.names
-    names_of.save_per_layer(names, state_dict, prefix)
-    names_of.per_layer_metadata(names, state_dict, prefix)
-
-
-def _loaded_per_layer(stack: StackedList, state_dict, prefix: str, local_metadata, strict,
-                      missing_keys, unexpected_keys, error_msgs) -> None:
-    current = {}
-    for number, stored in enumerate(stack.segments):
-        inner = stored.stacked if isinstance(stored, SegmentStack) else stored
-        where = f"segments.{number}.stacked." if isinstance(stored, SegmentStack) \
-            else f"segments.{number}."
-        current.update(inner.state_dict(prefix=where, keep_vars=True))
-    names_of.load_per_layer(stack.names, current, state_dict, prefix, strict, missing_keys,
-                            error_msgs)

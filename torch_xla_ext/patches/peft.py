@@ -10,12 +10,6 @@ Which operations, on which model:
   on its `model` argument, `PeftModel.load_adapter`), merging, dropping or
   deleting adapters (`BaseTuner.merge_and_unload`, `unload`,
   `delete_adapter`, on the tuner's model);
-* `layers_as_modules(model)`: saving an adapter and reading the adapters'
-  status (`PeftModel.save_pretrained`, `get_model_status`,
-  `get_layer_status`), and picking an adapter's entries of a state dict by
-  visiting the adapted modules (`BaseTuner._get_adapter_state_dict`, behind
-  `get_peft_model_state_dict`, transformers' `get_adapter_state_dict` and
-  accelerate's saving; on its `model` argument);
 * `templates_as_modules(model)`: switching adapters on and off and choosing
   the active ones (`BaseTuner._enable_adapter_layers`, `set_adapter`,
   `set_requires_grad`, on the tuner's model).
@@ -31,14 +25,12 @@ __all__ = ["undo", "wrap_model_operations"]
 
 _PEFT = Patch("peft")
 _UNSTACKED_TUNER = ("merge_and_unload", "unload", "delete_adapter")
-_LAYER_MODULES = ("save_pretrained", "get_model_status", "get_layer_status")
 _TEMPLATES = ("_enable_adapter_layers", "set_adapter", "set_requires_grad")
 
 Context = Callable[[object], ContextManager]
 
 
-def wrap_model_operations(unstacked: Context, layers_as_modules: Context,
-                          templates_as_modules: Context) -> None:
+def wrap_model_operations(unstacked: Context, templates_as_modules: Context) -> None:
     """Runs peft's operations listed above inside the context each is given
     for its model."""
     def changes():
@@ -52,23 +44,14 @@ def wrap_model_operations(unstacked: Context, layers_as_modules: Context,
               for name in _UNSTACKED_TUNER),
             Replaced(PeftModel, "load_adapter",
                      _inside(unstacked, lambda peft_model, *_, **__: peft_model)),
-            *(Replaced(PeftModel, name,
-                       _inside(layers_as_modules, lambda peft_model, *_, **__: peft_model))
-              for name in _LAYER_MODULES),
             *(Replaced(BaseTuner, name, _inside(templates_as_modules, _tuner_model))
               for name in _TEMPLATES),
-            Replaced(BaseTuner, "_get_adapter_state_dict",
-                     _inside_classmethod(layers_as_modules, _model_argument)),
         ]
     _PEFT.install(changes)
 
 
 def _tuner_model(tuner, *_, **__):
     return tuner.model
-
-
-def _model_argument(model=None, *_, **__):
-    return model
 
 
 def _inside(context: Context, model_of: Callable) -> Callable:
@@ -79,20 +62,6 @@ def _inside(context: Context, model_of: Callable) -> Callable:
             with context(model_of(*args, **kwargs)):
                 return method(*args, **kwargs)
         return wrapper
-    return wrap
-
-
-def _inside_classmethod(context: Context, model_of: Callable) -> Callable:
-    """As `_inside`, for a classmethod (its subclasses' overrides reach it
-    through `super()`): `model_of` gets the arguments after the class."""
-    def wrap(bound):
-        method = bound.__func__
-
-        @functools.wraps(method)
-        def wrapper(cls, *args, **kwargs):
-            with context(model_of(*args, **kwargs)):
-                return method(cls, *args, **kwargs)
-        return classmethod(wrapper)
     return wrap
 
 

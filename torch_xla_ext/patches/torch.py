@@ -1,6 +1,6 @@
 """The changes torch_xla_ext makes to torch's optimizers: `hook_optimizers`,
-installed by the first layer stack, and `guard_optimizer_steps`, by the
-first `stack_layers`, once per process, never undone (docs/design.md says
+installed by the first layer stack, and `around_optimizer_steps`, by the
+first stacked list, once per process, never undone (docs/design.md says
 why). The other change to torch, kernels of torch's
 scan operator for XLA tensors, is `torch_xla_ext.torch_scan`'s whole job and
 stays there (docs/design.md)."""
@@ -11,7 +11,7 @@ from typing import Callable
 
 from torch_xla_ext.patches.patching import Patch, Registered, Replaced
 
-__all__ = ["guard_optimizer_steps", "hook_optimizers"]
+__all__ = ["around_optimizer_steps", "hook_optimizers"]
 
 _OPTIMIZERS = Patch("torch.optim")
 _OPTIMIZER_STEPS = Patch("torch.optim")
@@ -33,12 +33,16 @@ def hook_optimizers(made: Callable) -> None:
     _OPTIMIZERS.install(changes)
 
 
-def guard_optimizer_steps(before_step: Callable) -> None:
-    """Every optimizer's `step()`, those made before too, first calls
-    `before_step(optimizer)` (torch's global step pre-hook)."""
+def around_optimizer_steps(before_step: Callable, after_step: Callable) -> None:
+    """Every optimizer's `step()`, those made before too, calls
+    `before_step(optimizer)` first and `after_step(optimizer)` after it
+    (torch's global step pre- and post-hooks)."""
     def changes():
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
         return [Registered(register_optimizer_step_pre_hook,
-                           lambda optimizer, args, kwargs: before_step(optimizer))]
+                           lambda optimizer, args, kwargs: before_step(optimizer)),
+                Registered(register_optimizer_step_post_hook,
+                           lambda optimizer, args, kwargs: after_step(optimizer))]
     _OPTIMIZER_STEPS.install(changes)

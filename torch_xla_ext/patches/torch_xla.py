@@ -5,13 +5,18 @@ with why, and why none is undone.
 
 * `guard_syncs`: torch_xla's sync entry points call a function first
   (placeholders discard the pending work that reads them).
+* `around_live_tensor_ops`: torch_xla's syncs of every live tensor, and its
+  clearing of their pending IR, call a function before and one after (layer
+  storages set their views aside).
 * `redirect_mark_sharding`: torch_xla's `mark_sharding` goes through a
   function (scan's traces turn it into an op of the graph).
 * `route_checkpoint`: torch_xla's activation checkpoint goes through a
   function (scan runs it as a region of the partitioner).
 * `prepare_fsdp_v2` and `keep_whole_in_auto_wrap`: FSDPv2 calls a function
-  before it shards a module, and torch_xla's size-based auto-wrap policy
-  keeps modules of a class whole (layer stacks).
+  before it shards a module, and torch_xla's auto-wrapping keeps modules of
+  a class whole (layer stacks), whatever the policy.
+* `route_mark_sharding`: torch_xla's `mark_sharding` asks a function first
+  (a stacked layer's parameter shards its stacked tensor).
 * `lower_host_ops`: XLA kernels for ops torch_xla 2.9 runs on the host.
 """
 from __future__ import annotations
@@ -24,15 +29,22 @@ import torch
 
 from torch_xla_ext.patches.patching import Added, Patch, Replaced
 
-__all__ = ["SYNC_ENTRY_POINTS", "guard_syncs", "host_ops_lowered", "keep_whole_in_auto_wrap",
-           "lower_host_ops", "prepare_fsdp_v2", "redirect_mark_sharding", "route_checkpoint"]
+__all__ = ["LIVE_TENSOR_OPS", "SYNC_ENTRY_POINTS", "around_live_tensor_ops", "guard_syncs",
+           "host_ops_lowered", "keep_whole_in_auto_wrap", "lower_host_ops", "prepare_fsdp_v2", "redirect_mark_sharding", "route_checkpoint",
+           "route_mark_sharding"]
 
 # torch_xla's Python layer calls these through the _XLAC module at call time,
 # so wrapping them there covers torch_xla.sync(), xm.mark_step(), optimizer
 # barriers and explicit tensor syncs alike.
 SYNC_ENTRY_POINTS = ("_xla_step_marker", "_xla_sync_multi", "_xla_sync_live_tensors")
+# What acts on every live tensor: the syncs that compute them all, and the
+# clearing of their pending IR (torch_xla's dynamo bridge, after a sync: a view
+# made after the sync would lose its IR and be left with no value).
+LIVE_TENSOR_OPS = ("_xla_step_marker", "_xla_sync_live_tensors", "_clear_pending_irs")
 _SYNCS = Patch("torch_xla")
+_LIVE_TENSOR_OPS = Patch("torch_xla")
 _MARK_SHARDING = Patch("torch_xla")
+_ROUTED_SHARDING = Patch("torch_xla.distributed.spmd")
 _CHECKPOINT = Patch("torch_xla.utils.checkpoint")
 _FSDP_V2 = Patch("torch_xla.experimental.spmd_fully_sharded_data_parallel")
 _AUTO_WRAP_MODULE = "torch_xla.distributed.fsdp.wrap"
@@ -56,6 +68,31 @@ def _calling_first(before: Callable[[], None], function: Callable) -> Callable:
         before()
         return function(*args, **kwargs)
     return calling_first
+
+
+def around_live_tensor_ops(before: Callable[[], None], after: Callable[[], None]) -> None:
+    """Each of torch_xla's operations on every live tensor (`LIVE_TENSOR_OPS`)
+    calls `before()` first and `after()` once it returns or raises."""
+    def changes():
+        import torch_xla
+        return [Replaced(torch_xla._XLAC, name, functools.partial(_calling_around, before, after))
+                for name in LIVE_TENSOR_OPS]
+    _LIVE_TENSOR_OPS.install(changes)
+
+
+def _calling_around(before: Callable[[], None], after: Callable[[], None],
+                    function: Callable) -> Callable:
+    # Never traced by Dynamo (a sync in a compiled function is a graph break):
+    # what `before` and `after` do to tensors is no op of a graph.
+    @torch.compiler.disable
+    @functools.wraps(function)
+    def calling_around(*args, **kwargs):
+        before()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            after()
+    return calling_around
 
 
 def redirect_mark_sharding(redirected: Callable) -> None:
@@ -111,11 +148,40 @@ def keep_whole_in_auto_wrap(module_class: type) -> None:
         patch = _kept_whole.setdefault(module_class, Patch(_AUTO_WRAP_MODULE))
 
     def changes():
+        import torch_xla.distributed.fsdp.wrap as wrap_module
         from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
-        return [Added(kept, (module_class,)) for kept in (
+
+        def wrap(recursive_wrap):
+            @functools.wraps(recursive_wrap)
+            def kept_whole(module, *args, **kwargs):
+                if isinstance(module, module_class):  # any policy: the unit holding it holds it
+                    return module, 0
+                return recursive_wrap(module, *args, **kwargs)
+            return kept_whole
+        return [*(Added(kept, (module_class,)) for kept in (
             size_based_auto_wrap_policy.FORCE_LEAF_MODULES,
-            size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES)]
+            size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES)),
+            Replaced(wrap_module, "recursive_wrap", wrap)]
     patch.install(changes)
+
+
+def route_mark_sharding(route: Callable) -> None:
+    """torch_xla's `mark_sharding(tensor, mesh, partition_spec)` (as
+    `torch_xla.distributed.spmd.mark_sharding`, which FSDPv2 calls, and in
+    its own module) first asks `route(tensor, mesh, partition_spec)`, which
+    returns what to return instead, or None for torch_xla's own."""
+    def changes():
+        import torch_xla.distributed.spmd as spmd
+        import torch_xla.distributed.spmd.xla_sharding as xla_sharding
+
+        def wrap(mark_sharding):
+            @functools.wraps(mark_sharding)
+            def routed(tensor, mesh, partition_spec):
+                done = route(tensor, mesh, partition_spec)
+                return mark_sharding(tensor, mesh, partition_spec) if done is None else done
+            return routed
+        return [Replaced(spmd, "mark_sharding", wrap), Replaced(xla_sharding, "mark_sharding", wrap)]
+    _ROUTED_SHARDING.install(changes)
 
 
 # ---------------------------------------------------------------------------

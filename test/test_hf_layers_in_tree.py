@@ -1,0 +1,117 @@
+"""A converted model is still the user's model: each layer stays in the
+module tree as itself, with the Parameters it had (leaf tensors, views of
+the stacked storage), so an optimizer made before converting, freezing a
+layer and per-layer param groups train as unconverted, while the layers
+still run as one scan (layer_stack.storage, layer_stack.stacked_steps)."""
+import copy
+
+import pytest
+import torch
+import torch_xla
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+import torch_xla_ext as tx
+from test_hf import batch, device, make_model  # noqa: F401 (a fixture)
+from tolerances import TRAINING, close
+
+
+def test_the_module_tree_names_and_parameters_are_the_unconverted_ones():
+    model = make_model(layers=4)
+    layers = list(model.model.layers)
+    params = dict(model.named_parameters())
+    tx.stack_layers(model)
+    assert [module for module in model.modules() if isinstance(module, LlamaDecoderLayer)] == layers
+    assert all(model.model.layers[index] is layer and model.get_submodule(f"model.layers.{index}")
+               is layer for index, layer in enumerate(layers))
+    converted = dict(model.named_parameters())
+    assert list(converted) == list(params)
+    assert all(converted[name] is param and param.is_leaf for name, param in params.items())
+    assert list(model.state_dict()) == [*params]
+
+
+def steps(model, optimizer, device, count=3):
+    losses = []
+    for step in range(count):
+        ids, mask = batch(device, seed=step)
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.item())
+    return losses
+
+
+def trained_pair(device, make_optimizer, prepare=lambda model: None, convert_after=False):
+    """The unconverted and the converted model after the same steps, each with
+    the optimizer `make_optimizer(model)`."""
+    reference = make_model(layers=4).to(device)
+    model = copy.deepcopy(reference)
+    for each in (reference, model):
+        prepare(each)
+    if not convert_after:
+        tx.stack_layers(model)
+    optimizer = make_optimizer(model)
+    if convert_after:  # the optimizer made before converting
+        tx.stack_layers(model)
+    expected = steps(reference, make_optimizer(reference), device)
+    close(torch.tensor(steps(model, optimizer, device)), torch.tensor(expected), TRAINING)
+    for (name, param), other in zip(model.named_parameters(), reference.parameters()):
+        close(param, other, TRAINING, name)
+    return reference, model
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd-momentum"])
+def test_an_optimizer_made_before_converting_trains_as_unconverted(device, kind):
+    make = ((lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2)) if kind == "adamw"
+            else (lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)))
+    trained_pair(device, make, convert_after=True)
+
+
+def test_frozen_layers_stay_unchanged_and_the_others_train_as_unconverted(device):
+    def freeze(model):
+        for param in model.model.layers[0].parameters():
+            param.requires_grad_(False)
+        for layer in model.model.layers:
+            layer.mlp.up_proj.weight.requires_grad_(False)
+
+    before = make_model(layers=4).model.layers[0].self_attn.q_proj.weight.detach().clone()
+    _, model = trained_pair(
+        device, lambda model: torch.optim.AdamW(
+            [param for param in model.parameters() if param.requires_grad], lr=1e-2), freeze)
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight.cpu(), before)
+    assert all(layer.mlp.up_proj.weight.grad is None for layer in model.model.layers)
+
+
+def test_per_layer_param_groups_give_the_unconverted_updates(device):
+    def layer_wise(model):  # learning-rate decay by layer, no weight decay on norms
+        groups = [{"params": list(layer.parameters()), "lr": 1e-2 * 0.5 ** index}
+                  for index, layer in enumerate(model.model.layers)]
+        others = [param for name, param in model.named_parameters() if ".layers." not in name]
+        return torch.optim.AdamW([*groups, {"params": others, "lr": 1e-2}], weight_decay=0.1)
+    trained_pair(device, layer_wise)
+
+
+def test_the_step_updates_the_stacked_tensors_which_the_layers_see(device):
+    model = tx.stack_layers(make_model(layers=4)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps(model, optimizer, device, count=2)
+    stacked = model.model.layers.segments[0].storage.stacked["self_attn.q_proj.weight"]
+    for index, layer in enumerate(model.model.layers):
+        weight = layer.self_attn.q_proj.weight
+        assert torch._C._is_alias_of(weight, stacked)
+        assert torch.equal(weight.cpu(), stacked[index].cpu())
+    # The optimizer's state dict is the unconverted one: per layer Parameter.
+    assert len(optimizer.state_dict()["state"]) == len(list(model.parameters()))
+
+
+def test_the_layers_keep_their_values_through_a_compiled_function(device):
+    # torch_xla's dynamo bridge clears every live tensor's pending IR after a
+    # sync; the layers' views, made anew after it, must survive that.
+    model = tx.stack_layers(make_model(layers=3)).to(device)
+    expected = [param.detach().cpu() for param in model.model.layers.parameters()]
+    compiled = torch.compile(lambda x: (x @ x).sum(), backend="openxla")
+    compiled(torch.ones(4, 4, device=device))
+    model.cpu()
+    for param, value in zip(model.model.layers.parameters(), expected):
+        assert torch.equal(param.detach(), value)
