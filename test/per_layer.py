@@ -44,3 +44,14 @@ def stacked_of(model) -> dict:
             for path, module in model.named_modules() if isinstance(module, StackedList)
             for number, stack in enumerate(module.segments) if hasattr(stack, "storage")
             for name, tensor in stack.storage.stacked.items()}
+
+
+def stacked_grads_of(model) -> dict:
+    """The stacked gradients whose slices the layers hold, keyed as `stacked_of`
+    (None where the layers hold none)."""
+    from torch_xla_ext.layer_stack import StackedList
+
+    return {f"{path}/{number}/{name}": stack.storage.given_gradient(name)
+            for path, module in model.named_modules() if isinstance(module, StackedList)
+            for number, stack in enumerate(module.segments) if hasattr(stack, "storage")
+            for name in stack.storage.parameters}

@@ -86,7 +86,7 @@ def wrapped_as_the_trainer_does_scenario():
             loss.backward()
             if which is wrapped and step == 0:
                 hlo = torch_xla._XLAC._get_xla_tensors_hlo(
-                    [loss, *(p.grad for p in stacked.values())])
+                    [loss, *per_layer.stacked_grads_of(model).values()])
             optimizer.step()
             optimizer.zero_grad()
             torch_xla.sync()
@@ -201,8 +201,8 @@ def kinds_wrapped_as_the_trainer_does_scenario():
         torch_xla.sync()
         losses.append(loss.cpu())
     close(losses[1], losses[0], TRAINING)
-    for name, param in stacked.items():
-        assert param.grad is not None, name
+    for name, grad in per_layer.stacked_grads_of(model).items():
+        assert grad is not None, name
     print("matched", losses[1].item())
 
 

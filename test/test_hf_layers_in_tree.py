@@ -115,3 +115,27 @@ def test_the_layers_keep_their_values_through_a_compiled_function(device):
     model.cpu()
     for param, value in zip(model.model.layers.parameters(), expected):
         assert torch.equal(param.detach(), value)
+
+
+def test_the_layers_gradients_are_slices_of_one_stacked_gradient_freed_with_them(device):
+    model = tx.stack_layers(make_model(layers=4)).to(device)
+    storage = model.model.layers.segments[0].storage
+    name = "mlp.up_proj.weight"
+    ids, mask = batch(device, seed=0)
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    grads = [layer.mlp.up_proj.weight.grad for layer in model.model.layers]
+    stacked_grad = storage.given_gradient(name)
+    assert stacked_grad is not None and all(grad._base is stacked_grad for grad in grads)
+    # Held by the layers' views alone, so that clearing them frees it.
+    assert storage.stacked[name].grad is None
+    torch_xla.sync()  # the views are set aside and made again
+    again = [layer.mlp.up_proj.weight.grad for layer in model.model.layers]
+    assert all(torch.equal(new.cpu(), old.cpu()) for new, old in zip(again, grads))
+    # A second backward accumulates into what the layers hold, as unconverted.
+    firsts = [grad.cpu() for grad in again]
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    for layer, first in zip(model.model.layers, firsts):
+        close(layer.mlp.up_proj.weight.grad.cpu(), 2 * first, TRAINING)
+    del grads, again, stacked_grad
+    model.zero_grad()
+    assert storage.given_gradient(name) is None and storage.stacked[name].grad is None

@@ -69,7 +69,8 @@ def before_step(optimizer: torch.optim.Optimizer) -> None:
                     and _stacked_state(optimizer, storage, name)):
                 positions = sorted(position for position, _ in places)
                 replaced.update({position: None for position in positions})
-                replaced[positions[0]] = storage.stacked[name]
+                stacked = replaced[positions[0]] = storage.stacked[name]
+                stacked.grad = storage.given_gradient(name)  # for the step only
             else:
                 _per_layer_again(optimizer, storage, name)
         if replaced:
@@ -86,6 +87,9 @@ def before_step(optimizer: torch.optim.Optimizer) -> None:
 
 def after_step(optimizer: torch.optim.Optimizer) -> None:
     for group, params in _SWAPPED.pop(optimizer, ()):
+        for tensor in group["params"]:
+            if stacked_place(tensor) is not None:
+                tensor.grad = None  # the layers hold it, as views of it
         group["params"] = params
 
 

@@ -14,8 +14,10 @@ writes its slice. Three rules keep the views and the stack one:
 * gradients: once the backward has accumulated a stacked gradient, each
   layer parameter that requires grad gets its slice of it as `.grad` (a
   view; one that holds a gradient of its own, from a layer run as itself,
-  gets the slice added). A backward after those were cleared (`zero_grad`)
-  or replaced starts the stacked gradient from them;
+  gets the slice added), and the stacked tensor lets it go: the views hold
+  it, so that clearing them (`zero_grad`) frees it, as unconverted. A
+  backward while they are held accumulates into it; one after they were
+  cleared or replaced starts the stacked gradient from what the layers hold;
 * syncs: torch_xla computes every live tensor at a sync, views too, each
   into a buffer of its own, a second copy of the weights that would
   outlive the step. So the views are set aside for each live sync (and
@@ -111,6 +113,7 @@ class LayerStorage:
             for name, slots in self.slots.items() if slots[0].is_parameter}
         self._handed: dict[str, list] = {}  # the gradient views last given, per name
         self._hidden: dict[str, list[bool]] = {}  # which of them a sync set aside
+        self._kept: dict[str, torch.Tensor] = {}  # their stacked gradient, during a sync
         self._views: dict[str, list[torch.Tensor]] = {}  # the buffer views put in place
         self._shardings: dict[str, tuple] = {}  # (mesh, spec) per name, as the layers asked
         with torch.no_grad():
@@ -158,8 +161,8 @@ class LayerStorage:
                         slot.owner._buffers[slot.local] = view
                     self._views[name] = list(views)
             for name, hidden in self._hidden.items():
-                grad = self.stacked[name].grad
-                if grad is not None and any(hidden):
+                grad = self._kept.pop(name, None)
+                if grad is not None:
                     handed = self._handed[name]
                     for index, view in enumerate(grad.unbind(0)):
                         if hidden[index]:
@@ -180,13 +183,11 @@ class LayerStorage:
             params = self.parameters[name]
             self._hidden[name] = [view is not None and param.grad is view
                                   for param, view in zip(params, handed)]
+            if any(self._hidden[name]):  # computed by the sync, sliced again after it
+                self._kept[name] = self.given_gradient(name)
             for param, hidden in zip(params, self._hidden[name]):
                 if hidden:
                     param.grad = None
-            if not any(self._hidden[name]):
-                # No layer holds its view (`zero_grad`): the stacked gradient is no
-                # one's, and the sync would keep it.
-                self.stacked[name].grad = None
             # Views held here would be computed too; `show_views` makes new ones.
             self._handed[name] = [None] * self.size
         self._views.clear()
@@ -227,22 +228,31 @@ class LayerStorage:
                 f"call gave it ({given[1]!r} on its mesh), the same for every layer. Give every "
                 f"layer the same spec, or run the model unconverted (unstack_layers(model)).")
 
+    def given_gradient(self, name: str) -> torch.Tensor | None:
+        """The stacked gradient whose slices the layers were last given, while
+        one of them holds its view."""
+        for param, view in zip(self.parameters[name], self._handed.get(name) or ()):
+            if view is not None and param.grad is view and view._base is not None:
+                return view._base
+        return None
+
     def hands_whole_gradient(self, name: str) -> bool:
         """Whether every layer Parameter of `name` requires grad and holds the
         view of the stacked gradient it was given (none replaced or cleared)."""
         handed = self._handed.get(name)
-        return (self.stacked[name].grad is not None and handed is not None
+        return (self.given_gradient(name) is not None and handed is not None
                 and all(param.requires_grad and view is not None and param.grad is view
                         for param, view in zip(self.parameters[name], handed)))
 
     def _before_accumulating(self, name: str) -> None:
-        """Before the stacked gradient accumulates: starts it from the layer
-        parameters' gradients where they are not the views last given."""
+        """Before the stacked gradient accumulates: into the one the layers
+        hold the views of, or one stacked from what they hold instead."""
         stacked, params = self.stacked[name], self.parameters[name]
         grads = [param.grad for param in params]
-        handed = self._handed.get(name)
-        if stacked.grad is not None and handed is not None and all(
+        handed, given = self._handed.get(name), self.given_gradient(name)
+        if given is not None and handed is not None and all(
                 grad is not None and grad is view for grad, view in zip(grads, handed)):
+            stacked.grad = given
             return None
         with torch.no_grad():
             stacked.grad = None if all(grad is None for grad in grads) else torch.stack(
@@ -252,11 +262,13 @@ class LayerStorage:
 
     def _after_accumulating(self, name: str) -> None:
         """Gives each layer parameter that requires grad its slice of the
-        stacked gradient (added to a gradient of its own, if it holds one)."""
+        stacked gradient (added to a gradient of its own, if it holds one);
+        the views hold the stacked gradient from then on."""
         stacked, params = self.stacked[name], self.parameters[name]
         handed = self._handed.get(name) or [None] * self.size
+        grad = stacked.grad
         with torch.no_grad():
-            for param, view, given in zip(params, stacked.grad.unbind(0), handed):
+            for param, view, given in zip(params, grad.unbind(0), handed):
                 if not param.requires_grad:
                     continue
                 if param.grad is None or param.grad is given:
@@ -264,6 +276,7 @@ class LayerStorage:
                 else:
                     param.grad.add_(view)
         self._handed[name] = [param.grad for param in params]
+        stacked.grad = None
 
     def restacked(self) -> None:
         """Stacks again what the layers hold where it is no longer a view of
@@ -306,7 +319,7 @@ class LayerStorage:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._handed, self._hidden, self._views, self._shardings = {}, {}, {}, {}
+        self._handed, self._hidden, self._kept, self._views, self._shardings = {}, {}, {}, {}, {}
         with torch.no_grad():
             self.stacked = {name: self._stack_held(name) for name in self.slots}
         self._start()
