@@ -139,3 +139,45 @@ def test_the_layers_gradients_are_slices_of_one_stacked_gradient_freed_with_them
     del grads, again, stacked_grad
     model.zero_grad()
     assert storage.given_gradient(name) is None and storage.stacked[name].grad is None
+
+
+def logits_of(model, ids, mask):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits.cpu()
+
+
+@pytest.mark.parametrize("convert", ["before", "after"])
+def test_transformers_adapter_switches_reach_the_scan(device, convert):
+    # transformers' adapter API walks the module tree and sets each LoRA
+    # module's switches: the stacked layers read them again at the next call.
+    from peft import LoraConfig
+
+    ids, mask = batch(device)
+    base = logits_of(make_model(layers=4).to(device), ids, mask)
+    model = make_model(layers=4)
+    if convert == "before":
+        tx.stack_layers(model)
+    model.add_adapter(LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                 init_lora_weights=False))
+    if convert == "after":
+        tx.stack_layers(model)
+    model.to(device)
+    with_adapter = logits_of(model, ids, mask)
+    assert not torch.allclose(with_adapter, base, atol=1e-4)
+    model.disable_adapters()
+    close(logits_of(model, ids, mask), base, TRAINING)
+    model.enable_adapters()
+    close(logits_of(model, ids, mask), with_adapter, TRAINING)
+
+
+def test_a_setting_changed_on_one_layer_is_honoured_and_a_new_module_refused(device):
+    ids, mask = batch(device)
+    reference = make_model(layers=4).to(device)
+    model = tx.stack_layers(copy.deepcopy(reference))
+    logits_of(model, ids, mask)  # planned with the settings as built
+    for each in (reference, model):
+        each.model.layers[2].self_attn.scaling = 0.05
+    close(logits_of(model, ids, mask), logits_of(reference, ids, mask), TRAINING)
+    model.model.layers[1].mlp.extra = torch.nn.Identity()
+    with pytest.raises(ValueError, match="layer 1 of the stacked layers changed in structure"):
+        logits_of(model, ids, mask)

@@ -128,7 +128,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import torch_xla_ext as tx
 
 def library():
-    return (vars(BaseTuner)["inject_adapter"], vars(BaseTuner)["set_adapter"])
+    return (vars(BaseTuner)["inject_adapter"], vars(BaseTuner)["merge_and_unload"])
 
 def llama():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(

@@ -3,25 +3,19 @@
 peft finds the modules it adapts, saves and merges by walking the model's
 modules (`named_modules()`), where a stacked list's layers are, as
 themselves: saving an adapter, reading its status and picking its state
-dict entries need nothing of ours. Two kinds of operation change the
-layers, which the stacks must follow; so the first `stack_layers` call in
-a process where peft is installed wraps them, for a model that holds a
-stack (any other model is left to peft's own code): at once if peft is
-imported, else when it is (importing peft takes seconds, which a user who
-does not use it should not pay):
-
-* adding or loading an adapter and merging, dropping or deleting adapters
-  change the layers' structure: they unstack the layers (each gets its
-  tensors back), let peft do its work on them, and stack them again with
-  the same options, so `get_peft_model(stack_layers(model))` and
-  `stack_layers(get_peft_model(model))` give the same model, with the same
-  Parameter objects;
-* switching adapters on and off (`disable_adapter()`, `enable_adapter_layers`)
-  and choosing the active ones (`set_adapter`, `set_requires_grad`) change
-  settings: they run with each segment's template layer (whose code and
-  settings the scan runs) among the model's modules, so peft sets them on
-  it as on the layers (the `requires_grad` peft sets is the layers', which
-  the scans read at each call).
+dict entries need nothing of ours, nor does switching adapters on and off
+(`disable_adapter()`, `enable_adapter_layers`, `set_adapter`): peft sets
+the layers' own modules, whose settings the stacks read again at the next
+call (`layer_stack.layer_settings`). Adding or loading an adapter and
+merging, dropping or deleting adapters change the layers' structure, which
+the stacks must follow; so the first `stack_layers` call in a process where
+peft is installed wraps them, for a model that holds a stack (any other
+model is left to peft's own code): at once if peft is imported, else when
+it is (importing peft takes seconds, which a user who does not use it
+should not pay). They unstack the layers (each gets its tensors back), let
+peft do its work on them, and stack them again with the same options, so
+`get_peft_model(stack_layers(model))` and `stack_layers(get_peft_model(model))`
+give the same model, with the same Parameter objects.
 
 This module (what each operation runs inside) and `torch_xla_ext.patches.peft`
 (which of peft's methods are wrapped, on which model) are the only places
@@ -35,7 +29,7 @@ import functools
 
 from torch import nn
 
-from torch_xla_ext.layer_stack import LayerStack, StackedList
+from torch_xla_ext.layer_stack import StackedList
 from torch_xla_ext.patches.peft import wrap_model_operations
 
 
@@ -45,25 +39,7 @@ def teach_peft(stack_layers, unstack) -> None:
     `torch_xla_ext.patches.peft` (`unstack_layers` undoes it). The wrappers
     convert with `stack_layers` and `unstack` (`unstack(model, path)`
     replaces one stack by its layers, without undoing the patch)."""
-    wrap_model_operations(unstacked=functools.partial(_unstacked, stack_layers, unstack),
-                          templates_as_modules=_templates_as_modules)
-
-
-@contextlib.contextmanager
-def _templates_as_modules(model: nn.Module):
-    """While the block runs, each segment's template layer is a submodule of
-    its stacked list (`<list>.template_<segment>`), for peft to change its
-    settings as it changes the layers'."""
-    lists = [module for module in model.modules() if isinstance(module, StackedList)]
-    added = [(each, f"template_{number}", stack.template) for each in lists
-             for number, stack in enumerate(each.segments) if isinstance(stack, LayerStack)]
-    for each, name, template in added:
-        each._modules[name] = template
-    try:
-        yield
-    finally:
-        for each, name, _ in added:
-            del each._modules[name]
+    wrap_model_operations(unstacked=functools.partial(_unstacked, stack_layers, unstack))
 
 
 @contextlib.contextmanager

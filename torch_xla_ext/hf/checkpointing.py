@@ -62,14 +62,17 @@ class CheckpointingWarning(TorchXlaExtWarning):
 def taken_from(templates: list[nn.Module]) -> tuple[bool, object]:
     """The gradient checkpointing set on the layers that `templates` (the
     stack's copies of them) were made from: whether it is enabled, and its
-    checkpoint function. Clears the flag on the templates, whose forward runs
-    inside the scan."""
+    checkpoint function. Clears both on the templates, whose forward runs
+    inside the scan (and whose settings are part of what a trace is kept by)."""
     enabled, function = False, None
     for template in templates:
         for module in template.modules():
             if getattr(module, "gradient_checkpointing", False) is True:
                 enabled, function = True, getattr(module, "_gradient_checkpointing_func", None)
                 module.gradient_checkpointing = False
+            if getattr(type(module), "gradient_checkpointing", None) is False:
+                module.__dict__.pop("gradient_checkpointing", None)  # the class's own again
+            module.__dict__.pop("_gradient_checkpointing_func", None)
     return enabled, function
 
 

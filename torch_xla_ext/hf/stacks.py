@@ -102,6 +102,14 @@ class StackedLayers(StackedList):
         super().__setstate__(state)
         _standing.add(self)  # a copy, or unpickled
 
+    def settings_read(self) -> None:
+        # Gradient checkpointing enabled on the layers (by transformers, after
+        # converting) is the scan's policy, never a checkpoint inside the scan.
+        enabled, function = checkpointing.taken_from(
+            [stack.template for stack in self.stacks()])
+        if enabled:
+            self.gradient_checkpointing, self._gradient_checkpointing_func = True, function
+
     def layer(self, index: int) -> nn.Module:
         return checkpointing.given_to([super().layer(index)], self)[0]
 

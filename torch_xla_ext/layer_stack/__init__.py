@@ -60,7 +60,11 @@ The modules, one job each:
 * storage: `stack` (`LayerStack`; `checked_stack_options`: a wrong option
   is an argument error, not a refusal), `segments` (where a list splits),
   `stacked_list` (`StackedList`; `stacking_refusal`, why it would refuse a
-  list, without building it), `addressed` (a layer as code outside the
+  list, without building it), `storage` (a segment's tensors stored once,
+  stacked, the layers' own Parameters views of their slices),
+  `stacked_steps` (an optimizer's step of a whole stacked tensor),
+  `layer_settings` (whether a layer's settings changed since they were
+  read), `addressed` (a layer as code outside the
   owner's forward gets it, refusing hooks; edits of the list refused),
   `names` (the one map between stored and
   per-layer names: state dicts, optimizer state), `optimizer_state`

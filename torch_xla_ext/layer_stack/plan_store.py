@@ -60,7 +60,8 @@ class OwnerPlans:
                                     *(stack.unscannable() for stack in stacks.values())]), None)
         if reason is not None:
             return {name: Execution(stack, CallPlan((), reason)) for name, stack in stacks.items()}
-        key = _kind_of_call(owner, args, kwargs)
+        key = (_kind_of_call(owner, args, kwargs),
+               tuple(stack.settings_key() for stack in stacks.values()))
         plans = self.plans.get(key)
         if plans is None:
             with apart_from_trace():

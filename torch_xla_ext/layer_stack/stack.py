@@ -159,6 +159,18 @@ class LayerStack(nn.Module):
                     owner.register_buffer(local_name, stacked, persistent=spec.flag)
         computed_now(list(self._stacked_tensors().values()))
 
+    def read_settings(self) -> None:
+        """Reads the settings of the layers the stack stores in (`stores_in_layers`)
+        again: layer 0's for the template, each layer's where they differ."""
+        checked = stackable_layers(self.members, self.per_layer_attributes,
+                                   any_setting=self.keeps_differing_settings)
+        if isinstance(checked, Refusal):
+            raise checked.exception()
+        layout, self.per_layer_values, self.watched_paths = checked
+        for name, value in layout.values.items():  # read from each module's __dict__
+            owner_path, _, attribute = name.rpartition(".")
+            self.template.get_submodule(owner_path).__dict__[attribute] = value
+
     # Whether the stack's state_dict() names the layers' tensors itself (not
     # when another stack holding it does: `stacked_list.StackedList`).
     owns_names = True

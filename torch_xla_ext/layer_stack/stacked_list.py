@@ -36,6 +36,7 @@ from torch_xla_ext.layer_stack.addressed import RefusedEdits, addressed, unaddre
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, layer_kinds, layout_of, layouts_of, structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
+from torch_xla_ext.layer_stack.layer_settings import SettingsSnapshot
 from torch_xla_ext.layer_stack.owner_loops import (
     TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
@@ -121,13 +122,51 @@ class StackedList(RefusedEdits, nn.Module):
                             else addressed(layer, index))
         per_layer = frozenset(options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES))
         self.kinds = layer_kinds(layouts, per_layer)
+        self._settings_read, self._settings_key = SettingsSnapshot(layers), ()
         sharding.keep_whole(StackedList)
         stacked_steps.step_stacked()
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        sharding.keep_whole(StackedList)  # a copy, or unpickled
+        self._settings_read = SettingsSnapshot(list(self._modules.values()))  # a copy, or unpickled
+        sharding.keep_whole(StackedList)
         stacked_steps.step_stacked()
+
+    def settings_key(self) -> tuple:
+        """The layers' settings, as part of the kind of a call: read again
+        when one of them changed since the last read (`layer_settings`), so
+        that the next call runs with them; a change of structure (a module
+        added to a layer or taken away) raises a ValueError."""
+        if self._settings_read.changed():
+            self._read_settings()
+        return self._settings_key
+
+    def settings_read(self) -> None:
+        """Called once the stacks read the layers' settings again: what a
+        subclass takes from them itself (none here)."""
+
+    def _read_settings(self) -> None:
+        layers = [self._modules[str(index)] for index in range(len(self))]
+        layouts = layouts_of(layers)
+        if isinstance(layouts, Refusal):
+            raise layouts.exception()
+        if plan_segments([structure_key(layout) for layout in layouts]) != self.plan:
+            changed = next(index for index, layout in enumerate(layouts)
+                           if structure_key(layout) != structure_key(layouts[self.plan[
+                               self.place(index)[0]].start]))
+            raise ValueError(
+                f"layer {changed} of the stacked layers changed in structure after they were "
+                f"stacked (a module added, replaced or taken away): its stack holds the "
+                f"layers as they were. Make the change before stack_layers(model), or "
+                f"unstack_layers(model), change the layers, then stack_layers(model) again.")
+        for stack in self.stacks():
+            stack.read_settings()
+        self.settings_read()
+        per_layer = frozenset(self.options.get("per_layer_attributes",
+                                               DEFAULT_PER_LAYER_ATTRIBUTES))
+        self.kinds = layer_kinds(layouts, per_layer)
+        self._settings_key = tuple(layout.trace_key() for layout in layouts)
+        self._settings_read = SettingsSnapshot(layers)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -273,8 +312,14 @@ class StackedList(RefusedEdits, nn.Module):
         return leaves
 
     def call_layer(self, index: int, args: tuple, kwargs: dict):
-        """Layer `index`'s call, run by the layer itself."""
-        return self.run_layer(self.layer(index), args, kwargs)
+        """Layer `index`'s call, run by the layer itself (what it sets on
+        itself is its state, no setting to read again)."""
+        layer = self.layer(index)
+        try:
+            return self.run_layer(layer, args, kwargs)
+        finally:
+            self._settings_read.seen(operator.index(index) % len(self), self._modules[
+                str(operator.index(index) % len(self))])
 
     def run_layer(self, layer: nn.Module, args: tuple, kwargs: dict):
         """Calls a layer module (a subclass's rules around the call)."""
@@ -346,7 +391,7 @@ class StackedList(RefusedEdits, nn.Module):
         # The template's settings are in the key: a copy made before they changed
         # (peft switching adapters) is stale.
         kinds = (tuple(self.kinds[first:first + segment.period]),
-                 layout_of(stack.template, 0).trace_key())
+                 layout_of(stack.template, 0).trace_key(), self._settings_key)
         if kinds not in copies:
             template = copy.deepcopy(stack.template)
             for path, values in stack.per_layer_values.items():

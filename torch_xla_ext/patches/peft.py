@@ -9,10 +9,11 @@ Which operations, on which model:
 * `unstacked(model)`: adding or loading an adapter (`BaseTuner.inject_adapter`
   on its `model` argument, `PeftModel.load_adapter`), merging, dropping or
   deleting adapters (`BaseTuner.merge_and_unload`, `unload`,
-  `delete_adapter`, on the tuner's model);
-* `templates_as_modules(model)`: switching adapters on and off and choosing
-  the active ones (`BaseTuner._enable_adapter_layers`, `set_adapter`,
-  `set_requires_grad`, on the tuner's model).
+  `delete_adapter`, on the tuner's model).
+
+Switching adapters on and off and choosing the active ones need nothing:
+peft sets the layers' own modules, which stay in the module tree, and the
+stacks read their settings again (`layer_stack.layer_settings`).
 """
 from __future__ import annotations
 
@@ -25,14 +26,12 @@ __all__ = ["undo", "wrap_model_operations"]
 
 _PEFT = Patch("peft")
 _UNSTACKED_TUNER = ("merge_and_unload", "unload", "delete_adapter")
-_TEMPLATES = ("_enable_adapter_layers", "set_adapter", "set_requires_grad")
 
 Context = Callable[[object], ContextManager]
 
 
-def wrap_model_operations(unstacked: Context, templates_as_modules: Context) -> None:
-    """Runs peft's operations listed above inside the context each is given
-    for its model."""
+def wrap_model_operations(unstacked: Context) -> None:
+    """Runs peft's operations listed above inside `unstacked(model)`."""
     def changes():
         from peft import PeftModel
         from peft.tuners.tuners_utils import BaseTuner
@@ -44,8 +43,6 @@ def wrap_model_operations(unstacked: Context, templates_as_modules: Context) -> 
               for name in _UNSTACKED_TUNER),
             Replaced(PeftModel, "load_adapter",
                      _inside(unstacked, lambda peft_model, *_, **__: peft_model)),
-            *(Replaced(BaseTuner, name, _inside(templates_as_modules, _tuner_model))
-              for name in _TEMPLATES),
         ]
     _PEFT.install(changes)
 
