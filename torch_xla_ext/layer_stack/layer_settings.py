@@ -19,7 +19,10 @@ import operator
 
 from torch import nn
 
-__all__ = ["SettingsSnapshot"]
+from torch_xla_ext.layer_stack.alike import LayerLayout, Refusal, layouts_of, structure_key
+from torch_xla_ext.layer_stack.segments import Segment, plan_segments
+
+__all__ = ["SettingsSnapshot", "layouts_again"]
 
 
 class SettingsSnapshot:
@@ -49,3 +52,24 @@ class SettingsSnapshot:
 def _entries_of(layer: nn.Module) -> list[tuple]:
     return [(module.__dict__, tuple(module.__dict__.keys()), tuple(module.__dict__.values()),
              module._modules, tuple(module._modules.values())) for module in layer.modules()]
+
+
+def layouts_again(layers: list[nn.Module], plan: tuple[Segment, ...]) -> list[LayerLayout]:
+    """The layers' layouts read again; a change of structure (a module added
+    to a layer, replaced or taken away), which the stacks cannot follow,
+    raises a ValueError naming the first layer changed."""
+    layouts = layouts_of(layers)
+    if isinstance(layouts, Refusal):
+        raise layouts.exception()
+    if plan_segments([structure_key(layout) for layout in layouts]) != tuple(plan):
+        changed = next((f"layer {index}" for segment in plan
+                        for index in range(segment.start, segment.stop)
+                        if structure_key(layouts[index]) != structure_key(
+                            layouts[segment.start + (index - segment.start) % segment.period])),
+                       "a layer")
+        raise ValueError(
+            f"{changed} of the stacked layers changed in structure after they were "
+            f"stacked (a module added, replaced or taken away): its stack holds the "
+            f"layers as they were. Make the change before stack_layers(model), or "
+            f"unstack_layers(model), change the layers, then stack_layers(model) again.")
+    return layouts

@@ -36,7 +36,7 @@ from torch_xla_ext.layer_stack.addressed import RefusedEdits, addressed, unaddre
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, layer_kinds, layout_of, layouts_of, structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
-from torch_xla_ext.layer_stack.layer_settings import SettingsSnapshot
+from torch_xla_ext.layer_stack.layer_settings import SettingsSnapshot, layouts_again
 from torch_xla_ext.layer_stack.owner_loops import (
     TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
@@ -134,9 +134,7 @@ class StackedList(RefusedEdits, nn.Module):
 
     def settings_key(self) -> tuple:
         """The layers' settings, as part of the kind of a call: read again
-        when one of them changed since the last read (`layer_settings`), so
-        that the next call runs with them; a change of structure (a module
-        added to a layer or taken away) raises a ValueError."""
+        when one of them changed since the last read (`layer_settings`)."""
         if self._settings_read.changed():
             self._read_settings()
         return self._settings_key
@@ -147,24 +145,12 @@ class StackedList(RefusedEdits, nn.Module):
 
     def _read_settings(self) -> None:
         layers = [self._modules[str(index)] for index in range(len(self))]
-        layouts = layouts_of(layers)
-        if isinstance(layouts, Refusal):
-            raise layouts.exception()
-        if plan_segments([structure_key(layout) for layout in layouts]) != self.plan:
-            changed = next(index for index, layout in enumerate(layouts)
-                           if structure_key(layout) != structure_key(layouts[self.plan[
-                               self.place(index)[0]].start]))
-            raise ValueError(
-                f"layer {changed} of the stacked layers changed in structure after they were "
-                f"stacked (a module added, replaced or taken away): its stack holds the "
-                f"layers as they were. Make the change before stack_layers(model), or "
-                f"unstack_layers(model), change the layers, then stack_layers(model) again.")
+        layouts = layouts_again(layers, self.plan)
         for stack in self.stacks():
             stack.read_settings()
         self.settings_read()
-        per_layer = frozenset(self.options.get("per_layer_attributes",
-                                               DEFAULT_PER_LAYER_ATTRIBUTES))
-        self.kinds = layer_kinds(layouts, per_layer)
+        self.kinds = layer_kinds(layouts, frozenset(self.options.get(
+            "per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES)))
         self._settings_key = tuple(layout.trace_key() for layout in layouts)
         self._settings_read = SettingsSnapshot(layers)
 
