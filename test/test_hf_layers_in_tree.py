@@ -181,3 +181,19 @@ def test_a_setting_changed_on_one_layer_is_honoured_and_a_new_module_refused(dev
     model.model.layers[1].mlp.extra = torch.nn.Identity()
     with pytest.raises(ValueError, match="layer 1 of the stacked layers changed in structure"):
         logits_of(model, ids, mask)
+
+
+def test_a_gradient_of_a_layer_run_as_itself_joins_the_scans_and_survives_a_sync(device):
+    reference = make_model(layers=4).to(device)
+    model = tx.stack_layers(copy.deepcopy(reference))
+    ids, mask = batch(device)
+    hidden = torch.randn(2, 8, 32, device=device)
+    position = torch.arange(8, device=device).expand(2, -1)
+    for each in (reference, model):
+        embeddings = each.model.rotary_emb(hidden, position)
+        # Layer 1 called by itself, outside the model's loop: its own gradient.
+        each.model.layers[1](hidden, position_embeddings=embeddings)[0].sum().backward()
+        each(ids, attention_mask=mask, labels=ids).loss.backward()
+        torch_xla.sync()
+    for name, param in reference.model.layers.named_parameters():
+        close(model.model.layers.get_parameter(name).grad.cpu(), param.grad.cpu(), TRAINING, name)

@@ -180,16 +180,20 @@ class LayerStorage:
                 else:
                     slot.owner._buffers[slot.local] = empty
         for name, handed in self._handed.items():
-            params = self.parameters[name]
-            self._hidden[name] = [view is not None and param.grad is view
-                                  for param, view in zip(params, handed)]
-            if any(self._hidden[name]):  # computed by the sync, sliced again after it
-                self._kept[name] = self.given_gradient(name)
-            for param, hidden in zip(params, self._hidden[name]):
-                if hidden:
+            params, given = self.parameters[name], self.given_gradient(name)
+            # The views of the stacked gradient (a layer's gradient of its own stays).
+            hidden = self._hidden[name] = [
+                given is not None and view is not None and param.grad is view
+                and view._base is given for param, view in zip(params, handed)]
+            if any(hidden):  # computed by the sync, sliced again after it
+                self._kept[name] = given
+            for param, each in zip(params, hidden):
+                if each:
                     param.grad = None
-            # Views held here would be computed too; `show_views` makes new ones.
-            self._handed[name] = [None] * self.size
+            # Views held here would be computed too (`show_views` makes new ones);
+            # what no layer holds any more is no one's.
+            self._handed[name] = [view if not each and param.grad is view else None
+                                  for param, view, each in zip(params, handed, hidden)]
         self._views.clear()
 
     def operands(self) -> dict[str, torch.Tensor]:
