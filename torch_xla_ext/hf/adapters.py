@@ -19,8 +19,9 @@ give the same model, with the same Parameter objects.
 
 This module (what each operation runs inside) and `torch_xla_ext.patches.peft`
 (which of peft's methods are wrapped, on which model) are the only places
-that know about peft; the rest of torch_xla_ext treats its modules as any other (peft's `kwargs['target_name']` is a setting that
-only names its module, see `layer_stack.alike`).
+that know about peft; the rest of torch_xla_ext treats its modules as any
+other (peft's `kwargs['target_name']` is a setting that only names its
+module, see `layer_stack.alike`).
 """
 from __future__ import annotations
 

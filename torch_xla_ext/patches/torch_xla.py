@@ -30,7 +30,8 @@ import torch
 from torch_xla_ext.patches.patching import Added, Patch, Replaced
 
 __all__ = ["LIVE_TENSOR_OPS", "SYNC_ENTRY_POINTS", "around_live_tensor_ops", "guard_syncs",
-           "host_ops_lowered", "keep_whole_in_auto_wrap", "lower_host_ops", "prepare_fsdp_v2", "redirect_mark_sharding", "route_checkpoint",
+           "host_ops_lowered", "keep_whole_in_auto_wrap", "lower_host_ops", "prepare_fsdp_v2",
+           "redirect_mark_sharding", "route_checkpoint",
            "route_mark_sharding"]
 
 # torch_xla's Python layer calls these through the _XLAC module at call time,
