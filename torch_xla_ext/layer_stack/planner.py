@@ -38,6 +38,7 @@ from torch_xla_ext.layer_stack.call_leaves import (Leaf, called_otherwise, fits,
                                                    leaf_plans, takes_handed)
 from torch_xla_ext.layer_stack.dry_run import CallRecord, RecordedCall
 from torch_xla_ext.layer_stack.kinds import program_of
+from torch_xla_ext.layer_stack.layer_state import attributes_restored
 from torch_xla_ext.layer_stack.lifted_numbers import LiftedNumbers, differing
 from torch_xla_ext.layer_stack.segments import plan_segments
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
@@ -272,8 +273,10 @@ def _lifted(stack, calls: list[RecordedCall]) -> LiftedNumbers | None:
     for call in calls:
         key = (stack.call_kind(call.index), call.program)
         if key not in programs:
-            programs[key] = program_of(stack.layer(call.index), stack.as_traced(call.leaves),
-                                       call.spec, numbers)[0]
+            layer = stack.built_layer(call.index)  # as the dry run traces it
+            with attributes_restored(layer):
+                programs[key] = program_of(layer, stack.as_traced(call.leaves), call.spec,
+                                           numbers)[0]
     return numbers if len(set(programs.values())) == 1 else None
 
 

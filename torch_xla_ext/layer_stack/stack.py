@@ -246,6 +246,11 @@ class LayerStack(nn.Module):
 
     def layer(self, index: int, copied: bool = False) -> nn.Module:
         """Layer `index`, holding views of its slices, or copies of them."""
+        return self.built_layer(index, copied)
+
+    def built_layer(self, index: int, copied: bool = False) -> nn.Module:
+        """Layer `index` built from the template, holding views of its slices
+        of the stacked tensors, or copies of them."""
         index = operator.index(index)
         if not -len(self) <= index < len(self):
             raise IndexError(f"Layer index {index} is out of range for a LayerStack of "

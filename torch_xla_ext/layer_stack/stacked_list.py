@@ -234,7 +234,7 @@ class StackedList(RefusedEdits, nn.Module):
         stored = self.segments[number]
         if not isinstance(stored, SegmentStack):
             return stored
-        built = LayerStack.layer(stored, group)
+        built = stored.built_layer(group)
         return built.layers[position] if self.plan[number].period > 1 else built
 
     def __getitem__(self, index):

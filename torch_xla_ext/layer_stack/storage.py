@@ -243,21 +243,25 @@ class LayerStorage:
     def hands_whole_gradient(self, name: str) -> bool:
         """Whether every layer Parameter of `name` requires grad and holds the
         view of the stacked gradient it was given (none replaced or cleared)."""
+        return (all(param.requires_grad for param in self.parameters[name])
+                and self._all_hold_given(name) and self.given_gradient(name) is not None)
+
+    def _all_hold_given(self, name: str) -> bool:
+        """Whether every layer Parameter of `name` holds the gradient last given it."""
         handed = self._handed.get(name)
-        return (self.given_gradient(name) is not None and handed is not None
-                and all(param.requires_grad and view is not None and param.grad is view
-                        for param, view in zip(self.parameters[name], handed)))
+        return handed is not None and all(
+            view is not None and param.grad is view
+            for param, view in zip(self.parameters[name], handed))
 
     def _before_accumulating(self, name: str) -> None:
         """Before the stacked gradient accumulates: into the one the layers
         hold the views of, or one stacked from what they hold instead."""
         stacked, params = self.stacked[name], self.parameters[name]
-        grads = [param.grad for param in params]
-        handed, given = self._handed.get(name), self.given_gradient(name)
-        if given is not None and handed is not None and all(
-                grad is not None and grad is view for grad, view in zip(grads, handed)):
+        given = self.given_gradient(name)
+        if given is not None and self._all_hold_given(name):
             stacked.grad = given
             return None
+        grads = [param.grad for param in params]
         with torch.no_grad():
             stacked.grad = None if all(grad is None for grad in grads) else torch.stack(
                 [torch.zeros_like(stacked[0]) if grad is None else grad for grad in grads])
@@ -314,8 +318,8 @@ class LayerStorage:
         for params in self.parameters.values():
             for param in params:
                 _PLACES.pop(param)
-                if param.grad is not None:  # a view of the stacked gradient: its own too
-                    param.grad = param.grad.clone()
+                if param.grad is not None and param.grad._base is not None:
+                    param.grad = param.grad.clone()  # a view of the stacked gradient: its own
 
     def __getstate__(self) -> dict:
         # The layers' tensors are copied with them; the stack is made again from those.
@@ -338,7 +342,7 @@ def computed_now(tensors: list[torch.Tensor]) -> None:
     lazy = [tensor for tensor in tensors
             if tensor.device.type == "xla" and not depends_on_placeholder(tensor)]
     if lazy:
-        torch_xla._XLAC._xla_sync_multi(lazy, devices=[], wait=True)
+        torch_xla._XLAC._xla_sync_multi(lazy, devices=[], wait=False)
 
 
 # Per (dtype, device), an empty tensor computed once: a new one at each sync
