@@ -1,8 +1,9 @@
 """A stacked layer as code outside its owner's forward addresses it
 (`layers[3]`, `get_submodule`, iteration): the layer itself, which reads
-and runs as the layer, and whose hook registrations raise a ValueError
-saying that the hook would never run, where they used to be dropped
-without a word; a layer held as itself is the module that runs."""
+and runs as the layer. A hook on it, or on one of its submodules, makes it
+run as itself, outside the scans, so that the hook runs as unconverted,
+with that layer's values; removing the hook lets it scan again. A
+LayerStack, which scans every layer, refuses the hook, saying why."""
 import copy
 
 import pytest
@@ -12,34 +13,88 @@ from torch import nn
 
 import torch_xla_ext as tx
 from layer_calls import HIDDEN, Block, Loop, converted
-from test_hf import make_model
-from tolerances import SAME_OPS, close
+from test_hf import batch, make_model
+from tolerances import SAME_OPS, TRAINING, close
 from torch_xla_ext.layer_stack import LayerStack, StackedList
 
-REGISTRATIONS = {
-    "register_forward_hook": lambda module, *args: None,
-    "register_forward_pre_hook": lambda module, args: None,
-    "register_full_backward_hook": lambda module, grad_in, grad_out: None,
-    "register_full_backward_pre_hook": lambda module, grad_out: None,
-}
+
+def recorder(seen: list, registration: str):
+    """A hook for `registration` that appends the tensors it sees to `seen`."""
+    def first(values):
+        values = values if isinstance(values, tuple) else (values,)
+        return next(value for value in values if isinstance(value, torch.Tensor))
+    return {
+        "register_forward_hook": lambda module, args, output: seen.append(first(output)),
+        "register_forward_pre_hook": lambda module, args: seen.append(first(args)),
+        "register_full_backward_hook":
+            lambda module, grad_in, grad_out: seen.append(first(grad_out)),
+        "register_full_backward_pre_hook": lambda module, grad_out: seen.append(first(grad_out)),
+    }[registration]
 
 
-@pytest.mark.parametrize("registration", sorted(REGISTRATIONS))
-def test_a_hook_on_a_converted_layer_or_its_submodule_is_refused_naming_it(registration):
+REGISTRATIONS = ("register_forward_hook", "register_forward_pre_hook",
+                 "register_full_backward_hook", "register_full_backward_pre_hook")
+
+
+@pytest.mark.parametrize("registration", REGISTRATIONS)
+@pytest.mark.parametrize("where", ["model.layers.3", "model.layers.1.mlp"])
+def test_a_hook_on_a_converted_layer_or_its_submodule_runs_with_its_values(registration,
+                                                                            where):
+    device = torch_xla.device()
+    reference = make_model().to(device)
+    model = tx.stack_layers(make_model()).to(device)
+    ids, _ = batch(device)
+    seen = {}
+    handles = [each.get_submodule(where).__getattribute__(registration)(
+        recorder(seen.setdefault(name, []), registration))
+        for name, each in (("reference", reference), ("converted", model))]
+    for each in (reference, model):
+        each(ids, labels=ids).loss.backward()
+    torch_xla.sync()
+    assert len(seen["converted"]) == len(seen["reference"]) == 1
+    close(seen["converted"], seen["reference"], TRAINING)
+    close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()],
+          TRAINING)
+    # The other layers still scan; with the hook removed, all of them do again.
+    assert hlo_whiles(model, ids) == 1
+    for handle in handles:
+        handle.remove()
+    seen["converted"].clear()
+    assert hlo_whiles(model, ids) == 1 and not model.model.layers.hooked_layers()
+    assert seen["converted"] == []
+
+
+def hlo_whiles(model: nn.Module, ids) -> int:
+    """The While loops of a forward's graph."""
+    logits = model(ids).logits
+    return torch_xla._XLAC._get_xla_tensors_hlo([logits]).count(" while(")
+
+
+def test_hooks_on_every_layer_run_each_layer_as_itself_as_often_as_unconverted():
+    # transformers' gradient-checkpointing tests count a layer's calls by a hook on each.
+    device = torch_xla.device()
+    reference = make_model().to(device)
+    model = tx.stack_layers(make_model()).to(device)
+    ids, _ = batch(device)
+    counts = {}
+    for name, each in (("reference", reference), ("converted", model)):
+        for layer in each.model.layers:
+            layer.register_forward_hook(
+                lambda module, args, output, name=name: counts.__setitem__(
+                    name, counts.get(name, 0) + 1))
+        each(ids)
+    assert counts == {"reference": 4, "converted": 4}
+    assert model.model.layers.hooked_layers() == (0, 1, 2, 3)
+
+
+def test_a_copy_of_a_converted_model_keeps_watching_its_layers_hooks():
     model = tx.stack_layers(make_model())
-    hooks_before = hook_count(model)
-    for module, named in ((model.model.layers[3], "layer 3 of"),
-                          (model.get_submodule("model.layers.1.mlp"), "layer 1's mlp of")):
-        with pytest.raises(ValueError, match=rf"^{named} the stacked layers runs inside a scan "
-                                             rf".*would never run"):
-            getattr(module, registration)(REGISTRATIONS[registration])
-    assert hook_count(model) == hooks_before
-
-
-def hook_count(model: nn.Module) -> int:
-    return sum(len(hooks) for module in model.modules()
-               for hooks in (module._forward_hooks, module._forward_pre_hooks,
-                             module._backward_hooks, module._backward_pre_hooks))
+    model.model.layers[2].register_forward_hook(lambda *args: None)
+    copied = copy.deepcopy(model)
+    assert copied.model.layers.hooked_layers() == (2,)
+    copied.model.layers[0].register_forward_pre_hook(lambda *args: None)
+    assert copied.model.layers.hooked_layers() == (0, 2)
+    assert model.model.layers.hooked_layers() == (2,)
 
 
 def test_an_addressed_layer_still_reads_and_runs_as_the_layer():
@@ -56,11 +111,14 @@ def test_an_addressed_layer_still_reads_and_runs_as_the_layer():
           reference(hidden, position_embeddings=position), SAME_OPS)
 
 
-def test_a_layer_stack_item_refuses_hooks_too():
+def test_a_layer_stack_item_refuses_hooks_naming_it():
     torch.manual_seed(0)
     stack = LayerStack([nn.Linear(4, 4) for _ in range(3)])
-    with pytest.raises(ValueError, match="^layer 2 of the stacked layers runs inside a scan"):
-        stack[-1].register_forward_hook(lambda *args: None)
+    for registration in REGISTRATIONS:
+        with pytest.raises(ValueError, match="^layer 2 of the stacked layers runs inside a scan "
+                                             ".*would never run"):
+            getattr(stack[-1], registration)(lambda *args: None)
+    assert not stack[2]._forward_hooks
 
 
 class Wide(Block):

@@ -23,7 +23,8 @@ layer (it changes it, or passes other arguments of another form), where
 the stored segments end, and around a layer that writes entries of a
 mapping every layer gets (`shared_mappings`). Layers that set attributes
 on their own modules (state their next call, or their backward, reads:
-`layer_state`) run one by one, each keeping its own. The whole call runs
+`layer_state`) run one by one, each keeping its own; a layer with hooks of
+its own (`addressed`) runs as itself. The whole call runs
 one by one when the dry run
 did not complete, read a tensor's value while looping (which layers run
 could then change from call to call), or called the layers out of order.
@@ -123,6 +124,9 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
     first, last = calls[0].index, calls[-1].index + 1
     if segment.single:
         return [Run(first, last, number, ITSELF)]
+    hooked = set(stack.hooked_layers()).intersection(range(first, last))
+    if hooked:
+        return _around_hooked(stack, number, segment, calls, record, hooked)
     if period > 1:
         if (first - segment.start) % period or (last - first) % period:
             return [Run(first, last, number, ONE_BY_ONE,
@@ -163,6 +167,24 @@ def _runs(stack, number: int, segment, calls: list[RecordedCall], record: CallRe
                                                           calls[offset])
         begin = offset
     return _split_apart(_keeping_state(runs, calls), calls, record, apart)
+
+
+def _around_hooked(stack, number: int, segment, calls: list[RecordedCall], record: CallRecord,
+                   hooked: set[int]) -> list[Run]:
+    """The runs of a segment's calls where some layers have hooks of their
+    own (`addressed`): each layer of a group holding one runs as itself, so
+    that its hooks run as unconverted, and the groups between them are
+    planned as any calls."""
+    runs, begin = [], 0
+    for offset in range(0, len(calls) + 1, segment.period):
+        group = calls[offset:offset + segment.period]
+        if group and not hooked.intersection(call.index for call in group):
+            continue
+        if begin < offset:
+            runs += _runs(stack, number, segment, calls[begin:offset], record)
+        runs += [Run(call.index, call.index + 1, number, ITSELF) for call in group]
+        begin = offset + segment.period
+    return runs
 
 
 def _keeping_state(runs: list[Run], calls: list[RecordedCall]) -> list[Run]:

@@ -32,7 +32,7 @@ from torch import nn
 
 from torch_xla_ext.layer_stack import scan_runner, sharding, stacked_steps
 from torch_xla_ext.layer_stack.executor import ScanResult
-from torch_xla_ext.layer_stack.addressed import RefusedEdits, addressed, unaddressed
+from torch_xla_ext.layer_stack.addressed import HookWatch, RefusedEdits, addressed, unaddressed
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, layer_kinds, layout_of, layouts_of, structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
@@ -68,10 +68,8 @@ class LayerGroup(nn.Module):
         each layer of the group). Each layer's output (its first value, for a
         tuple) is the next one's input."""
         for position, (layer, (args, kwargs)) in enumerate(zip(self.layers, calls)):
-            if per_position is not None:
-                kwargs = {**kwargs, **per_position[position]}
-            output = layer(hidden, *args, **kwargs)
-            hidden = hidden_of(output)
+            extra = per_position[position] if per_position is not None else {}
+            hidden = hidden_of(layer(hidden, *args, **{**kwargs, **extra}))
         return hidden
 
 
@@ -101,7 +99,8 @@ class StackedList(RefusedEdits, nn.Module):
 
     def __init__(self, layers: Iterable[nn.Module], **options):
         super().__init__()
-        split = _split(list(layers),
+        layers = list(layers)
+        split = _split(layers,
                        checked_stack_options("StackedList", **options)["per_layer_attributes"])
         if isinstance(split, Refusal):
             raise split.exception()
@@ -112,14 +111,14 @@ class StackedList(RefusedEdits, nn.Module):
         self.unlike_neighbours = (
             structure_difference(1, layouts[0], layouts[1]).reason.split(";")[0]
             if len(self.plan) > 1 and all(segment.single for segment in self.plan) else None)
-        layers = list(layers)
         # Not children: what they hold is the layers' (see the module docstring).
         self.__dict__["segments"] = [
             members[0] if segment.single else SegmentStack(members, **options)
             for segment, members in zip(self.plan, split.members)]
+        self._hooks = HookWatch()
         for index, layer in enumerate(layers):  # a layer held as itself runs as itself
             self.add_module(str(index), layer if self.plan[self.place(index)[0]].single
-                            else addressed(layer, index))
+                            else addressed(layer, index, self._hooks))
         per_layer = frozenset(options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES))
         self.kinds = layer_kinds(layouts, per_layer)
         self._settings_read, self._settings_key = SettingsSnapshot(layers), ()
@@ -137,7 +136,11 @@ class StackedList(RefusedEdits, nn.Module):
         when one of them changed since the last read (`layer_settings`)."""
         if self._settings_read.changed():
             self._read_settings()
-        return self._settings_key
+        return self._settings_key, self.hooked_layers()
+
+    def hooked_layers(self) -> tuple[int, ...]:
+        """The layers with module hooks of their own: they run as themselves."""
+        return self._hooks.hooked(list(self._modules.values()))
 
     def settings_read(self) -> None:
         """Called once the stacks read the layers' settings again: what a
@@ -153,6 +156,7 @@ class StackedList(RefusedEdits, nn.Module):
             "per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES)))
         self._settings_key = tuple(layout.trace_key() for layout in layouts)
         self._settings_read = SettingsSnapshot(layers)
+        self._hooks.forget()  # a hook dict may be another
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
