@@ -752,16 +752,28 @@ def test_layers_that_cannot_be_stacked_are_refused_and_the_model_is_unchanged():
     assert all(torch.equal(v, before[k]) for k, v in llama.state_dict().items())
 
 
-def test_hooks_on_the_layers_are_refused():
-    model = make_model()
-    model.model.layers[2].self_attn.register_forward_hook(lambda *args: None)
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn has a hook"):
-        stack_layers(model)
+def test_a_hook_made_before_converting_runs_and_its_handle_removes_it(device):
+    reference, model = make_model().to(device), make_model()
+    seen = {"reference": [], "converted": []}
+    handles = [each.model.layers[2].self_attn.register_forward_hook(
+        lambda module, args, output, name=name: seen[name].append(output[0]))
+        for name, each in (("reference", reference), ("converted", model))]
+    stack_layers(model).to(device)
+    ids, _ = batch(device)
+    close(model(ids).logits, reference(ids).logits, TRAINING)
+    assert len(seen["converted"]) == 1
+    close(seen["converted"], seen["reference"][:1], TRAINING)
+    assert model.model.layers.hooked_layers() == (2,)
+    handles[1].remove()
+    assert model.model.layers.hooked_layers() == ()
+    model(ids)
+    assert len(seen["converted"]) == 1
     # transformers' own output-capturing hooks, installed by a call that asked for hidden
-    # states, are no obstacle: the converted model replays them after its scan.
+    # states, set no layer apart: the converted model replays them after its scan.
     model = make_model()
     model(batch("cpu")[0], output_hidden_states=True)
     assert stack_layers(model) is model and type(model.model.layers) is StackedLayers
+    assert model.model.layers.hooked_layers() == ()
     # (Gradient checkpointing on the layers is taken over: test_hf_gradient_checkpointing.py.)
 
 

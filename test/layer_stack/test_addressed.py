@@ -12,7 +12,7 @@ import torch_xla
 from torch import nn
 
 import torch_xla_ext as tx
-from layer_calls import HIDDEN, Block, Loop, converted
+from layer_calls import HIDDEN, Block, Loop, converted, forward_with_warnings
 from test_hf import batch, make_model
 from tolerances import SAME_OPS, TRAINING, close
 from torch_xla_ext.layer_stack import LayerStack, StackedList
@@ -85,6 +85,24 @@ def test_hooks_on_every_layer_run_each_layer_as_itself_as_often_as_unconverted()
         each(ids)
     assert counts == {"reference": 4, "converted": 4}
     assert model.model.layers.hooked_layers() == (0, 1, 2, 3)
+
+
+def test_a_hook_made_before_stacking_runs_on_its_layer_alone_and_the_rest_scan():
+    torch.manual_seed(0)
+    device = torch_xla.device()
+    blocks = nn.ModuleList([Block() for _ in range(4)])
+    seen = []  # the copy `converted` makes shares the hook, and so the list
+    blocks[0].register_forward_hook(lambda module, args, output: seen.append(output))
+    reference, model = converted(Loop(blocks), device)
+    x = torch.randn(2, HIDDEN, device=device)
+    output, loops, warned = forward_with_warnings(model, x)
+    close(output, reference(x), SAME_OPS)
+    assert len(seen) == 2 and loops == 1 and not warned  # layer 0 as itself, 1-3 one scan
+    close(seen[0], seen[1], SAME_OPS)
+    assert model.blocks.hooked_layers() == (0,) and not model.blocks.stacks()[0].template \
+        ._forward_hooks  # the template runs layers 1-3: layer 0's hook is no part of it
+    model.blocks[0]._forward_hooks.clear()
+    assert model.blocks.hooked_layers() == ()
 
 
 def test_a_copy_of_a_converted_model_keeps_watching_its_layers_hooks():

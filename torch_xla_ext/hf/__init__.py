@@ -81,13 +81,13 @@ def stack_layers(model: nn.Module, path: str | None = None, **options) -> nn.Mod
     `torch_xla_ext.hf.adapters`). Gradient checkpointing (before or after the
     conversion) makes the scans recompute each layer while training. FSDPv2
     shards each stacked weight as it would one layer's, and the scans keep the
-    hidden state batch-sharded as a unit per layer would.
+    hidden state batch-sharded as a unit per layer would. A module hook on a
+    layer or one of its modules, made before converting or after, runs as
+    unconverted: that layer runs as itself, outside the scans.
 
     Refused, with an error that leaves the model unchanged (or, for one list
     among others found without `path`, an `UnstackedLayersWarning` leaving
-    that list as it was): hooks on the layers (other than transformers'
-    output-capturing hooks, which the scans replay), gradient checkpointing
-    on some layers only (`every_n_layers`), a parameter shared between
+    that list as it was): gradient checkpointing on some layers only (`every_n_layers`), a parameter shared between
     layers, a setting that reaches the layer's own modules through another
     object. Each is known before any stack is made (`discovery.layer_list`);
     an error raised while making one is not a refusal and propagates as it is.

@@ -11,9 +11,8 @@ a list whose layers are not called as a chain runs them as themselves.
 Nothing here reads a model's code or names its classes.
 
 What keeps a list from being stacked is decided here, once, as a value
-(`Unstackable`) before any stack is built: hooks on its layers (they would
-not run inside a scan; transformers' own output-capturing hooks are
-replayed), gradient checkpointing enabled on some layers only (a scan
+(`Unstackable`) before any stack is built: gradient checkpointing enabled
+on some layers only (a scan
 recomputes every layer or none), and what a `StackedList` refuses
 (`layer_stack.stacking_refusal`: layers not alike where they are stored
 together, a parameter shared between them, a setting that reaches the
@@ -29,7 +28,7 @@ from torch_xla_ext.layer_stack import StackedList, stacking_refusal
 from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 __all__ = ["LayerList", "Unstackable", "UnstackedLayersWarning", "checkpointing_reason",
-           "hooks_reason", "layer_list", "layer_list_paths", "output_recorder",
+           "is_capture_hook", "layer_list", "layer_list_paths", "output_recorder",
            "recorded_outputs", "submodule"]
 
 # transformers' own output-capturing hooks, which a stack replays after its scan.
@@ -114,9 +113,7 @@ def layer_list(model: nn.Module, path: str, options: dict) -> LayerList | Unstac
     parent_path, _, name = path.rpartition(".")
     owner = model.get_submodule(parent_path)
     config = getattr(owner, "config", getattr(model, "config", None))
-    reason = (next(filter(None, (hooks_reason(layer, f"{path}.{index}")
-                                 for index, layer in enumerate(layers))), None)
-              or checkpointing_reason(layers, path))
+    reason = checkpointing_reason(layers, path)
     if reason is not None:
         return Unstackable(path, reason)
     refusal = stacking_refusal(layers, **options)
@@ -125,19 +122,11 @@ def layer_list(model: nn.Module, path: str, options: dict) -> LayerList | Unstac
     return LayerList(path, owner, name, layers, config, output_recorder(model, path))
 
 
-def hooks_reason(layer: nn.Module, path: str) -> str | None:
-    for module_path, module in layer.named_modules():
-        where = f"{path}.{module_path}" if module_path else path
-        for registry in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
-                         "_backward_hooks"):
-            for hook in getattr(module, registry).values():
-                if getattr(hook, "__module__", None) == _TRANSFORMERS_CAPTURE_HOOKS:
-                    continue
-                return (f"{where} has a hook in {registry} "
-                        f"({getattr(hook, '__qualname__', hook)!r}); the stacked layers run "
-                        f"inside one scan, where hooks of the layers would not run. Remove it "
-                        f"first")
-    return None
+def is_capture_hook(hook) -> bool:
+    """Whether `hook` is one of transformers' output-capturing hooks, which
+    the stacks replay after their scans; a layer with any other hook runs as
+    itself (`layer_stack.StackedList.replays_hook`)."""
+    return getattr(hook, "__module__", None) == _TRANSFORMERS_CAPTURE_HOOKS
 
 
 def checkpointing_reason(layers: nn.ModuleList, path: str) -> str | None:

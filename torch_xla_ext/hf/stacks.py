@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from torch_xla_ext.hf import checkpointing
 from torch_xla_ext.hf.cache_plan import CachePlan, plan_cache_call, starts_empty
 from torch_xla_ext.hf.caches import is_cache, keeping_all
+from torch_xla_ext.hf.discovery import is_capture_hook
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
 from torch_xla_ext.layer_stack import (
     PerLayerChoice, SegmentStack, StackedList, attempt, attempt_recording, is_choice, scan_result)
@@ -75,6 +76,8 @@ class StackedLayers(StackedList):
         layers collect (`_can_record_outputs`' keys).
       options: passed to `StackedList`.
     """
+
+    replays_hook = staticmethod(is_capture_hook)
 
     # Set by transformers' gradient_checkpointing_enable() and _disable() on
     # each module that has the attribute, as on its GradientCheckpointingLayers.

@@ -64,8 +64,8 @@ The modules, one job each:
   stacked, the layers' own Parameters views of their slices),
   `stacked_steps` (an optimizer's step of a whole stacked tensor),
   `layer_settings` (whether a layer's settings changed since they were
-  read), `addressed` (a layer as code outside the
-  owner's forward gets it, refusing hooks; edits of the list refused),
+  read), `addressed` (a layer with module hooks of its own runs as itself;
+  a LayerStack's items refuse hooks; edits of the list refused),
   `names` (the one map between stored and
   per-layer names: state dicts, optimizer state), `optimizer_state`
   (optimizer state dicts saved and loaded in the unconverted layout);
@@ -84,7 +84,7 @@ The modules, one job each:
   weights and the hidden state a scan carries).
 """
 from torch_xla_ext.layer_stack.alike import Refusal
-from torch_xla_ext.layer_stack.executor import ScanResult
+from torch_xla_ext.layer_stack.executor import ScanResult, scan_result
 from torch_xla_ext.layer_stack.exporting import ExportWarning
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, is_choice
 from torch_xla_ext.layer_stack.layer_list import scan_layers
@@ -97,7 +97,7 @@ from torch_xla_ext.layer_stack.scan_runner import (
 from torch_xla_ext.layer_stack.sharding import ShardingWarning
 from torch_xla_ext.layer_stack.stack import LayerStack, checked_stack_options
 from torch_xla_ext.layer_stack.stacked_list import (
-    LayerGroup, SegmentStack, StackedList, scan_result, stacking_refusal)
+    LayerGroup, SegmentStack, StackedList, stacking_refusal)
 from torch_xla_ext.layer_stack.dynamo import GraphBreakWarning, trace_loops_in_dynamo
 
 __all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "GraphBreakWarning",

@@ -29,7 +29,7 @@ from torch_xla_ext.layer_stack.kinds import PerLayerChoice, same_leaf
 from torch_xla_ext.layer_stack.operands import LAYER_INDEX, HandedOn
 from torch_xla_ext.layer_stack.scan_runner import warn_layer_by_layer
 
-__all__ = ["Execution", "ScanResult"]
+__all__ = ["Execution", "ScanResult", "scan_result"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,15 @@ class ScanResult:
     hidden: Any
     kept: dict
     handed: dict = dataclasses.field(default_factory=dict)
+
+
+def scan_result(run, outcome) -> ScanResult | str:
+    """`scan_runner.attempt`'s outcome for `run` as its execution takes it."""
+    if isinstance(outcome, str):
+        return outcome
+    hidden, kept, handed = outcome
+    return ScanResult(hidden, {(0, leaf): stacked for leaf, stacked in zip(run.kept[0], kept)}
+                      if run.kept else {}, handed)
 
 
 @dataclasses.dataclass

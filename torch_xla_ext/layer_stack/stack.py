@@ -14,7 +14,7 @@ from torch import nn
 
 from torch_xla_ext.diagnostics import TorchXlaExtDeprecationWarning
 from torch_xla_ext.layer_stack import names, optimizer_state, scan_runner, sharding
-from torch_xla_ext.layer_stack.addressed import addressed
+from torch_xla_ext.layer_stack.addressed import refusing_hooks
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, identical_layers, layer_tensors, layout_of)
 from torch_xla_ext.layer_stack.fakes import template_copy
@@ -71,7 +71,9 @@ class LayerStack(nn.Module):
     buffers are views of slice i of the stacked tensors (not Parameters of its
     own) and whose per-layer attributes are layer i's, rebuilt at each access;
     changing its settings does not change the stack, and registering a hook
-    on it raises a ValueError (the hook would never run: `addressed`). `len(stack)` is the number of layers; iterating yields each layer.
+    on it raises a ValueError (the hook would never run: `addressed`; a
+    `StackedList` runs such a layer as itself). `len(stack)` is the number of
+    layers; iterating yields each layer.
 
     `state_dict()` and `load_state_dict()` use the per-layer names and tensors an
     `nn.ModuleList` of the same layers would (`3.self_attn.q_proj.weight`), so
@@ -233,7 +235,7 @@ class LayerStack(nn.Module):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(len(self))[index]]
-        return addressed(self.layer(index), operator.index(index) % len(self))
+        return refusing_hooks(self.layer(index), operator.index(index) % len(self))
 
     def unstacked(self) -> list[nn.Module]:
         """The layers as modules of their own: each with parameters and

@@ -31,8 +31,8 @@ from typing import Iterable, Sequence
 from torch import nn
 
 from torch_xla_ext.layer_stack import scan_runner, sharding, stacked_steps
-from torch_xla_ext.layer_stack.executor import ScanResult
-from torch_xla_ext.layer_stack.addressed import HookWatch, RefusedEdits, addressed, unaddressed
+from torch_xla_ext.layer_stack.executor import scan_result
+from torch_xla_ext.layer_stack.addressed import HookWatch, RefusedEdits, strip_hooks
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, layer_kinds, layout_of, layouts_of, structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
@@ -44,7 +44,7 @@ from torch_xla_ext.layer_stack.segments import Segment, plan_segments
 from torch_xla_ext.layer_stack.stack import LayerStack, checked_stack_options, stackable_layers
 from torch_xla_ext.policies import save_everything
 
-__all__ = ["LayerGroup", "SegmentStack", "StackedList", "scan_result", "stacking_refusal"]
+__all__ = ["LayerGroup", "SegmentStack", "StackedList", "stacking_refusal"]
 
 # Settings compared by value for `differing_settings` (others by identity).
 _PLAIN = (type(None), bool, int, float, str)
@@ -115,10 +115,11 @@ class StackedList(RefusedEdits, nn.Module):
         self.__dict__["segments"] = [
             members[0] if segment.single else SegmentStack(members, **options)
             for segment, members in zip(self.plan, split.members)]
+        for stack in self.stacks():
+            strip_hooks(stack.template, self.replays_hook)
         self._hooks = HookWatch()
-        for index, layer in enumerate(layers):  # a layer held as itself runs as itself
-            self.add_module(str(index), layer if self.plan[self.place(index)[0]].single
-                            else addressed(layer, index, self._hooks))
+        for index, layer in enumerate(layers):  # the layers themselves, as unconverted
+            self.add_module(str(index), layer)
         per_layer = frozenset(options.get("per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES))
         self.kinds = layer_kinds(layouts, per_layer)
         self._settings_read, self._settings_key = SettingsSnapshot(layers), ()
@@ -128,6 +129,7 @@ class StackedList(RefusedEdits, nn.Module):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._settings_read = SettingsSnapshot(list(self._modules.values()))  # a copy, or unpickled
+        self._hooks.forget()
         sharding.keep_whole(StackedList)
         stacked_steps.step_stacked()
 
@@ -140,7 +142,13 @@ class StackedList(RefusedEdits, nn.Module):
 
     def hooked_layers(self) -> tuple[int, ...]:
         """The layers with module hooks of their own: they run as themselves."""
-        return self._hooks.hooked(list(self._modules.values()))
+        return self._hooks.hooked(list(self._modules.values()), self.replays_hook)
+
+    @staticmethod
+    def replays_hook(hook) -> bool:
+        """Whether the stacks' templates keep a layer's `hook`, replayed after
+        a scan on each layer's values (`hooks`), not running the layer as itself."""
+        return False
 
     def settings_read(self) -> None:
         """Called once the stacks read the layers' settings again: what a
@@ -283,11 +291,11 @@ class StackedList(RefusedEdits, nn.Module):
         return self.layer(index) if driver is None else loop_item(driver, index, self.layer)
 
     def unstacked(self) -> list[nn.Module]:
-        """The layers, each given tensors of its own (copies of its slices)
-        and hooks again; the stacks let them go."""
+        """The layers, each given tensors of its own (copies of its slices);
+        the stacks let them go."""
         for stack in self.stacks():
             stack.storage.release()
-        return [unaddressed(self.layer(index)) for index in range(len(self))]
+        return [self.layer(index) for index in range(len(self))]
 
     def unscannable(self) -> str | None:
         """Why no call can run these layers as a scan now, known without a
@@ -308,8 +316,7 @@ class StackedList(RefusedEdits, nn.Module):
         try:
             return self.run_layer(layer, args, kwargs)
         finally:
-            self._settings_read.seen(operator.index(index) % len(self), self._modules[
-                str(operator.index(index) % len(self))])
+            self._settings_read.seen(self._checked(index), layer)
 
     def run_layer(self, layer: nn.Module, args: tuple, kwargs: dict):
         """Calls a layer module (a subclass's rules around the call)."""
@@ -439,11 +446,3 @@ def _split(layers: list, per_layer_attributes: frozenset[str]) -> _Split | Refus
         members.append(segment_layers)
     return _Split(layouts, plan, members)
 
-
-def scan_result(run, outcome) -> ScanResult | str:
-    """`scan_runner.attempt`'s outcome for `run` as its execution takes it."""
-    if isinstance(outcome, str):
-        return outcome
-    hidden, kept, handed = outcome
-    return ScanResult(hidden, {(0, leaf): stacked for leaf, stacked in zip(run.kept[0], kept)}
-                      if run.kept else {}, handed)
