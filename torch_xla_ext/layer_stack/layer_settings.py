@@ -19,10 +19,11 @@ import operator
 
 from torch import nn
 
-from torch_xla_ext.layer_stack.alike import LayerLayout, Refusal, layouts_of, structure_key
+from torch_xla_ext.layer_stack.alike import (LayerLayout, Refusal, layout_of, layouts_of,
+                                             structure_key)
 from torch_xla_ext.layer_stack.segments import Segment, plan_segments
 
-__all__ = ["SettingsSnapshot", "layouts_again"]
+__all__ = ["CurrentLayouts", "SettingsSnapshot", "layouts_again"]
 
 
 class SettingsSnapshot:
@@ -47,6 +48,23 @@ class SettingsSnapshot:
         """Takes layer `index` as it is now: after it ran as itself, what it set
         on itself is its state (`layer_state`), not a changed setting."""
         self.per_layer[index] = _entries_of(layer)
+
+
+class CurrentLayouts:
+    """The layouts (`alike.layout_of`) of the templates a stack runs, each
+    read again only when one of the template's attributes changed since
+    (`SettingsSnapshot`), so that a call whose kind is planned reads no
+    setting's form. Bounded by the templates the stack's kinds make."""
+
+    def __init__(self):
+        self._read: dict[int, tuple] = {}  # id(template) -> (template, snapshot, layout)
+
+    def of(self, template: nn.Module) -> LayerLayout:
+        entry = self._read.get(id(template))
+        if entry is None or entry[0] is not template or entry[1].changed():
+            entry = self._read[id(template)] = (template, SettingsSnapshot([template]),
+                                                layout_of(template, 0))
+        return entry[2]
 
 
 def _entries_of(layer: nn.Module) -> list[tuple]:

@@ -18,6 +18,7 @@ from torch_xla_ext.layer_stack.addressed import refusing_hooks
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, identical_layers, layer_tensors, layout_of)
 from torch_xla_ext.layer_stack.fakes import template_copy
+from torch_xla_ext.layer_stack.layer_settings import CurrentLayouts
 from torch_xla_ext.layer_stack.segments import Segment
 from torch_xla_ext.layer_stack.storage import LayerStorage, computed_now
 from torch_xla_ext.patches.torch_xla import lower_host_ops
@@ -129,6 +130,7 @@ class LayerStack(nn.Module):
         # The layer whose code runs each step; kept out of _modules so that it is
         # no part of parameters(), state_dict() or .to().
         self.__dict__["_template"] = None
+        self.__dict__["_layouts"] = CurrentLayouts()  # of the templates its runners run
         if self.owns_names:
             self.register_state_dict_post_hook(_saved_per_layer)
             self.register_load_state_dict_pre_hook(_loaded_per_layer)
@@ -327,7 +329,7 @@ class LayerStack(nn.Module):
             tensors = {name: tensor.view(count // positions, positions, *tensor.shape[1:])
                        for name, tensor in tensors.items()}
         return scan_runner.Layers(
-            template, layout_of(template, 0), tensors,
+            template, self._layouts.of(template), tensors,
             per_layer_paths=tuple(sorted(
                 f"layers.{position}.{path}" if positions else path
                 for path in self.watched_paths for position in range(positions or 1))),
