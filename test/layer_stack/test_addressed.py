@@ -2,7 +2,8 @@
 (`layers[3]`, `get_submodule`, iteration): the layer itself, which reads
 and runs as the layer. A hook on it, or on one of its submodules, makes it
 run as itself, outside the scans, so that the hook runs as unconverted,
-with that layer's values; removing the hook lets it scan again. A
+with that layer's values, as does a tensor hook on one of its Parameters;
+removing the hook lets it scan again. A
 LayerStack, which scans every layer, refuses the hook, saying why."""
 import copy
 
@@ -68,6 +69,26 @@ def hlo_whiles(model: nn.Module, ids) -> int:
     """The While loops of a forward's graph."""
     logits = model(ids).logits
     return torch_xla._XLAC._get_xla_tensors_hlo([logits]).count(" while(")
+
+
+@pytest.mark.parametrize("registration", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_tensor_hook_on_a_layers_parameter_runs_with_its_gradient(registration):
+    device = torch_xla.device()
+    reference = make_model().to(device)
+    model = tx.stack_layers(make_model()).to(device)
+    ids, _ = batch(device)
+    seen = {}
+    for name, each in (("reference", reference), ("converted", model)):
+        weight = each.model.layers[2].self_attn.q_proj.weight
+        getattr(weight, registration)(
+            lambda tensor, name=name: seen.setdefault(name, []).append(
+                tensor.grad.clone() if registration.endswith("grad_hook") else tensor.clone()))
+        each(ids, labels=ids).loss.backward()
+    assert len(seen["converted"]) == len(seen["reference"]) == 1
+    close(seen["converted"], seen["reference"], TRAINING)
+    close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()],
+          TRAINING)
+    assert model.model.layers.hooked_layers() == (2,) and hlo_whiles(model, ids) == 1
 
 
 def test_hooks_on_every_layer_run_each_layer_as_itself_as_often_as_unconverted():

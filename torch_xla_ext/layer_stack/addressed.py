@@ -4,14 +4,15 @@
 the list give the layer itself, whose tensors are views of its slices of
 the stacked ones (`storage`). The scans run the stacked tensors through
 the stack's own copy of the layer, so a module hook on a layer (or on one
-of its submodules) would not run inside them. A `StackedList` watches its
-layers' hooks instead (`HookWatch`): a layer with a hook its template does
-not replay runs as itself, outside the scans (the call plan reads
-`HookWatch.hooked`), so the hook runs as unconverted, with the layer's own
-values, whether it was registered before converting or after; once it is
-removed the layer scans again. A `LayerStack`, which has no plan and scans
-every layer, refuses such hooks with a ValueError that says why and what to
-do (`refusing_hooks`). Likewise the list refuses what would replace, add or
+of its submodules), or a tensor hook on one of its Parameters, would not
+run inside them. A `StackedList` watches its layers' hooks instead
+(`HookWatch`): a layer with a hook its template does not replay runs as
+itself, outside the scans (the call plan reads `HookWatch.hooked`), so the
+hook runs as unconverted, with the layer's own values, whether it was
+registered before converting or after; once it is removed the layer scans
+again. A `LayerStack`, which has no plan and scans every layer, refuses
+module hooks on its items with a ValueError that says why and what to do
+(`refusing_hooks`). Likewise the list refuses what would replace, add or
 delete a layer (`RefusedEdits`): its stacks would go on running the old
 layers.
 """
@@ -30,12 +31,14 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 
 
 class HookWatch:
-    """Which of a list's layers have module hooks that `replayed` does not
-    take as its templates' own (those run after the scan, `hooks`). The
-    layers keep their own hook dicts, so that a handle made before
-    converting still removes its hook; a call compares the dicts' sizes with
-    the last look's (a registration or a removal changes one), a few
-    microseconds for a deep model."""
+    """Which of a list's layers have hooks of their own: module hooks that
+    `replayed` does not take as its templates' own (those run after the
+    scan, `hooks`), or tensor hooks on its Parameters (a scan computes
+    their gradients as slices of the stacked one). The layers keep their own
+    hook dicts, so that a handle made before converting still removes its
+    hook; a call compares the hooks' counts with the last look's (a
+    registration or a removal changes one), some tens of microseconds for a
+    deep model."""
 
     def __init__(self):
         self._dicts, self._sizes, self._hooked = None, None, ()
@@ -47,17 +50,25 @@ class HookWatch:
             self._dicts = [[module.__dict__[name] for module in layer.modules()
                             for name in _HOOK_DICTS] for layer in layers]
             self._flat = [hooks for dicts in self._dicts for hooks in dicts]
-        sizes = tuple(map(len, self._flat))
+            self._params = [list(layer.parameters()) for layer in layers]
+            self._flat_params = [param for params in self._params for param in params]
+        sizes = tuple(map(len, self._flat)), tuple(map(_tensor_hooks, self._flat_params))
         if sizes != self._sizes:
             self._sizes, self._hooked = sizes, tuple(
-                index for index, dicts in enumerate(self._dicts)
-                if any(not replayed(hook) for hooks in dicts for hook in hooks.values()))
+                index for index, (dicts, params) in enumerate(zip(self._dicts, self._params))
+                if any(not replayed(hook) for hooks in dicts for hook in hooks.values())
+                or any(map(_tensor_hooks, params)))
         return self._hooked
 
     def forget(self) -> None:
         """Makes the next `hooked` find the dicts again (a module or a hook
         dict of a layer may have been replaced)."""
         self._dicts = None
+
+
+def _tensor_hooks(param) -> int:
+    """How many gradient hooks (`register_hook`, `..._post_accumulate_grad_hook`) `param` has."""
+    return len(param._backward_hooks or ()) + len(param._post_accumulate_grad_hooks or ())
 
 
 def strip_hooks(template: nn.Module, replayed: Callable[[Callable], bool]) -> None:

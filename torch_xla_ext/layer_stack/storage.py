@@ -28,8 +28,8 @@ writes its slice. Three rules keep the views and the stack one:
 * `operands()`, what a scan reads: `stacked`, while the layers hold the
   Parameters and views put there; a call that swaps them
   (`torch.func.functional_call`, export's reparametrization) gets the stack
-  of what they hold. A tensor hook on a layer parameter, which the scan
-  would not run, is refused there (a ValueError naming it).
+  of what they hold. (A layer whose Parameters have tensor hooks runs as
+  itself: `addressed`.)
 """
 from __future__ import annotations
 
@@ -207,7 +207,6 @@ class LayerStorage:
                 continue
             stacked = self.stacked[name]
             if name in self.parameters:
-                _refuse_tensor_hooks(name, held)
                 wanted = any(param.requires_grad for param in held)
                 if stacked.requires_grad != wanted:
                     self._require_grad(stacked, name, wanted)
@@ -357,16 +356,6 @@ def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
         computed_now([empty])
         _EMPTY[key] = empty
     return _EMPTY[key]
-
-
-def _refuse_tensor_hooks(name: str, params: list[torch.Tensor]) -> None:
-    for index, param in enumerate(params):
-        if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
-            raise ValueError(
-                f"layer {index}'s parameter '{name}' has a tensor hook (register_hook or "
-                f"register_post_accumulate_grad_hook), which the scan over the stacked layers "
-                f"would not run: its gradient is computed as a slice of the stacked one. "
-                f"Remove the hook, or hook the gradient after the backward (its .grad).")
 
 
 def storage_of(param: torch.Tensor) -> tuple[LayerStorage, str, int] | None:
