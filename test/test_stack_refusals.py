@@ -15,8 +15,9 @@ from torch_xla_ext.hf import StackedLayers, UnstackedLayersWarning, stack_layers
 from torch_xla_ext.layer_stack import LayerStack, Refusal, StackedList, stacking_refusal
 
 SHARED_REASON = ("Layer 1 parameter '1.weight' is the same tensor as layer 0's '1.weight'; a "
-                 "LayerStack stores one copy per layer and would untie them. Give each layer "
-                 "its own parameters, or keep the shared one outside the layers.")
+                 "LayerStack stores one copy per layer and would untie them (a block several "
+                 "layers share is not supported yet). Give each layer its own parameters, or "
+                 "keep the shared one outside the layers.")
 
 
 def block(linear=None):
@@ -126,6 +127,19 @@ def test_stack_layers_reports_a_refusal_and_leaves_the_model_unchanged():
             "'mlp.up_proj.weight'; a LayerStack stores one copy per layer")):
         stack_layers(model)
     assert model.model.layers is layers
+
+
+def test_a_block_that_groups_of_layers_share_is_refused_naming_the_layers():
+    # Layers 2-5 repeat a group of two, whose first layer holds one block that
+    # all of them share (Zamba's hybrid layers): the refusal names layers, not groups.
+    shared = nn.Linear(4, 4)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(2)]
+    layers += [each for _ in range(2) for each in (block(shared), nn.Sequential(
+        nn.Linear(4, 4), nn.Linear(4, 4)))]
+    refusal = stacking_refusal(layers)
+    assert refusal.reason.startswith(
+        "layers 2-5 (2 groups of 2 layers): Layer 4 parameter '1.weight' is the same tensor as "
+        "layer 2's '1.weight'; a LayerStack stores one copy per layer")
 
 
 def test_a_refused_list_among_others_stays_with_a_warning():

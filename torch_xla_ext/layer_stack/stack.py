@@ -371,27 +371,36 @@ def checked_stack_options(who: str, *, partition_fn=save_everything, is_layer_pu
                 per_layer_attributes=frozenset(per_layer_attributes) | frozenset(ignored_attributes))
 
 
-def stackable_layers(layers: list, per_layer_attributes: frozenset[str], any_setting: bool
+def stackable_layers(layers: list, per_layer_attributes: frozenset[str], any_setting: bool,
+                     first: int = 0, period: int = 1
                      ) -> tuple[LayerLayout, dict[str, tuple], frozenset[str]] | Refusal:
     """What a `LayerStack` checks of its (non-empty) layers: what
     `alike.identical_layers` gives, or why the stack cannot hold them (layers
-    not alike, a parameter shared between two)."""
+    not alike, a parameter shared between two). `layers` are layers
+    `first`, ... of a list, or its groups of `period` layers from there (the
+    refusal names the list's layers)."""
     alike = identical_layers(layers, per_layer_attributes, any_setting)
     if isinstance(alike, Refusal):
         return alike
-    return _shared_parameter(layers) or alike
+    return _shared_parameter(layers, first, period) or alike
 
 
-def _shared_parameter(layers: list) -> Refusal | None:
+def _shared_parameter(layers: list, first: int, period: int) -> Refusal | None:
     """LayerStack gives each layer its own slice, which would untie shared parameters."""
     owners = {}
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters():
-            first_index, first_name = owners.setdefault(id(param), (index, name))
-            if first_index != index:
+            if period > 1:  # a group's "layers.<position>.<name>"
+                _, position, name = name.split(".", 2)
+                place = (first + index * period + int(position), name)
+            else:
+                place = (first + index, name)
+            first_index, first_place = owners.setdefault(id(param), (index, place))
+            if first_index != index:  # within a group, shared as the group's own
                 return Refusal(ValueError, (
-                    f"Layer {index} parameter '{name}' is the same tensor as layer "
-                    f"{first_index}'s '{first_name}'; a LayerStack stores one copy per layer "
-                    f"and would untie them. Give each layer its own parameters, or keep "
-                    f"the shared one outside the layers."))
+                    f"Layer {place[0]} parameter '{place[1]}' is the same tensor as layer "
+                    f"{first_place[0]}'s '{first_place[1]}'; a LayerStack stores one copy per "
+                    f"layer and would untie them (a block several layers share is not "
+                    f"supported yet). Give each layer its own parameters, or keep the shared "
+                    f"one outside the layers."))
     return None

@@ -440,7 +440,8 @@ def _split(layers: list, per_layer_attributes: frozenset[str]) -> _Split | Refus
                               for first in range(0, len(segment_layers), segment.period)]
         if not segment.single:
             checked = stackable_layers(segment_layers, per_layer_attributes,
-                                       any_setting=SegmentStack.keeps_differing_settings)
+                                       SegmentStack.keeps_differing_settings,
+                                       segment.start, segment.period)
             if isinstance(checked, Refusal):
                 return checked.within(str(segment))
         members.append(segment_layers)
