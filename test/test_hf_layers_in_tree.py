@@ -4,6 +4,7 @@ the stacked storage), so an optimizer made before converting, freezing a
 layer and per-layer param groups train as unconverted, while the layers
 still run as one scan (layer_stack.storage, layer_stack.stacked_steps)."""
 import copy
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch_xla
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import torch_xla_ext as tx
+from torch_xla_ext.layer_stack import alike
 from test_hf import batch, device, make_model  # noqa: F401 (a fixture)
 from tolerances import TRAINING, close
 
@@ -181,6 +183,31 @@ def test_a_setting_changed_on_one_layer_is_honoured_and_a_new_module_refused(dev
     model.model.layers[1].mlp.extra = torch.nn.Identity()
     with pytest.raises(ValueError, match="layer 1 of the stacked layers changed in structure"):
         logits_of(model, ids, mask)
+
+
+def calls_of(function, run) -> int:
+    """How many times `run()` calls `function` (a Python function)."""
+    code, count = function.__code__, [0]
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            count[0] += 1
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+def test_a_planned_call_reads_no_layouts_until_a_setting_changes(device):
+    ids, mask = batch(device)
+    model = tx.stack_layers(make_model(layers=4)).to(device)
+    logits_of(model, ids, mask)
+    assert calls_of(alike.layout_of, lambda: logits_of(model, ids, mask)) == 0
+    model.model.layers[0].self_attn.scaling = 0.05  # the template's setting, read again
+    assert calls_of(alike.layout_of, lambda: logits_of(model, ids, mask)) > 0
+    assert calls_of(alike.layout_of, lambda: logits_of(model, ids, mask)) == 0
 
 
 def test_a_gradient_of_a_layer_run_as_itself_joins_the_scans_and_survives_a_sync(device):

@@ -313,6 +313,11 @@ class LayerStack(nn.Module):
         return dict(partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
                     unroll=self.unroll, per_layer_attributes=tuple(sorted(self.per_layer_attributes)))
 
+    def layout_now(self, template: nn.Module | None = None) -> LayerLayout:
+        """The layout of `template` (default: the stack's own) as its
+        attributes are now, read again only when one changed."""
+        return self._layouts.of(self._template if template is None else template)
+
     def runner(self, first: int = 0, count: int | None = None, template: nn.Module | None = None,
                positions: int = 0) -> scan_runner.Layers:
         """Layers `first`, ..., `first + count - 1` (default: all) as the
@@ -329,7 +334,7 @@ class LayerStack(nn.Module):
             tensors = {name: tensor.view(count // positions, positions, *tensor.shape[1:])
                        for name, tensor in tensors.items()}
         return scan_runner.Layers(
-            template, self._layouts.of(template), tensors,
+            template, self.layout_now(template), tensors,
             per_layer_paths=tuple(sorted(
                 f"layers.{position}.{path}" if positions else path
                 for path in self.watched_paths for position in range(positions or 1))),

@@ -34,7 +34,7 @@ from torch_xla_ext.layer_stack import scan_runner, sharding, stacked_steps
 from torch_xla_ext.layer_stack.executor import scan_result
 from torch_xla_ext.layer_stack.addressed import HookWatch, RefusedEdits, strip_hooks
 from torch_xla_ext.layer_stack.alike import (
-    LayerLayout, Refusal, layer_kinds, layout_of, layouts_of, structure_difference, structure_key)
+    LayerLayout, Refusal, layer_kinds, layouts_of, structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.layer_settings import SettingsSnapshot, layouts_again
 from torch_xla_ext.layer_stack.owner_loops import (
@@ -361,7 +361,7 @@ class StackedList(RefusedEdits, nn.Module):
         stack = self.segments[number]
         copies = _KIND_TEMPLATES.setdefault(stack.template, {})
         key = ("group", tuple(self.kinds[start:start + period]),
-               layout_of(stack.template, 0).trace_key())
+               stack.layout_now().trace_key())
         if key not in copies:
             templates = []
             for index in range(start, start + period):
@@ -388,7 +388,7 @@ class StackedList(RefusedEdits, nn.Module):
         # The template's settings are in the key: a copy made before they changed
         # (peft switching adapters) is stale.
         kinds = (tuple(self.kinds[first:first + segment.period]),
-                 layout_of(stack.template, 0).trace_key(), self._settings_key)
+                 stack.layout_now().trace_key(), self._settings_key)
         if kinds not in copies:
             template = copy.deepcopy(stack.template)
             for path, values in stack.per_layer_values.items():
