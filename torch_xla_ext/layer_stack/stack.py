@@ -16,7 +16,7 @@ from torch_xla_ext.diagnostics import TorchXlaExtDeprecationWarning
 from torch_xla_ext.layer_stack import names, optimizer_state, scan_runner, sharding
 from torch_xla_ext.layer_stack.addressed import refusing_hooks
 from torch_xla_ext.layer_stack.alike import (
-    LayerLayout, Refusal, identical_layers, layer_tensors, layout_of)
+    LayerLayout, Refusal, identical_layers, layer_tensors)
 from torch_xla_ext.layer_stack.fakes import template_copy
 from torch_xla_ext.layer_stack.layer_settings import CurrentLayouts
 from torch_xla_ext.layer_stack.segments import Segment
