@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from support import greedy_tokens_of_both, supports
 from test_hf import VOCAB, device  # noqa: F401 (a fixture)
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
-from tolerances import THROUGH_LAYERS, close
+from tolerances import THROUGH_LAYERS, TRAINING, close, close_by_name
 from torch_xla_ext.hf import stack_layers
 from torch_xla_ext.hf.cache_plan import DYNAMIC_GRADIENTS_REASON, plan_cache_call
 from torch_xla_ext.layer_stack import LayerByLayerWarning
@@ -139,3 +139,35 @@ def test_a_cache_holding_alike_states_is_planned_as_a_scan_without_gradients(dev
         (3, *tensor.shape) for tensors in per_position for tensor in tensors]
     assert plan_cache_call(cache, "past_key_values", 6, 1, device, gradients=True,
                            period=2) == DYNAMIC_GRADIENTS_REASON
+
+
+def zamba_pair():
+    """A small Zamba (Mamba layers, and at layers 2 and 4 hybrid layers that
+    share one attention block), and a converted copy with the same weights."""
+    config = transformers.ZambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+        mamba_d_state=4, mamba_dt_rank=4, n_mamba_heads=1, use_cache=False)
+    torch.manual_seed(0)
+    reference = transformers.ZambaForCausalLM(config)
+    return reference, stack_layers(copy.deepcopy(reference))
+
+
+def test_a_block_the_hybrid_layers_share_stays_one_parameter_and_trains_in_the_scan(device):
+    reference, model = zamba_pair()
+    layers = model.model.layers
+    assert layers.plan == (Segment(0, 1, 2), Segment(2, 2, 2))  # then groups of (hybrid, Mamba)
+    step = training_step_of_both(reference, model, device)
+    assert not step["one_by_one"] and step["while_loops"] == 4  # two scans, each way
+    # The block stays one set of Parameters, through .to(device) too, with the sum
+    # of both layers' gradients. (On XLA, .to(device) unties the unconverted
+    # model's: its layers 2 and 4 then hold copies, each with its layer's gradient.)
+    shared = dict(layers[2].shared_transf.named_parameters())
+    assert all(param is dict(layers[4].shared_transf.named_parameters())[name]
+               for name, param in shared.items())
+    (reference_loss, reference_grads), (loss, grads) = step["reference"], step["model"]
+    close(loss, reference_loss, TRAINING)
+    for name in shared:
+        first, second = (f"model.layers.{index}.shared_transf.{name}" for index in (2, 4))
+        reference_grads[first] = reference_grads[first] + reference_grads.pop(second)
+    close_by_name(grads, reference_grads, TRAINING)

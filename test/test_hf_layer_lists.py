@@ -266,23 +266,19 @@ def test_a_path_stacks_that_list_only():
     assert type(model.get_submodule(VISION_LAYERS)) is StackedLayers
 
 
-# Why `share_a_parameter`'s list cannot be stacked: a stack would untie the parameter.
-SHARED = r"Layer 1 parameter 'mlp\.\S+' is the same tensor as layer 0's"
+# Why `checkpoint_one_layer`'s list cannot be stacked: a scan recomputes every layer or none.
+CHECKPOINTED = r"gradient checkpointing is enabled on the layers \[1\] of "
 
 
-def share_a_parameter(layers: nn.ModuleList) -> None:
-    """Gives layer 1's MLP layer 0's first parameter."""
-    name = next(name for name, _ in layers[0].mlp.named_parameters())
-    path, _, attribute = name.rpartition(".")
-    setattr(layers[1].mlp.get_submodule(path), attribute,
-            getattr(layers[0].mlp.get_submodule(path), attribute))
+def checkpoint_one_layer(layers: nn.ModuleList) -> None:
+    layers[1].gradient_checkpointing = True
 
 
 def test_a_list_that_cannot_be_stacked_stays_with_a_warning_and_the_others_are_stacked():
     model = llava()
-    share_a_parameter(model.get_submodule(VISION_LAYERS))
+    checkpoint_one_layer(model.get_submodule(VISION_LAYERS))
     with pytest.warns(UnstackedLayersWarning,
-                      match=rf"cannot stack the layers at '{VISION_LAYERS}': .*{SHARED}"
+                      match=rf"cannot stack the layers at '{VISION_LAYERS}': .*{CHECKPOINTED}"
                             rf".*they stay as they were"):
         stack_layers(model)
     assert type(model.get_submodule(VISION_LAYERS)) is nn.ModuleList
@@ -290,8 +286,8 @@ def test_a_list_that_cannot_be_stacked_stays_with_a_warning_and_the_others_are_s
 
     # Named by its path, the list is refused and the model is unchanged.
     model = llava()
-    share_a_parameter(model.get_submodule(VISION_LAYERS))
-    with pytest.raises(ValueError, match=SHARED):
+    checkpoint_one_layer(model.get_submodule(VISION_LAYERS))
+    with pytest.raises(ValueError, match=CHECKPOINTED):
         stack_layers(model, path=VISION_LAYERS)
     assert type(model.get_submodule(VISION_LAYERS)) is nn.ModuleList
     assert type(model.get_submodule(TEXT_LAYERS)) is nn.ModuleList
@@ -371,11 +367,11 @@ def test_a_list_with_no_two_neighbours_alike_says_each_layer_runs_as_itself(devi
 def test_a_model_whose_every_list_cannot_be_stacked_is_refused():
     model = llava()
     for path in (VISION_LAYERS, TEXT_LAYERS):
-        share_a_parameter(model.get_submodule(path))
+        checkpoint_one_layer(model.get_submodule(path))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnstackedLayersWarning)
         with pytest.raises(ValueError,
-                           match=rf"cannot stack the layers at '{VISION_LAYERS}': .*{SHARED}"):
+                           match=rf"cannot stack the layers at '{VISION_LAYERS}': .*{CHECKPOINTED}"):
             stack_layers(model)
     for path in (VISION_LAYERS, TEXT_LAYERS):
         assert type(model.get_submodule(path)) is nn.ModuleList

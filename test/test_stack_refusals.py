@@ -15,9 +15,9 @@ from torch_xla_ext.hf import StackedLayers, UnstackedLayersWarning, stack_layers
 from torch_xla_ext.layer_stack import LayerStack, Refusal, StackedList, stacking_refusal
 
 SHARED_REASON = ("Layer 1 parameter '1.weight' is the same tensor as layer 0's '1.weight'; a "
-                 "LayerStack stores one copy per layer and would untie them (a block several "
-                 "layers share is not supported yet). Give each layer its own parameters, or "
-                 "keep the shared one outside the layers.")
+                 "LayerStack stores one copy per layer and would untie them (a tensor every "
+                 "layer of the segment holds stays one, but not one some of them share). Give "
+                 "each layer its own parameters, or keep the shared one outside the layers.")
 
 
 def block(linear=None):
@@ -26,9 +26,10 @@ def block(linear=None):
 
 
 def sharing_blocks(count=3):
-    """Blocks whose second module is one Linear, shared by all."""
+    """Blocks whose second module is one Linear in the first two, each's own
+    in the others: a parameter that some of the layers share."""
     shared = nn.Linear(4, 4)
-    return [block(shared) for _ in range(count)]
+    return [block(shared if index < 2 else None) for index in range(count)]
 
 
 def closing_over_itself():
@@ -118,27 +119,29 @@ def test_an_error_while_making_a_stack_is_not_a_refusal(monkeypatch):
 
 
 def test_stack_layers_reports_a_refusal_and_leaves_the_model_unchanged():
-    model = llama()
+    model = llama(layers=3)
     layers = model.model.layers
     layers[1].mlp.up_proj.weight = layers[0].mlp.up_proj.weight
     with pytest.raises(ValueError, match=re.escape(
-            "stack_layers: cannot stack the layers at 'model.layers': layers 0-1 (2 layers): "
+            "stack_layers: cannot stack the layers at 'model.layers': layers 0-2 (3 layers): "
             "Layer 1 parameter 'mlp.up_proj.weight' is the same tensor as layer 0's "
             "'mlp.up_proj.weight'; a LayerStack stores one copy per layer")):
         stack_layers(model)
     assert model.model.layers is layers
 
 
-def test_a_block_that_groups_of_layers_share_is_refused_naming_the_layers():
-    # Layers 2-5 repeat a group of two, whose first layer holds one block that
-    # all of them share (Zamba's hybrid layers): the refusal names layers, not groups.
+def test_a_block_that_some_groups_of_layers_share_is_refused_naming_the_layers():
+    # Layers 2-7 repeat a group of two, whose first layer holds a block that
+    # the first two groups share: the refusal names layers, not groups. (A
+    # block every group holds stays one: test_hf_hybrid_patterns.py, Zamba.)
     shared = nn.Linear(4, 4)
     layers = [nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(2)]
-    layers += [each for _ in range(2) for each in (block(shared), nn.Sequential(
-        nn.Linear(4, 4), nn.Linear(4, 4)))]
+    layers += [each for group in range(3) for each in (block(shared if group < 2 else None),
+                                                       nn.Sequential(nn.Linear(4, 4),
+                                                                     nn.Linear(4, 4)))]
     refusal = stacking_refusal(layers)
     assert refusal.reason.startswith(
-        "layers 2-5 (2 groups of 2 layers): Layer 4 parameter '1.weight' is the same tensor as "
+        "layers 2-7 (3 groups of 2 layers): Layer 4 parameter '1.weight' is the same tensor as "
         "layer 2's '1.weight'; a LayerStack stores one copy per layer")
 
 

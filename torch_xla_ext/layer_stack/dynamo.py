@@ -154,6 +154,8 @@ def _traced_run(stack, run: Run, call) -> TracedRun | str:
     layers = stack.runner(run)
     if isinstance(layers, str):
         return layers
+    if layers.shared_tensors:
+        return "the layers share parameters, which the traced layer would capture"
     if layers.partition_fn is not save_everything or layers.unroll != 1 or (
             layers.unit_output is not None or layers.hooks_replayed):
         return (f"torch's scan operator has no place for the stack's partition_fn="

@@ -71,6 +71,10 @@ class Layers:
     # The Python numbers that differ between the layers, which the scan takes
     # per layer and each step puts in its layer's arithmetic (`lifted_numbers`).
     numbers: LiftedNumbers | None = None
+    # Parameters every layer holds as one tensor, by the template's name: the
+    # scan carries them unchanged, each step's layer reads them, and their
+    # gradient is the sum over the layers, as for one parameter used L times.
+    shared_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,8 +282,8 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                 if layers.numbers is not None:
                     xs["numbers"] = layers.numbers.stacked(device)
                 with traced_with(mappings):
-                    return stage(step, (entering(layers.unit_output, hidden), tensor_arguments,
-                                        handed), xs)
+                    return stage(step, (entering(layers.unit_output, hidden),
+                                        (tensor_arguments, layers.shared_tensors), handed), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
     read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads] + [
@@ -318,12 +322,13 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
     def run_one_layer(carry, x):
         # With a recording, the carry ends with the state tensors, and each
         # step also gets its layer's index.
-        hidden, tensor_arguments, handed, *with_state = carry
+        hidden, (tensor_arguments, shared), handed, *with_state = carry
         layer_tensors, index = x["tensors"], x.get("index")
         if positions:
             layer_tensors = {f"layers.{position}.{name}": tensor[position]
                              for name, tensor in layer_tensors.items()
                              for position in range(positions)}
+        layer_tensors = {**layer_tensors, **shared}
         leaves, filled = leaves_in_step(constants, tensor_arguments, handed,
                                         x.get("choices", ()), OpaqueValue(INDEX_ARGUMENT, reads))
         args, kwargs = tree_unflatten(leaves, spec)
@@ -358,7 +363,7 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
             found_when_traced["found"] = recording.found(given)
         output_leaves = tree_flatten(output)[0]
         handed = {number: output_leaves[number] for number in handed}
-        return ((hidden, tensor_arguments, handed, *with_state),
+        return ((hidden, (tensor_arguments, shared), handed, *with_state),
                 (recording.recorded(given) if recording else None, calls,
                  tuple(output_leaves[leaf] for leaf in kept)))
 

@@ -139,8 +139,12 @@ class LayerStack(nn.Module):
         lower_host_ops()  # layers' ops that torch_xla runs on the host cannot be traced
         if not layers:
             return
+        # Parameters that every layer holds as one tensor (a block they share),
+        # which a stack that stores in its layers keeps as it is.
+        self.shared_names = shared_parameters(layers) if self.stores_in_layers else frozenset()
         checked = stackable_layers(layers, self.per_layer_attributes,
-                                   any_setting=self.keeps_differing_settings)
+                                   any_setting=self.keeps_differing_settings,
+                                   shared=self.shared_names)
         if isinstance(checked, Refusal):
             raise checked.exception()
         layout, self.per_layer_values, self.watched_paths = checked
@@ -148,7 +152,8 @@ class LayerStack(nn.Module):
         self.training = layers[0].training
         if self.stores_in_layers:
             self.__dict__["members"] = layers
-            self.__dict__["storage"] = LayerStorage(layers, list(layout.tensors))
+            self.__dict__["storage"] = LayerStorage(
+                layers, [name for name in layout.tensors if name not in self.shared_names])
             return
         with torch.no_grad():
             per_layer = [layer_tensors(layer, layout.tensors) for layer in layers]
@@ -167,7 +172,8 @@ class LayerStack(nn.Module):
         """Reads the settings of the layers the stack stores in (`stores_in_layers`)
         again: layer 0's for the template, each layer's where they differ."""
         checked = stackable_layers(self.members, self.per_layer_attributes,
-                                   any_setting=self.keeps_differing_settings)
+                                   any_setting=self.keeps_differing_settings,
+                                   shared=self.shared_names)
         if isinstance(checked, Refusal):
             raise checked.exception()
         layout, self.per_layer_values, self.watched_paths = checked
@@ -277,10 +283,26 @@ class LayerStack(nn.Module):
             if copied and is_parameter:
                 piece = nn.Parameter(piece, requires_grad=tensor.requires_grad)
             (owner._parameters if is_parameter else owner._buffers)[local_name] = piece
+        for name, tensor in self.shared_tensors().items():
+            owner_path, _, local_name = name.rpartition(".")
+            layer.get_submodule(owner_path)._parameters[local_name] = tensor
         for path, values in self.per_layer_values.items():
             owner_path, _, name = path.rpartition(".")
             setattr(layer.get_submodule(owner_path), name, values[index])
         return layer
+
+    def shared_tensors(self) -> dict[str, torch.Tensor]:
+        """The parameters every layer holds as one tensor, by name."""
+        return {name: self.members[0].get_parameter(name) for name in self.shared_names}
+
+    def tie_shared(self) -> None:
+        """Gives every layer the first layer's Parameter under each shared
+        name again: moving a model to an XLA device makes a Parameter per
+        module that holds it (torch_xla 2.9), which would untie them."""
+        for name, param in self.shared_tensors().items():
+            owner_path, _, local_name = name.rpartition(".")
+            for member in self.members[1:]:
+                member.get_submodule(owner_path)._parameters[local_name] = param
 
     def __iter__(self):
         return (self[index] for index in range(len(self)))
@@ -330,9 +352,12 @@ class LayerStack(nn.Module):
         if (first, count) != (0, len(self)):
             tensors = {name: tensor[first:first + count] for name, tensor in tensors.items()}
         template = self._template if template is None else template
+        shared = self.shared_tensors()
         if positions:
             tensors = {name: tensor.view(count // positions, positions, *tensor.shape[1:])
                        for name, tensor in tensors.items()}
+            shared = {f"layers.{position}.{name}": tensor for name, tensor in shared.items()
+                      for position in range(positions)}
         return scan_runner.Layers(
             template, self.layout_now(template), tensors,
             per_layer_paths=tuple(sorted(
@@ -340,7 +365,8 @@ class LayerStack(nn.Module):
                 for path in self.watched_paths for position in range(positions or 1))),
             layer_at=lambda index: self.layer(first + index), num_layers=count // (positions or 1),
             drop_in=False, partition_fn=self.partition_fn, is_layer_pure=self.is_layer_pure,
-            unroll=self.unroll, positions=positions, unit_output=self.unit_output)
+            unroll=self.unroll, positions=positions, unit_output=self.unit_output,
+            shared_tensors=shared)
 
     def extra_repr(self) -> str:
         layer_type = type(self._template).__name__ if self._template is not None else "-"
@@ -377,24 +403,39 @@ def checked_stack_options(who: str, *, partition_fn=save_everything, is_layer_pu
 
 
 def stackable_layers(layers: list, per_layer_attributes: frozenset[str], any_setting: bool,
-                     first: int = 0, period: int = 1
+                     first: int = 0, period: int = 1, shared: frozenset[str] = frozenset()
                      ) -> tuple[LayerLayout, dict[str, tuple], frozenset[str]] | Refusal:
     """What a `LayerStack` checks of its (non-empty) layers: what
     `alike.identical_layers` gives, or why the stack cannot hold them (layers
-    not alike, a parameter shared between two). `layers` are layers
-    `first`, ... of a list, or its groups of `period` layers from there (the
-    refusal names the list's layers)."""
+    not alike, a parameter shared between two, unless every layer holds it
+    under a name in `shared`). `layers` are layers `first`, ... of a list, or
+    its groups of `period` layers from there (the refusal names the list's
+    layers)."""
     alike = identical_layers(layers, per_layer_attributes, any_setting)
     if isinstance(alike, Refusal):
         return alike
-    return _shared_parameter(layers, first, period) or alike
+    return _shared_parameter(layers, first, period, shared) or alike
 
 
-def _shared_parameter(layers: list, first: int, period: int) -> Refusal | None:
+def shared_parameters(layers: list) -> frozenset[str]:
+    """The names under which every one of several layers holds the same
+    Parameter (a block they share)."""
+    if len(layers) < 2:
+        return frozenset()
+    first = dict(layers[0].named_parameters())
+    return frozenset(name for name, param in first.items()
+                     if all(dict(layer.named_parameters()).get(name) is param
+                            for layer in layers[1:]))
+
+
+def _shared_parameter(layers: list, first: int, period: int, shared: frozenset[str]
+                      ) -> Refusal | None:
     """LayerStack gives each layer its own slice, which would untie shared parameters."""
     owners = {}
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters():
+            if name in shared:
+                continue
             if period > 1:  # a group's "layers.<position>.<name>"
                 _, position, name = name.split(".", 2)
                 place = (first + index * period + int(position), name)
@@ -405,7 +446,7 @@ def _shared_parameter(layers: list, first: int, period: int) -> Refusal | None:
                 return Refusal(ValueError, (
                     f"Layer {place[0]} parameter '{place[1]}' is the same tensor as layer "
                     f"{first_place[0]}'s '{first_place[1]}'; a LayerStack stores one copy per "
-                    f"layer and would untie them (a block several layers share is not "
-                    f"supported yet). Give each layer its own parameters, or keep the shared "
-                    f"one outside the layers."))
+                    f"layer and would untie them (a tensor every layer of the segment holds "
+                    f"stays one, but not one some of them share). Give each layer its own "
+                    f"parameters, or keep the shared one outside the layers."))
     return None

@@ -41,7 +41,8 @@ from torch_xla_ext.layer_stack.owner_loops import (
     TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import Segment, plan_segments
-from torch_xla_ext.layer_stack.stack import LayerStack, checked_stack_options, stackable_layers
+from torch_xla_ext.layer_stack.stack import (LayerStack, checked_stack_options,
+                                             shared_parameters, stackable_layers)
 from torch_xla_ext.policies import save_everything
 
 __all__ = ["LayerGroup", "SegmentStack", "StackedList", "stacking_refusal"]
@@ -170,6 +171,7 @@ class StackedList(RefusedEdits, nn.Module):
         super()._apply(fn, recurse)
         for stack in self.stacks():  # the layers' tensors moved or cast: stacked again
             stack.storage.restacked()
+            stack.tie_shared()
         return self
 
     def train(self, mode: bool = True) -> "StackedList":
@@ -188,13 +190,9 @@ class StackedList(RefusedEdits, nn.Module):
         stacks = self.stacks()
         return stacks[0].stack_options() if stacks else dict(self.options)
 
-    @property
-    def partition_fn(self):
-        return self.stack_options().get("partition_fn", save_everything)
-
-    @property
-    def unroll(self):
-        return self.stack_options().get("unroll", 1)
+    partition_fn = property(lambda self: self.stack_options().get("partition_fn",
+                                                                  save_everything))
+    unroll = property(lambda self: self.stack_options().get("unroll", 1))
 
     def __len__(self) -> int:
         return self.plan[-1].stop if self.plan else 0
@@ -440,8 +438,8 @@ def _split(layers: list, per_layer_attributes: frozenset[str]) -> _Split | Refus
                               for first in range(0, len(segment_layers), segment.period)]
         if not segment.single:
             checked = stackable_layers(segment_layers, per_layer_attributes,
-                                       SegmentStack.keeps_differing_settings,
-                                       segment.start, segment.period)
+                                       SegmentStack.keeps_differing_settings, segment.start,
+                                       segment.period, shared_parameters(segment_layers))
             if isinstance(checked, Refusal):
                 return checked.within(str(segment))
         members.append(segment_layers)
