@@ -128,6 +128,18 @@ def test_per_layer_outputs_the_forward_keeps_are_planned_from_the_scan(device):
     assert "`return torch.stack(outputs)`" in next(iter(record.used.values()))
 
 
+def test_per_layer_outputs_of_a_scan_over_groups_are_planned_one_by_one_saying_why(device):
+    # A scan over groups hands back each group's last hidden state only: the
+    # plan says so, before anything is traced.
+    owner = KeepsOutputs(Block, Wide, Block, Wide).to(device)
+    assert owner.blocks.plan[0].period == 2
+    plan, _ = planned(owner, torch.randn(2, HIDDEN, device=device))
+    (run,) = plan.runs
+    assert run.how == "one by one" and run.reason == (
+        "the forward keeps each layer's output, and the scan over groups of layers stacks the "
+        "groups' last hidden states only")
+
+
 class Aux(Block):
     def forward(self, x, scale):
         return self.linear(self.norm(x)), scale, 3, self.norm(x)

@@ -143,8 +143,6 @@ class StackedLayers(StackedList):
 
     def scan_run(self, run, hidden, args: tuple, kwargs: dict):
         layers = self.runner(run)
-        if isinstance(layers, str):
-            return layers
         calls = kwargs["calls"] if run.period > 1 else ((args, kwargs),)
         layers = dataclasses.replace(
             checkpointing.under_policy(self, layers),

@@ -152,8 +152,6 @@ def _traced_run(stack, run: Run, call) -> TracedRun | str:
     if call is None or any(leaf.kind != "shared" for leaf in run.leaves[0][1:]):
         return "the layers are given arguments that differ between them"
     layers = stack.runner(run)
-    if isinstance(layers, str):
-        return layers
     if layers.shared_tensors:
         return "the layers share parameters, which the traced layer would capture"
     if layers.partition_fn is not save_everything or layers.unroll != 1 or (

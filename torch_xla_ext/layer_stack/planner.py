@@ -347,6 +347,10 @@ def _run(calls: list[RecordedCall], number: int, period: int, record: CallRecord
         leaf.choice.index(variant) * period + position
         for position, position_leaves in enumerate(leaves)
         for leaf in position_leaves if leaf.kind == "chosen" for variant in set(leaf.choice)])
+    if any(kept) and period > 1:
+        return Run(first, last, number, ONE_BY_ONE,
+                   "the forward keeps each layer's output, and the scan over groups of layers "
+                   "stacks the groups' last hidden states only")
     if any(kept) and trigger > first:
         return Run(first, last, number, ONE_BY_ONE,
                    "the forward keeps each layer's output, and the layers' arguments are only "

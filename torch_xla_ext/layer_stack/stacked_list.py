@@ -327,22 +327,15 @@ class StackedList(RefusedEdits, nn.Module):
         position's): an `executor.ScanResult`, or why it cannot (a str),
         before anything ran. A subclass may run calls with arguments a scan
         cannot take as they are (a key/value cache) otherwise."""
-        layers = self.runner(run)
-        if isinstance(layers, str):
-            return layers
-        return scan_result(run, scan_runner.attempt(layers, hidden, args, kwargs))
+        return scan_result(run, scan_runner.attempt(self.runner(run), hidden, args, kwargs))
 
-    def runner(self, run) -> scan_runner.Layers | str:
-        """The layers of `run` as the runners take them: run by a template
-        with the settings of the run's first layer (each group's positions
-        by theirs; a run of groups of layers that one segment stores one by
-        one, by a group of the positions' templates), with the numbers the
-        run's layers differ in (`Run.numbers`). Or why they cannot
-        share one scan (a str)."""
+    def runner(self, run) -> scan_runner.Layers:
+        """The layers of `run` (a scan of the plan) as the runners take them:
+        run by a template with the settings of the run's first layer (each
+        group's positions by theirs; a run of groups of layers that one
+        segment stores one by one, by a group of the positions' templates),
+        with the numbers the run's layers differ in (`Run.numbers`)."""
         segment, stack = self.plan[run.segment], self.segments[run.segment]
-        if run.period > 1 and any(run.kept):
-            return ("the forward keeps each layer's output, and the scan over groups of layers "
-                    "stacks the groups' last hidden states only")
         first, count = (run.start - segment.start) // segment.period, \
             (run.stop - run.start) // segment.period
         if run.period > segment.period:  # groups of layers of several kinds
