@@ -33,6 +33,14 @@ def recorder(seen: list, registration: str):
     }[registration]
 
 
+def converted_llama():
+    """A small Llama and a converted copy of it, both on the device, and a batch of ids."""
+    device = torch_xla.device()
+    reference = make_model().to(device)
+    model = tx.stack_layers(make_model()).to(device)
+    return reference, model, batch(device)[0]
+
+
 REGISTRATIONS = ("register_forward_hook", "register_forward_pre_hook",
                  "register_full_backward_hook", "register_full_backward_pre_hook")
 
@@ -41,10 +49,7 @@ REGISTRATIONS = ("register_forward_hook", "register_forward_pre_hook",
 @pytest.mark.parametrize("where", ["model.layers.3", "model.layers.1.mlp"])
 def test_a_hook_on_a_converted_layer_or_its_submodule_runs_with_its_values(registration,
                                                                             where):
-    device = torch_xla.device()
-    reference = make_model().to(device)
-    model = tx.stack_layers(make_model()).to(device)
-    ids, _ = batch(device)
+    reference, model, ids = converted_llama()
     seen = {}
     handles = [each.get_submodule(where).__getattribute__(registration)(
         recorder(seen.setdefault(name, []), registration))
@@ -73,10 +78,7 @@ def hlo_whiles(model: nn.Module, ids) -> int:
 
 @pytest.mark.parametrize("registration", ["register_hook", "register_post_accumulate_grad_hook"])
 def test_a_tensor_hook_on_a_layers_parameter_runs_with_its_gradient(registration):
-    device = torch_xla.device()
-    reference = make_model().to(device)
-    model = tx.stack_layers(make_model()).to(device)
-    ids, _ = batch(device)
+    reference, model, ids = converted_llama()
     seen = {}
     for name, each in (("reference", reference), ("converted", model)):
         weight = each.model.layers[2].self_attn.q_proj.weight
@@ -93,10 +95,7 @@ def test_a_tensor_hook_on_a_layers_parameter_runs_with_its_gradient(registration
 
 def test_hooks_on_every_layer_run_each_layer_as_itself_as_often_as_unconverted():
     # transformers' gradient-checkpointing tests count a layer's calls by a hook on each.
-    device = torch_xla.device()
-    reference = make_model().to(device)
-    model = tx.stack_layers(make_model()).to(device)
-    ids, _ = batch(device)
+    reference, model, ids = converted_llama()
     counts = {}
     for name, each in (("reference", reference), ("converted", model)):
         for layer in each.model.layers:

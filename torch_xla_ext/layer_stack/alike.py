@@ -1,7 +1,9 @@
 """What makes layers alike: each layer's layout (submodule types, tensor specs,
 settings), the check that every layer shares layer 0's, its messages, and
-layers' kinds. What keeps layers from being stacked is a value, a `Refusal`,
-which a constructor raises (`refusal.exception()`) and `stack_layers` reports."""
+layers' kinds; whether a Parameter is shared between layers (one that every
+layer holds stays one: `shared_parameters`). What keeps layers from being
+stacked is a value, a `Refusal`, which a constructor raises
+(`refusal.exception()`) and `stack_layers` reports."""
 from __future__ import annotations
 
 import dataclasses
@@ -323,3 +325,52 @@ def layer_tensors(layer: nn.Module, names: Iterable[str]) -> dict[str, torch.Ten
     tensors = dict(layer.named_parameters(remove_duplicate=False))
     tensors.update(layer.named_buffers(remove_duplicate=False))
     return {name: tensors[name] for name in names}
+
+
+def stackable_layers(layers: list, per_layer_attributes: frozenset[str], any_setting: bool,
+                     first: int = 0, period: int = 1, shared: frozenset[str] = frozenset()
+                     ) -> tuple[LayerLayout, dict[str, tuple], frozenset[str]] | Refusal:
+    """What a `LayerStack` checks of its (non-empty) layers: what
+    `alike.identical_layers` gives, or why the stack cannot hold them (layers
+    not alike, a parameter shared between two, unless every layer holds it
+    under a name in `shared`). `layers` are layers `first`, ... of a list, or
+    its groups of `period` layers from there (the refusal names the list's
+    layers)."""
+    alike = identical_layers(layers, per_layer_attributes, any_setting)
+    if isinstance(alike, Refusal):
+        return alike
+    return _shared_parameter(layers, first, period, shared) or alike
+
+
+def shared_parameters(layers: list) -> frozenset[str]:
+    """The names under which every one of several layers holds the same
+    Parameter (a block they share)."""
+    if len(layers) < 2:
+        return frozenset()
+    first, *others = (dict(layer.named_parameters()) for layer in layers)
+    return frozenset(name for name, param in first.items()
+                     if all(other.get(name) is param for other in others))
+
+
+def _shared_parameter(layers: list, first: int, period: int, shared: frozenset[str]
+                      ) -> Refusal | None:
+    """LayerStack gives each layer its own slice, which would untie shared parameters."""
+    owners = {}
+    for index, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            if name in shared:
+                continue
+            if period > 1:  # a group's "layers.<position>.<name>"
+                _, position, name = name.split(".", 2)
+                place = (first + index * period + int(position), name)
+            else:
+                place = (first + index, name)
+            first_index, first_place = owners.setdefault(id(param), (index, place))
+            if first_index != index:  # within a group, shared as the group's own
+                return Refusal(ValueError, (
+                    f"Layer {place[0]} parameter '{place[1]}' is the same tensor as layer "
+                    f"{first_place[0]}'s '{first_place[1]}'; a LayerStack stores one copy per "
+                    f"layer and would untie them (a tensor every layer of the segment holds "
+                    f"stays one, but not one some of them share). Give each layer its own "
+                    f"parameters, or keep the shared one outside the layers."))
+    return None

@@ -16,7 +16,7 @@ from torch_xla_ext.diagnostics import TorchXlaExtDeprecationWarning
 from torch_xla_ext.layer_stack import names, optimizer_state, scan_runner, sharding
 from torch_xla_ext.layer_stack.addressed import refusing_hooks
 from torch_xla_ext.layer_stack.alike import (
-    LayerLayout, Refusal, identical_layers, layer_tensors)
+    LayerLayout, Refusal, layer_tensors, shared_parameters, stackable_layers)
 from torch_xla_ext.layer_stack.fakes import template_copy
 from torch_xla_ext.layer_stack.layer_settings import CurrentLayouts
 from torch_xla_ext.layer_stack.segments import Segment
@@ -283,9 +283,8 @@ class LayerStack(nn.Module):
             if copied and is_parameter:
                 piece = nn.Parameter(piece, requires_grad=tensor.requires_grad)
             (owner._parameters if is_parameter else owner._buffers)[local_name] = piece
-        for name, tensor in self.shared_tensors().items():
-            owner_path, _, local_name = name.rpartition(".")
-            layer.get_submodule(owner_path)._parameters[local_name] = tensor
+        for name, param in self.shared_tensors().items():
+            _put_parameter(layer, name, param)
         for path, values in self.per_layer_values.items():
             owner_path, _, name = path.rpartition(".")
             setattr(layer.get_submodule(owner_path), name, values[index])
@@ -300,9 +299,8 @@ class LayerStack(nn.Module):
         name again: moving a model to an XLA device makes a Parameter per
         module that holds it (torch_xla 2.9), which would untie them."""
         for name, param in self.shared_tensors().items():
-            owner_path, _, local_name = name.rpartition(".")
             for member in self.members[1:]:
-                member.get_submodule(owner_path)._parameters[local_name] = param
+                _put_parameter(member, name, param)
 
     def __iter__(self):
         return (self[index] for index in range(len(self)))
@@ -373,6 +371,12 @@ class LayerStack(nn.Module):
         return f"num_layers={len(self)}, layer={layer_type}"
 
 
+def _put_parameter(module: nn.Module, name: str, param: torch.Tensor) -> None:
+    """Puts `param` under `name` ('path.attribute') in `module`, as it is."""
+    owner_path, _, local_name = name.rpartition(".")
+    module.get_submodule(owner_path)._parameters[local_name] = param
+
+
 def _saved_per_layer(stack: LayerStack, state_dict, prefix: str, local_metadata) -> None:
     names.save_per_layer(stack.names, state_dict, prefix)
     names.per_layer_metadata(stack.names, state_dict, prefix)
@@ -400,53 +404,3 @@ def checked_stack_options(who: str, *, partition_fn=save_everything, is_layer_pu
     return dict(partition_fn=resolve_policy(partition_fn, who), is_layer_pure=is_layer_pure,
                 unroll=check_unroll(unroll, who),
                 per_layer_attributes=frozenset(per_layer_attributes) | frozenset(ignored_attributes))
-
-
-def stackable_layers(layers: list, per_layer_attributes: frozenset[str], any_setting: bool,
-                     first: int = 0, period: int = 1, shared: frozenset[str] = frozenset()
-                     ) -> tuple[LayerLayout, dict[str, tuple], frozenset[str]] | Refusal:
-    """What a `LayerStack` checks of its (non-empty) layers: what
-    `alike.identical_layers` gives, or why the stack cannot hold them (layers
-    not alike, a parameter shared between two, unless every layer holds it
-    under a name in `shared`). `layers` are layers `first`, ... of a list, or
-    its groups of `period` layers from there (the refusal names the list's
-    layers)."""
-    alike = identical_layers(layers, per_layer_attributes, any_setting)
-    if isinstance(alike, Refusal):
-        return alike
-    return _shared_parameter(layers, first, period, shared) or alike
-
-
-def shared_parameters(layers: list) -> frozenset[str]:
-    """The names under which every one of several layers holds the same
-    Parameter (a block they share)."""
-    if len(layers) < 2:
-        return frozenset()
-    first = dict(layers[0].named_parameters())
-    return frozenset(name for name, param in first.items()
-                     if all(dict(layer.named_parameters()).get(name) is param
-                            for layer in layers[1:]))
-
-
-def _shared_parameter(layers: list, first: int, period: int, shared: frozenset[str]
-                      ) -> Refusal | None:
-    """LayerStack gives each layer its own slice, which would untie shared parameters."""
-    owners = {}
-    for index, layer in enumerate(layers):
-        for name, param in layer.named_parameters():
-            if name in shared:
-                continue
-            if period > 1:  # a group's "layers.<position>.<name>"
-                _, position, name = name.split(".", 2)
-                place = (first + index * period + int(position), name)
-            else:
-                place = (first + index, name)
-            first_index, first_place = owners.setdefault(id(param), (index, place))
-            if first_index != index:  # within a group, shared as the group's own
-                return Refusal(ValueError, (
-                    f"Layer {place[0]} parameter '{place[1]}' is the same tensor as layer "
-                    f"{first_place[0]}'s '{first_place[1]}'; a LayerStack stores one copy per "
-                    f"layer and would untie them (a tensor every layer of the segment holds "
-                    f"stays one, but not one some of them share). Give each layer its own "
-                    f"parameters, or keep the shared one outside the layers."))
-    return None

@@ -34,15 +34,15 @@ from torch_xla_ext.layer_stack import scan_runner, sharding, stacked_steps
 from torch_xla_ext.layer_stack.executor import scan_result
 from torch_xla_ext.layer_stack.addressed import HookWatch, RefusedEdits, strip_hooks
 from torch_xla_ext.layer_stack.alike import (
-    LayerLayout, Refusal, layer_kinds, layouts_of, structure_difference, structure_key)
+    LayerLayout, Refusal, layer_kinds, layouts_of, shared_parameters, stackable_layers,
+    structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.layer_settings import SettingsSnapshot, layouts_again
 from torch_xla_ext.layer_stack.owner_loops import (
     TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import Segment, plan_segments
-from torch_xla_ext.layer_stack.stack import (LayerStack, checked_stack_options,
-                                             shared_parameters, stackable_layers)
+from torch_xla_ext.layer_stack.stack import LayerStack, checked_stack_options
 from torch_xla_ext.policies import save_everything
 
 __all__ = ["LayerGroup", "SegmentStack", "StackedList", "stacking_refusal"]
@@ -418,7 +418,7 @@ class _Split:
 
 def _split(layers: list, per_layer_attributes: frozenset[str]) -> _Split | Refusal:
     """`layers` split into segments, each segment's stack checked as its
-    constructor checks it (`stack.stackable_layers`); or the first refusal."""
+    constructor checks it (`alike.stackable_layers`); or the first refusal."""
     layouts = layouts_of(layers)
     if isinstance(layouts, Refusal):
         return layouts
