@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from torch_xla_ext.layer_stack import LayerByLayerWarning, LayerStack
 from torch_xla_ext.layer_stack.kinds import (
-    PerLayerChoice, call_for_layer, is_choice, program_of, same_leaf)
+    PerLayerChoice, call_for_layer, program_of, same_leaf)
 from tolerances import DTYPE_DEFAULT, THROUGH_LAYERS, close
 
 HIDDEN = 8
@@ -95,7 +95,6 @@ def test_variants_a_scan_cannot_pick_among_run_layer_by_layer(device):
 def test_a_layers_call_takes_its_variant_of_each_choice():
     first, second = torch.ones(1), torch.zeros(1)
     choice = PerLayerChoice((first, second), (0, 1, 1, 0))
-    assert is_choice(choice) and not is_choice(first)
     assert [choice.for_layer(index) is (first, second)[which]
             for index, which in enumerate((0, 1, 1, 0))] == [True] * 4
     # Anywhere in the call's arguments, nested or not; the rest as it is.

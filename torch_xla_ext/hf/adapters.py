@@ -6,7 +6,7 @@ themselves: saving an adapter, reading its status and picking its state
 dict entries need nothing of ours, nor does switching adapters on and off
 (`disable_adapter()`, `enable_adapter_layers`, `set_adapter`): peft sets
 the layers' own modules, whose settings the stacks read again at the next
-call (`layer_stack.layer_settings`). Adding or loading an adapter and
+call (`layer_stack.addressed`). Adding or loading an adapter and
 merging, dropping or deleting adapters change the layers' structure, which
 the stacks must follow; so the first `stack_layers` call in a process where
 peft is installed wraps them, for a model that holds a stack (any other

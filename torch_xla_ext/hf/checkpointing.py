@@ -117,10 +117,8 @@ def runnable_on(layer: nn.Module, device: torch.device):
 
 def under_policy(stack: nn.Module, layers: Layers) -> Layers:
     """`layers` (the stack's, or a segment's, as the runners take them) under
-    the policy of this call of `stack`: `save_nothing` while the stack trains
-    with gradient checkpointing enabled, else their own."""
-    if not (stack.gradient_checkpointing and stack.training):
-        return layers
+    the policy of a call of `stack` training with gradient checkpointing
+    enabled: `save_nothing`."""
     _warn_unhonoured(stack._gradient_checkpointing_func)
     return dataclasses.replace(layers, partition_fn=save_nothing)
 

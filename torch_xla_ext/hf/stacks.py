@@ -40,7 +40,7 @@ from torch_xla_ext.hf.caches import is_cache, keeping_all
 from torch_xla_ext.hf.discovery import is_capture_hook
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
 from torch_xla_ext.layer_stack import (
-    PerLayerChoice, SegmentStack, StackedList, attempt, attempt_recording, is_choice, scan_result)
+    PerLayerChoice, SegmentStack, StackedList, attempt, attempt_recording, scan_result)
 
 __all__ = ["PER_LAYER_OUTPUTS", "StackedLayers", "any_standing", "retire"]
 
@@ -99,6 +99,9 @@ class StackedLayers(StackedList):
                                   segment.period, config)
         self.gradient_checkpointing, self._gradient_checkpointing_func = (
             checkpointing.taken_from(templates))
+        # Found once: which implementation they run is read at every call.
+        self.experts = tuple(module for stored in self.segments for module in experts_modules(
+            stored.template if isinstance(stored, SegmentStack) else stored))
         _standing.add(self)
 
     def __setstate__(self, state) -> None:
@@ -120,10 +123,7 @@ class StackedLayers(StackedList):
         return checkpointing.given_to(super().unstacked(), self)
 
     def unscannable(self) -> str | None:
-        return experts_reason(tuple(
-            module for stored in self.segments
-            for module in experts_modules(stored.template if isinstance(stored, SegmentStack)
-                                          else stored)))
+        return experts_reason(self.experts) if self.experts else None
 
     def as_traced(self, leaves: list) -> list:
         """A key/value cache as one whose sliding-window layers are full-attention
@@ -144,9 +144,10 @@ class StackedLayers(StackedList):
     def scan_run(self, run, hidden, args: tuple, kwargs: dict):
         layers = self.runner(run)
         calls = kwargs["calls"] if run.period > 1 else ((args, kwargs),)
+        if self.gradient_checkpointing and self.training:
+            layers = checkpointing.under_policy(self, layers)
         layers = dataclasses.replace(
-            checkpointing.under_policy(self, layers),
-            hooks_replayed=_replays_per_layer_outputs(self, calls[-1][1]))
+            layers, hooks_replayed=_replays_per_layer_outputs(self, calls[-1][1]))
         calls = tuple(_explicit_attention_masks(args, kwargs, self.model_config, layers.template)
                       for args, kwargs in calls)
         caches = {id(leaf): leaf for leaf in tree_flatten(calls)[0] if is_cache(leaf)}
@@ -227,7 +228,7 @@ def _explicit_attention_masks(args: tuple, kwargs: dict, config, template: nn.Mo
     tokens (no cache, or an empty DynamicCache), so that the masks span the
     same keys; other calls, and other attention implementations, keep theirs."""
     mask = kwargs.get("attention_mask")
-    if not (is_choice(mask) and any(each is None for each in mask.variants)):
+    if not (isinstance(mask, PerLayerChoice) and any(each is None for each in mask.variants)):
         return args, kwargs
     given = next((each for each in mask.variants if isinstance(each, torch.Tensor)), None)
     implementation = getattr(config, "_attn_implementation", None)

@@ -63,9 +63,9 @@ The modules, one job each:
   list, without building it), `storage` (a segment's tensors stored once,
   stacked, the layers' own Parameters views of their slices),
   `stacked_steps` (an optimizer's step of a whole stacked tensor),
-  `layer_settings` (whether a layer's settings changed since they were
-  read), `addressed` (a layer with module hooks of its own runs as itself;
-  a LayerStack's items refuse hooks; edits of the list refused),
+  `addressed` (what code outside the forward does to a layer: a setting
+  changed is read again, a layer with hooks of its own runs as itself, a
+  LayerStack's items refuse hooks, edits of the list are refused),
   `names` (the one map between stored and
   per-layer names: state dicts, optimizer state), `optimizer_state`
   (optimizer state dicts saved and loaded in the unconverted layout);
@@ -86,7 +86,7 @@ The modules, one job each:
 from torch_xla_ext.layer_stack.alike import Refusal
 from torch_xla_ext.layer_stack.executor import ScanResult, scan_result
 from torch_xla_ext.layer_stack.exporting import ExportWarning
-from torch_xla_ext.layer_stack.kinds import PerLayerChoice, is_choice
+from torch_xla_ext.layer_stack.kinds import PerLayerChoice
 from torch_xla_ext.layer_stack.layer_list import scan_layers
 from torch_xla_ext.layer_stack.owner_loops import drive_loops, loop_names, undrive_loops
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES, OpaqueValue
@@ -104,6 +104,6 @@ __all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "GraphBreakWarning",
            "LayerByLayerWarning", "LayerGroup", "LayerStack", "Layers", "OpaqueValue", "OwnerPlans",
            "PerLayerChoice", "Recording", "Refusal", "ScanResult", "SegmentStack",
            "ShardingWarning", "StackedList", "attempt", "attempt_recording",
-           "checked_stack_options", "device_reason", "drive_loops", "is_choice", "loop_names",
+           "checked_stack_options", "device_reason", "drive_loops", "loop_names",
            "scan_layers", "scan_result", "stacking_refusal", "trace_loops_in_dynamo",
            "undrive_loops", "warn_layer_by_layer"]

@@ -7,6 +7,7 @@ stacked is a value, a `Refusal`, which a constructor raises
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterable
 
 import torch
@@ -74,8 +75,10 @@ class LayerLayout:
     # layer share; None if none does.
     refusal: Refusal | None
 
+    @functools.cached_property
     def trace_key(self) -> tuple:
-        """The part of the layout that decides what a trace of the layer computes."""
+        """The part of the layout that decides what a trace of the layer
+        computes (made once: a planned call asks it at every scan)."""
         return tuple(self.modules.items()), tuple(self.settings.items())
 
 

@@ -74,7 +74,7 @@ class Execution:
         self.warned: set = set()  # the runs (None: the whole call) warned of
 
     def call(self, index: int, args: tuple, kwargs: dict):
-        run = self.plan.run_of(index)
+        run = self.plan.run_at.get(index)
         if run is None or run.how != SCAN:
             reason = self.plan.reason if run is None else run.reason
             if reason is not None and run not in self.warned:
@@ -148,7 +148,7 @@ class Execution:
             if first is None or first == group:
                 continue
             expected = state.calls[first * run.period + position][0][number]
-            if not same_leaf(leaves[number], expected):
+            if leaves[number] is not expected and not same_leaf(leaves[number], expected):
                 raise ValueError(
                     f"layer {index} is called with another argument (leaf {number} of its "
                     f"arguments) than layer {run.start + first * run.period + position}, which "

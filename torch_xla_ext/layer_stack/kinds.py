@@ -32,7 +32,7 @@ from torch_xla_ext.layer_stack.lifted_numbers import LiftedNumbers, Number, Numb
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 from torch_xla_ext.object_graph import VALUE_TYPES
 
-__all__ = ["PerLayerChoice", "call_for_layer", "hidden_of", "is_choice", "program_of", "same_leaf"]
+__all__ = ["PerLayerChoice", "call_for_layer", "hidden_of", "program_of", "same_leaf"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +48,9 @@ class PerLayerChoice:
         return self.variants[self.choice[index]]
 
 
-def is_choice(leaf) -> bool:
-    return isinstance(leaf, PerLayerChoice)
-
-
 def for_layer(tree, index: int):
     """`tree` with each PerLayerChoice replaced by layer `index`'s variant."""
-    return tree_map(lambda leaf: leaf.for_layer(index) if is_choice(leaf) else leaf, tree)
+    return tree_map(lambda leaf: leaf.for_layer(index) if isinstance(leaf, PerLayerChoice) else leaf, tree)
 
 
 def call_for_layer(args: tuple, kwargs: dict, index: int) -> tuple[tuple, dict]:

@@ -21,7 +21,7 @@ import threading
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
-from torch_xla_ext.layer_stack.kinds import argument_path, is_choice
+from torch_xla_ext.layer_stack.kinds import PerLayerChoice, argument_path
 from torch_xla_ext.layer_stack.shared_mappings import gathered, is_shared_mapping
 from torch_xla_ext.object_graph import VALUE_TYPES
 
@@ -100,7 +100,7 @@ def split_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple, list
         elif isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             constants.append(_TENSOR_ARGUMENT)
-        elif is_choice(leaf) and entry_path is None:
+        elif isinstance(leaf, PerLayerChoice) and entry_path is None:
             tensors.append(_stacked_variants(leaf, args, kwargs))
             constants.append(_CHOSEN_ARGUMENT)
             choices.append(leaf.choice)

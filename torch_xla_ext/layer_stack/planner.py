@@ -84,9 +84,12 @@ class CallPlan:
     """How one kind of call of one stacked list runs."""
     runs: tuple[Run, ...]
     reason: str | None = None  # why every layer runs one by one
+    # Layer index -> its run, made with the plan: each call of a layer asks it.
+    run_at: dict[int, Run] = dataclasses.field(init=False, compare=False, repr=False)
 
-    def run_of(self, index: int) -> Run | None:
-        return next((run for run in self.runs if run.start <= index < run.stop), None)
+    def __post_init__(self):
+        object.__setattr__(self, "run_at", {index: run for run in self.runs
+                                            for index in range(run.start, run.stop)})
 
 
 def plan_calls(stack, calls: list[RecordedCall], record: CallRecord) -> CallPlan:

@@ -260,30 +260,30 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
     if unreplayed is not None:
         raise Unscannable(unreplayed)
     tensor_arguments, handed, arguments, choices, mappings = split_arguments(args, kwargs)
-    key = (layers.layout.trace_key(), arguments, layers.drop_in,
+    key = (layers.layout.trace_key, arguments, layers.drop_in,
            recording.key if recording else None, layers.hooks_replayed, layers.kept,
-           layers.positions, None if layers.numbers is None else layers.numbers.key())
+           layers.positions, None if layers.numbers is None else layers.numbers.key(),
+           layers.per_layer_paths)
     steps = _STEPS.setdefault(layers.template, {})
     if key not in steps:
         reads = set()
         steps[key] = (_make_step(weakref.ref(layers.template), arguments, layers.drop_in, reads,
                                  recording, layers.hooks_replayed, layers.kept,
-                                 layers.positions, layers.numbers), reads)
+                                 layers.positions, layers.numbers, layers.per_layer_paths), reads)
     step, reads = steps[key]
     if not reads:
         try:
-            with reads_watched(layers.template, layers.per_layer_paths):
-                device = _device_of(hidden)
-                xs = {"tensors": layers.stacked_tensors}
-                if recording is not None:
-                    xs["index"] = torch.arange(layers.num_layers, device=device)
-                if choices:
-                    xs["choices"] = [choice_tensor(choice, device) for choice in choices]
-                if layers.numbers is not None:
-                    xs["numbers"] = layers.numbers.stacked(device)
-                with traced_with(mappings):
-                    return stage(step, (entering(layers.unit_output, hidden),
-                                        (tensor_arguments, layers.shared_tensors), handed), xs)
+            device = _device_of(hidden)
+            xs = {"tensors": layers.stacked_tensors}
+            if recording is not None:
+                xs["index"] = torch.arange(layers.num_layers, device=device)
+            if choices:
+                xs["choices"] = [choice_tensor(choice, device) for choice in choices]
+            if layers.numbers is not None:
+                xs["numbers"] = layers.numbers.stacked(device)
+            with traced_with(mappings):
+                return stage(step, (entering(layers.unit_output, hidden),
+                                    (tensor_arguments, layers.shared_tensors), handed), xs)
         except PerLayerAttributeRead:
             pass  # recorded in `reads`
     read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads] + [
@@ -316,7 +316,7 @@ def _next_hidden(layer: Callable, hidden, args: tuple, kwargs: dict, drop_in: bo
 
 def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads: set,
                recording: Recording | None, hooks_replayed: bool, kept: tuple[int, ...],
-               positions: int, numbers: LiftedNumbers | None):
+               positions: int, numbers: LiftedNumbers | None, per_layer_paths: tuple[str, ...]):
     spec, constants = arguments
 
     def run_one_layer(carry, x):
@@ -340,7 +340,10 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
         given = recording.make(index, *with_state) if recording else {}
         calls = [] if hooks_replayed else None
         substitution = substituting(numbers, x.get("numbers", ()))
-        with substitution or contextlib.nullcontext(), reads_recorded_in(
+        # Watched only while the step runs: a call whose trace `scan` holds
+        # runs no layer code, and swaps no class.
+        with reads_watched(template_ref(), per_layer_paths), \
+                substitution or contextlib.nullcontext(), reads_recorded_in(
                 reads, opaque=recording is not None), (
                 hooks_held(template_ref(), calls) if hooks_replayed else contextlib.nullcontext()
         ), holding(filled) as written:

@@ -14,11 +14,10 @@ from torch import nn
 
 from torch_xla_ext.diagnostics import TorchXlaExtDeprecationWarning
 from torch_xla_ext.layer_stack import names, optimizer_state, scan_runner, sharding
-from torch_xla_ext.layer_stack.addressed import refusing_hooks
+from torch_xla_ext.layer_stack.addressed import CurrentLayouts, refusing_hooks
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, layer_tensors, shared_parameters, stackable_layers)
 from torch_xla_ext.layer_stack.fakes import template_copy
-from torch_xla_ext.layer_stack.layer_settings import CurrentLayouts
 from torch_xla_ext.layer_stack.segments import Segment
 from torch_xla_ext.layer_stack.storage import LayerStorage, computed_now
 from torch_xla_ext.patches.torch_xla import lower_host_ops

@@ -32,12 +32,12 @@ from torch import nn
 
 from torch_xla_ext.layer_stack import scan_runner, sharding, stacked_steps
 from torch_xla_ext.layer_stack.executor import scan_result
-from torch_xla_ext.layer_stack.addressed import HookWatch, RefusedEdits, strip_hooks
+from torch_xla_ext.layer_stack.addressed import (
+    HookWatch, RefusedEdits, SettingsSnapshot, layouts_again, strip_hooks)
 from torch_xla_ext.layer_stack.alike import (
     LayerLayout, Refusal, layer_kinds, layouts_of, shared_parameters, stackable_layers,
     structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
-from torch_xla_ext.layer_stack.layer_settings import SettingsSnapshot, layouts_again
 from torch_xla_ext.layer_stack.owner_loops import (
     TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
@@ -107,6 +107,10 @@ class StackedList(RefusedEdits, nn.Module):
             raise split.exception()
         self.options = options
         layouts, self.plan = split.layouts, split.plan
+        # (segment number, group, position) of each layer, asked at its calls.
+        self._places = tuple((number, *segment.place(index))
+                             for number, segment in enumerate(self.plan)
+                             for index in range(segment.start, segment.stop))
         # Where no two neighbouring layers are built alike, how layer 1 differs
         # from layer 0: no run makes a scan, and each layer runs as itself.
         self.unlike_neighbours = (
@@ -136,7 +140,7 @@ class StackedList(RefusedEdits, nn.Module):
 
     def settings_key(self) -> tuple:
         """The layers' settings, as part of the kind of a call: read again
-        when one of them changed since the last read (`layer_settings`)."""
+        when one of them changed since the last read (`addressed`)."""
         if self._settings_read.changed():
             self._read_settings()
         return self._settings_key, self.hooked_layers()
@@ -163,7 +167,7 @@ class StackedList(RefusedEdits, nn.Module):
         self.settings_read()
         self.kinds = layer_kinds(layouts, frozenset(self.options.get(
             "per_layer_attributes", DEFAULT_PER_LAYER_ATTRIBUTES)))
-        self._settings_key = tuple(layout.trace_key() for layout in layouts)
+        self._settings_key = tuple(layout.trace_key for layout in layouts)
         self._settings_read = SettingsSnapshot(layers)
         self._hooks.forget()  # a hook dict may be another
 
@@ -195,14 +199,13 @@ class StackedList(RefusedEdits, nn.Module):
     unroll = property(lambda self: self.stack_options().get("unroll", 1))
 
     def __len__(self) -> int:
-        return self.plan[-1].stop if self.plan else 0
+        return len(self._places)
 
     def place(self, index: int) -> tuple[int, int, int]:
         """(segment number, group, position) of layer `index`."""
-        for number, segment in enumerate(self.plan):
-            if index < segment.stop:
-                return (number, *segment.place(index))
-        raise IndexError(f"Layer index {index} is out of range for {len(self)} layers.")
+        if not 0 <= index < len(self._places):
+            raise IndexError(f"Layer index {index} is out of range for {len(self)} layers.")
+        return self._places[index]
 
     def call_kind(self, index: int) -> tuple[int, int, int]:
         """What layer `index`'s calls compute, as far as the stack knows: its
@@ -352,7 +355,7 @@ class StackedList(RefusedEdits, nn.Module):
         stack = self.segments[number]
         copies = _KIND_TEMPLATES.setdefault(stack.template, {})
         key = ("group", tuple(self.kinds[start:start + period]),
-               stack.layout_now().trace_key())
+               stack.layout_now().trace_key)
         if key not in copies:
             templates = []
             for index in range(start, start + period):
@@ -379,7 +382,7 @@ class StackedList(RefusedEdits, nn.Module):
         # The template's settings are in the key: a copy made before they changed
         # (peft switching adapters) is stale.
         kinds = (tuple(self.kinds[first:first + segment.period]),
-                 stack.layout_now().trace_key(), self._settings_key)
+                 stack.layout_now().trace_key, self._settings_key)
         if kinds not in copies:
             template = copy.deepcopy(stack.template)
             for path, values in stack.per_layer_values.items():

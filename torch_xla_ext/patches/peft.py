@@ -13,7 +13,7 @@ Which operations, on which model:
 
 Switching adapters on and off and choosing the active ones need nothing:
 peft sets the layers' own modules, which stay in the module tree, and the
-stacks read their settings again (`layer_stack.layer_settings`).
+stacks read their settings again (`layer_stack.addressed`).
 """
 from __future__ import annotations
 

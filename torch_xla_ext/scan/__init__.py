@@ -55,11 +55,11 @@ from torch_xla_ext.placeholders import (
 from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack, flatten_inputs,
                                       scan_length)
 from torch_xla_ext.scan.loop import check_unroll, hlo_text, xla_rng_kept
-from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, fingerprint
+from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, autocast_state, fingerprint
 from torch_xla_ext.scan.inline import inline_scan
 from torch_xla_ext.scan.sharding import operand_specs
 from torch_xla_ext.scan.traced import Traced
-from torch_xla_ext.scan.tracing import autocast_state, trace
+from torch_xla_ext.scan.tracing import trace
 
 __all__ = ["scan", "lower", "Lowered", "cache_info", "cache_clear", "CacheInfo",
            "default_partition"]

@@ -47,11 +47,20 @@ class CacheKey(NamedTuple):
     xs_tree: Structure
     carry_avals: tuple
     x_avals: tuple
-    autocast: tuple  # the caller's autocast state, see tracing.autocast_state
+    autocast: tuple  # the caller's autocast state, see autocast_state
     # The shardings of init's and xs' leaves under SPMD (sharding.operand_specs),
     # which the loops keep.
     carry_specs: tuple
     x_specs: tuple
+
+
+def autocast_state() -> tuple:
+    """The caller's autocast state as `(device_type, dtype)` for each device
+    type with autocast enabled: part of a trace's cache key, since it decides
+    the dtypes of fn's ops."""
+    return tuple((device, torch.get_autocast_dtype(device))
+                 for device in torch._C._autocast_supported_devices()
+                 if torch.is_autocast_enabled(device))
 
 
 class WeakIdentity:

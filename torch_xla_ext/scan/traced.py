@@ -42,6 +42,7 @@ class Traced:
             trace.lifter.writes, trace.carry_arg, trace.x_arg, key.x_avals, capture_in, captured,
             lambda i: mutation.describe_x(key.xs_tree, i),
             lambda i: mutation.describe_capture(fn, captured, i))
+        self.writes_back = self.written.any_written_back()  # asked at every call
         read_only = passes.read_only_carries(trace.carry_out, trace.carry_arg,
                                              self.written.carry)
         y_sources = passes.ys_passed_from_xs(trace.y_out, trace.x_arg, self.written.x)
@@ -93,7 +94,7 @@ class Traced:
         """One call; `fn` and `partition_fn` are this call's, used (not kept) if
         the training plan is built now. `unroll` shapes the loops only: every
         unroll shares this trace, each keeps its own loops' HLO."""
-        if self.written.any_written_back():
+        if self.writes_back:
             self._check_written_unaliased(fn, carry, xs, captures)
         if not needs_grad:
             return self._inference(carry, xs, captures, reverse, unroll)
@@ -136,7 +137,7 @@ class Traced:
         into them."""
         carry_out, ys, written_values = self.layout.call_outputs(carry, xs, loop_carry_out,
                                                                  loop_stacked)
-        if self.written.any_written_back():
+        if self.writes_back:
             mutation.write_back(self.layout.written_inputs(xs, captures), written_values,
                                 placeholder_sources((carry, xs, captures)))
         return carry_out, ys

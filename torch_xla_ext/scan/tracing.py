@@ -119,19 +119,10 @@ class Trace(NamedTuple):
     y_tree: Structure
 
 
-def autocast_state() -> tuple:
-    """The caller's autocast state as `(device_type, dtype)` for each device
-    type with autocast enabled: part of a trace's cache key, since it decides
-    the dtypes of fn's ops."""
-    return tuple((device, torch.get_autocast_dtype(device))
-                 for device in torch._C._autocast_supported_devices()
-                 if torch.is_autocast_enabled(device))
-
-
 @contextlib.contextmanager
 def internal(autocast: tuple = ()):
     """Runs one of scan's own traces or lowerings of fn: under exactly the
-    autocast state `autocast` (see `autocast_state`), and invisible to the
+    autocast state `autocast` (see `cache.autocast_state`), and invisible to the
     caller's saved-tensor hooks.
 
     Autocast's cache of casts is off: it would keep the casts of stand-ins
