@@ -776,18 +776,38 @@ def test_rms_norm_normalizes():
     torch.testing.assert_close(norm(x), torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
 
 
-def test_an_opaque_per_layer_value_abandons_the_trace_when_used():
-    from torch_xla_ext.layer_stack.per_layer import OpaqueValue, PerLayerAttributeRead
+def test_an_opaque_per_layer_value_is_recorded_when_used_and_acts_as_its_stand_in():
+    from torch_xla_ext.layer_stack.per_layer import OpaqueValue
 
     reads = set()
-    index = OpaqueValue("layer_idx", reads)
+    index = OpaqueValue("layer_idx", reads, 1)
     handed_on = {"index": index}  # passing it on is not a use
     assert handed_on["index"] is index and "layer_idx" in repr(index) and not reads
-    for use in (lambda: index == 0, lambda: [0, 1][index], lambda: index + 1,
-                lambda: f"{index}", lambda: hash(index), lambda: bool(index)):
-        with pytest.raises(PerLayerAttributeRead):
-            use()
-    assert reads == {"layer_idx"}
+    for use, expected in ((lambda: index == 0, False), (lambda: [0, 1][index], 1),
+                          (lambda: index + 1, 2), (lambda: 3 - index, 2),
+                          (lambda: f"{index}", "1"), (lambda: hash(index), hash(1)),
+                          (lambda: bool(index), True), (lambda: index.bit_length(), 1)):
+        reads.clear()
+        assert use() == expected
+        assert reads == {"layer_idx"}
+
+
+def test_a_layer_that_catches_everything_still_has_its_index_read_refused(device):
+    # Nothing is raised in the layer's code when it reads a per-layer
+    # attribute, so not even a catch-all `except` of its own hides the read.
+    class Guarded(CacheLayer):
+        def forward(self, hidden):
+            try:
+                scale = 1 + self.layer_idx
+            except BaseException:
+                scale = 1
+            return hidden + torch.tanh(self.linear(hidden)) * scale
+
+    layers, stack = cache_layers(device, Guarded)
+    hidden = torch.randn(BATCH, HIDDEN, device=device)
+    with pytest.warns(LayerByLayerWarning, match=r"the layer reads \['layer_idx'\]"):
+        actual = stack(hidden)
+    close(actual, loop(layers, hidden), THROUGH_LAYERS)
 
 
 def test_a_stack_on_the_cpu_runs_its_layers_one_by_one_saying_why():

@@ -34,8 +34,8 @@ Per-layer attributes. Attributes named in `per_layer_attributes` (by default
 `layer_idx`, which transformers' attention layers use only to pick their slot
 in a key/value cache) may differ between layers, and each layer keeps its own
 value. While the template is traced, reading one of them through attribute
-access is recorded and abandons the trace. A call runs as one scan only if
-its trace read none: then the traced computation cannot depend on their
+access is recorded (the trace goes on with the template's value, to be
+discarded). A call runs as one scan only if its trace read none: then the traced computation cannot depend on their
 values, so it is every layer's. Otherwise (a cache is passed, or the layer's computation uses
 its index), and when a call argument cannot enter a traced loop (a cache
 object), the call runs the layers one by one, each with its own values, which

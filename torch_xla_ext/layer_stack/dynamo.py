@@ -42,8 +42,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch_xla_ext.layer_stack.planner import SCAN, CallPlan, Run
 from torch_xla_ext.layer_stack.fakes import apart_from_trace
 from torch_xla_ext.layer_stack.kinds import hidden_of
-from torch_xla_ext.layer_stack.per_layer import (
-    PerLayerAttributeRead, reads_recorded_in, reads_watched)
+from torch_xla_ext.layer_stack.per_layer import read_refusal, reads_recorded_in, reads_watched
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.policies import save_everything
 from torch_xla_ext.diagnostics import TorchXlaExtWarning
@@ -206,12 +205,10 @@ def _layer_graph(layers, leaves: list, spec: TreeSpec, tensor_leaves: tuple[int,
     weights = {name: tensor[0].detach() for name, tensor in layers.stacked_tensors.items()}
     examples = [leaves[0].detach(), *(leaves[number].detach() for number in tensor_leaves)]
     reads = set()
-    try:
-        with apart_from_trace(), torch.no_grad(), reads_watched(
-                template, layers.per_layer_paths), reads_recorded_in(reads):
-            return make_fx(one_layer, tracing_mode="fake")(weights, *examples)
-    except PerLayerAttributeRead:
-        return f"the layer reads {sorted(reads)}, which differ between layers"
+    with apart_from_trace(), torch.no_grad(), reads_watched(
+            template, layers.per_layer_paths), reads_recorded_in(reads):
+        graph = make_fx(one_layer, tracing_mode="fake")(weights, *examples)
+    return read_refusal(reads, layers.per_layer_paths) or graph
 
 
 class TracedExecution:

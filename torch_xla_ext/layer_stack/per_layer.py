@@ -1,7 +1,10 @@
 """Per-layer attributes: values that may differ between layers (transformers'
 `layer_idx`), each layer keeping its own. While the template layer runs in a
-trace, reading one of them is recorded and abandons the trace, so that a scan
-only ever stands for layers whose computation does not depend on them."""
+trace, reading one of them is recorded, and the trace goes on with the
+template's own value: a trace that read one is refused once it ends
+(`read_refusal`), before the scan runs, so that a scan only ever stands for
+layers whose computation does not depend on them. Nothing is raised in the
+layer's code, which no `except` of its own can then mislead."""
 from __future__ import annotations
 
 import contextlib
@@ -24,24 +27,18 @@ INDEX_ARGUMENT = "the index argument the forward passes each layer"
 class _ReadLog(threading.local):
     # The set that the running step records per-layer attribute reads in, if any.
     reads: set | None = None
-    # Whether a read gives an OpaqueValue instead of abandoning the trace.
+    # Whether a read gives an OpaqueValue, recorded only when it is used.
     opaque: bool = False
 
 
 _READ_LOG = _ReadLog()
 
 
-class PerLayerAttributeRead(BaseException):
-    """Abandons a trace that read a per-layer attribute, before the scan runs or
-    writes anything; a BaseException, so that no `except Exception` in the
-    layer's code can swallow it."""
-
-
 @contextlib.contextmanager
 def reads_recorded_in(reads: set, opaque: bool = False):
     """While the block runs, per-layer attribute reads of a watched template
-    are added to `reads` and abandon the trace; with `opaque`, a read gives an
-    `OpaqueValue`, and only a use of it does."""
+    are added to `reads`; with `opaque`, a read gives an `OpaqueValue`, and
+    only a use of it is added."""
     outer = _READ_LOG.reads, _READ_LOG.opaque
     _READ_LOG.reads, _READ_LOG.opaque = reads, opaque
     try:
@@ -54,24 +51,46 @@ class OpaqueValue:
     """A per-layer attribute's value inside a trace, for a layer that only hands
     it on (`cache.update(k, v, self.layer_idx)`, to a cache that ignores it):
     the traced computation cannot depend on it. Any use of it (a comparison, an
-    index, arithmetic, ...) records the read and abandons the trace, as reading
-    the attribute does without a recording cache."""
-    __slots__ = ("_name", "_reads")
+    index, arithmetic, ...) is recorded, as reading the attribute is without a
+    recording cache, and gives what the same use of `stand_in` (the template's
+    own value) gives, so that the trace goes on to its end, to be refused."""
+    __slots__ = ("_name", "_reads", "_stand_in")
 
-    def __init__(self, name: str, reads: set):
-        self._name, self._reads = name, reads
+    def __init__(self, name: str, reads: set, stand_in=0):
+        self._name, self._reads, self._stand_in = name, reads, stand_in
 
-    def _used(self, *args, **kwargs):
+    def __getattr__(self, attribute):
         self._reads.add(self._name)
-        raise PerLayerAttributeRead(self._name)
-
-    __index__ = __int__ = __float__ = __bool__ = __hash__ = __eq__ = __ne__ = _used
-    __lt__ = __le__ = __gt__ = __ge__ = __add__ = __radd__ = __sub__ = __rsub__ = _used
-    __mul__ = __rmul__ = __mod__ = __str__ = __format__ = __getitem__ = __iter__ = _used
-    __len__ = __call__ = __contains__ = __getattr__ = _used
+        return getattr(self._stand_in, attribute)
 
     def __repr__(self):
         return f"<the per-layer {self._name} of the layer being traced>"
+
+
+def _recorded_use(method: str):
+    def use(self, *args, **kwargs):
+        self._reads.add(self._name)
+        return getattr(self._stand_in, method)(*args, **kwargs)
+    use.__name__ = method
+    return use
+
+
+for _method in ("__index__", "__int__", "__float__", "__bool__", "__hash__", "__eq__", "__ne__",
+                "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__radd__", "__sub__",
+                "__rsub__", "__mul__", "__rmul__", "__mod__", "__str__", "__format__",
+                "__getitem__", "__iter__", "__len__", "__call__", "__contains__"):
+    setattr(OpaqueValue, _method, _recorded_use(_method))
+del _method
+
+
+def read_refusal(reads: set, per_layer_paths: tuple[str, ...]) -> str | None:
+    """Why a trace that recorded `reads` cannot stand for every layer, or None."""
+    read = [path for path in per_layer_paths if path.rpartition(".")[2] in reads] + [
+        name for name in (INDEX_ARGUMENT,) if name in reads]
+    if not read:
+        return None
+    return (f"the layer reads {read}, which differ between layers, so one trace cannot stand "
+            f"for all of them (a key/value cache passed to the layers reads its layer index)")
 
 
 class _WatchedAttribute:
@@ -84,15 +103,16 @@ class _WatchedAttribute:
     def __get__(self, instance, owner=None):
         if instance is None:
             return self
-        if _READ_LOG.reads is not None:
-            if _READ_LOG.opaque:
-                return OpaqueValue(self.name, _READ_LOG.reads)
-            _READ_LOG.reads.add(self.name)
-            raise PerLayerAttributeRead(self.name)
         try:
-            return instance.__dict__[self.name]
+            value = instance.__dict__[self.name]
         except KeyError:
             raise AttributeError(self.name) from None
+        if _READ_LOG.reads is None:
+            return value
+        if _READ_LOG.opaque:
+            return OpaqueValue(self.name, _READ_LOG.reads, value)
+        _READ_LOG.reads.add(self.name)
+        return value
 
     def __set__(self, instance, value):
         instance.__dict__[self.name] = value
@@ -114,7 +134,7 @@ _WATCH_LOCK = threading.RLock()
 @contextlib.contextmanager
 def reads_watched(template: nn.Module, per_layer_paths: Iterable[str]):
     """While the block runs, the template's per-layer attributes are watched: a
-    step that runs the template records the first it reads and stops there."""
+    step that runs the template records those it reads (`reads_recorded_in`)."""
     names_by_owner: dict[str, set[str]] = {}
     for path in per_layer_paths:
         owner_path, _, name = path.rpartition(".")

@@ -28,7 +28,7 @@ from torch_xla_ext.layer_stack.operands import (
 from torch_xla_ext.layer_stack.sharding import entering
 from torch_xla_ext.layer_stack.shared_mappings import holding
 from torch_xla_ext.layer_stack.per_layer import (
-    INDEX_ARGUMENT, OpaqueValue, PerLayerAttributeRead, reads_recorded_in, reads_watched)
+    INDEX_ARGUMENT, OpaqueValue, read_refusal, reads_recorded_in, reads_watched)
 from torch_xla_ext.scan import Lowered, lower as lower_scan, scan
 from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
@@ -271,26 +271,20 @@ def _through_scan(layers: Layers, hidden, args: tuple, kwargs: dict,
                                  recording, layers.hooks_replayed, layers.kept,
                                  layers.positions, layers.numbers, layers.per_layer_paths), reads)
     step, reads = steps[key]
-    if not reads:
-        try:
-            device = _device_of(hidden)
-            xs = {"tensors": layers.stacked_tensors}
-            if recording is not None:
-                xs["index"] = torch.arange(layers.num_layers, device=device)
-            if choices:
-                xs["choices"] = [choice_tensor(choice, device) for choice in choices]
-            if layers.numbers is not None:
-                xs["numbers"] = layers.numbers.stacked(device)
-            with traced_with(mappings):
-                return stage(step, (entering(layers.unit_output, hidden),
-                                    (tensor_arguments, layers.shared_tensors), handed), xs)
-        except PerLayerAttributeRead:
-            pass  # recorded in `reads`
-    read = [path for path in layers.per_layer_paths if path.rpartition(".")[2] in reads] + [
-        name for name in (INDEX_ARGUMENT,) if name in reads]
-    raise Unscannable(
-        f"the layer reads {read}, which differ between layers, so one trace cannot stand for "
-        f"all of them (a key/value cache passed to the layers reads its layer index)")
+    refusal = reads and read_refusal(reads, layers.per_layer_paths)  # what its trace read
+    if refusal:
+        raise Unscannable(refusal)
+    device = _device_of(hidden)
+    xs = {"tensors": layers.stacked_tensors}
+    if recording is not None:
+        xs["index"] = torch.arange(layers.num_layers, device=device)
+    if choices:
+        xs["choices"] = [choice_tensor(choice, device) for choice in choices]
+    if layers.numbers is not None:
+        xs["numbers"] = layers.numbers.stacked(device)
+    with traced_with(mappings):
+        return stage(step, (entering(layers.unit_output, hidden),
+                            (tensor_arguments, layers.shared_tensors), handed), xs)
 
 
 def _device_of(hidden) -> torch.device:
@@ -353,9 +347,9 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
             else:
                 output = layer(hidden, *args, **{**kwargs, **given})
                 hidden = hidden_of(output)
-        mismatch = unmatched(substitution)
-        if mismatch is not None:
-            raise Unscannable(mismatch)
+        refusal = read_refusal(reads, per_layer_paths) or unmatched(substitution)
+        if refusal is not None:
+            raise Unscannable(refusal)
         if written:
             path, keys = written[0]
             raise Unscannable(f"the layer writes entries {keys} of argument {path}, a mapping "

@@ -97,15 +97,16 @@ class Patch:
         with self._lock:
             if self._changes is None or self._applied is not None:
                 return  # undone while waiting for the import, or made already
-            applied = []
+            applied, complete = [], False
             try:
                 for change in self._changes():
                     applied.append(_make(change))
-            except BaseException:
-                for record in reversed(applied):
-                    _revert(*record)
-                self._changes = None
-                raise
+                complete = True
+            finally:
+                if not complete:  # all or nothing: what was made is undone, and raised on
+                    for record in reversed(applied):
+                        _revert(*record)
+                    self._changes = None
             self._applied = applied
 
 
