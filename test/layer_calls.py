@@ -1,6 +1,6 @@
 """Small layers, an owner's loop converted as stack_layers converts one, and
 a call that reports what ran, shared by the tests of the plan from calls
-(test/layer_stack/: test_planner.py, test_executor.py, test_handed_on.py,
+(test/layer_stack/: test_planner.py, test_execution.py, test_handed_on.py,
 test_shared_mappings.py, test_layer_state.py, test_lifted_numbers.py) and
 T5's small loops (test_hf_t5.py)."""
 import copy

@@ -53,7 +53,7 @@ or state, gradients through a cache that holds tokens, layers not on an XLA
 device) runs the layers one by one, each reading and updating its own slot
 of the cache, with the same results as before the conversion and a
 `LayerByLayerWarning` giving one of the `REASONS` (or, off XLA,
-`layer_stack.scan_runner.device_reason`). How the cache is recorded,
+`layer_stack.executors.device_reason`). How the cache is recorded,
 written and held around the scan is `torch_xla_ext.hf.caches`.
 """
 from __future__ import annotations

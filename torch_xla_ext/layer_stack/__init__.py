@@ -49,7 +49,8 @@ it replaced. Its owner's forward is hooked (`owner_loops`): at the first call of
 each kind of call, the forward runs once with the layers recorded
 (`dry_run`), which gives the plan of that kind of call (`planner`, data:
 which layers run as which scan, which as themselves, which one by one and
-why), and every call runs as its plan says (`executor`, `plan_store`).
+why), and every call runs as its plan says (`execution`, `plan_store`), its
+scans run by the call's executor (`executors`).
 
 The modules, one job each:
 
@@ -71,12 +72,13 @@ The modules, one job each:
   (optimizer state dicts saved and loaded in the unconverted layout);
 * calls: `owner_loops` (the owner's hooks, `LayerCall`), `fakes` (stand-ins for
   running a layer on no data), `dry_run`, `planner`, `plan_store`,
-  `executor`, `shared_mappings` (a mapping every layer call gets, whose
+  `execution`, `executors` (how the call's scans run: the lazy XLA loop,
+  torch's scan operator under `torch.export`, Dynamo's trace; chosen once,
+  from torch's flags, in `executor_of_call`), `shared_mappings` (a mapping every layer call gets, whose
   entries layers write and read), `layer_state` (attributes a layer sets on
   its own modules, kept per layer); `scan_runner` (one scan over stacked tensors,
   `lower`, the layer-by-layer loop), `operands` (a call's arguments as the
-  scan's operands), `exporting` (under `torch.export`: the
-  scan as torch's scan operator, stand-ins of the trace), `dynamo` (under
+  scan's operands), `dynamo` (under
   Dynamo, with `trace_loops_in_dynamo`: the loop as torch's scan operator,
   what the forward reads of its items, `GraphBreakWarning`), `hooks` (the
   layers' forward hooks, replayed after
@@ -84,16 +86,15 @@ The modules, one job each:
   weights and the hidden state a scan carries).
 """
 from torch_xla_ext.layer_stack.alike import Refusal
-from torch_xla_ext.layer_stack.executor import ScanResult, scan_result
-from torch_xla_ext.layer_stack.exporting import ExportWarning
+from torch_xla_ext.layer_stack.execution import ScanResult, scan_result
+from torch_xla_ext.layer_stack.executors import ExportWarning, device_reason
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice
 from torch_xla_ext.layer_stack.layer_list import scan_layers
 from torch_xla_ext.layer_stack.owner_loops import drive_loops, loop_names, undrive_loops
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES, OpaqueValue
 from torch_xla_ext.layer_stack.plan_store import OwnerPlans
 from torch_xla_ext.layer_stack.scan_runner import (
-    LayerByLayerWarning, Layers, Recording, attempt, attempt_recording, device_reason,
-    warn_layer_by_layer)
+    LayerByLayerWarning, Layers, Recording, attempt, attempt_recording, warn_layer_by_layer)
 from torch_xla_ext.layer_stack.sharding import ShardingWarning
 from torch_xla_ext.layer_stack.stack import LayerStack, checked_stack_options
 from torch_xla_ext.layer_stack.stacked_list import (

@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from torch_xla_ext.layer_stack.exporting import stand_in
+from torch_xla_ext.layer_stack.executors import executor_of_call
 from torch_xla_ext.layer_stack.fakes import fake_leaves, fake_mode, fake_weights, faking
 from torch_xla_ext.layer_stack.hooks import hooks_held
 from torch_xla_ext.layer_stack.kinds import program_of
@@ -235,9 +235,9 @@ def _leaf_key(leaf) -> tuple:
 
 def _values(sources: tuple, leaves: list, requires_grad: tuple) -> list:
     """What the recorder gives for leaves of `sources`: the call's own
-    leaves, constants, and stand-ins (`exporting.stand_in`) for what the
+    leaves, constants, and stand-ins (`Executor.stand_in`) for what the
     layer computed."""
-    grads = iter(requires_grad)
+    grads, stand_in = iter(requires_grad), executor_of_call().stand_in
     device = next(leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor))
     return [leaves[source.value] if source.kind == "argument"
             else source.value if source.kind == "constant"

@@ -38,14 +38,14 @@ from typing import Any, Callable, Iterable, Protocol
 import torch.compiler
 from torch import nn
 
+from torch_xla_ext.layer_stack.executors import executor_of_call
+
 __all__ = ["Driver", "LayerCall", "ReadRecorder", "TracedLayerCall", "active_driver",
            "at_graph_break", "drive_loops", "driving", "iterated", "iterating", "loop_item",
-           "loop_names", "traced_driver", "tracing", "undrive_loops"]
+           "loop_names", "traced_driver", "undrive_loops"]
 
 # Marks the loop's entry points that Dynamo runs at a graph break (see above).
 at_graph_break = torch.compiler.disable
-# Whether Dynamo is tracing (a constant in its trace; False when the code runs).
-tracing = torch.compiler.is_dynamo_compiling
 
 
 class Driver(Protocol):
@@ -189,7 +189,7 @@ class _OwnerHooks:
 
     def enter(self, owner: nn.Module, args: tuple, kwargs: dict):
         drivers = self.traced(owner, self.names, args, kwargs) if (
-            tracing() and self.traced is not None) else None
+            executor_of_call().traces_loops and self.traced is not None) else None
         if drivers is None:
             return self.enter_at_graph_break(owner, args, kwargs)
         entries = [driving(owner._modules[name], driver, traced=True)
@@ -199,7 +199,7 @@ class _OwnerHooks:
         self.open_traced.append(entries)
 
     def leave(self, owner: nn.Module, args: tuple, kwargs: dict, output):
-        if not (tracing() and self.open_traced):
+        if not (executor_of_call().traces_loops and self.open_traced):
             return self.leave_at_graph_break(owner, args, kwargs, output)
         for entry in self.open_traced.pop():
             entry.__exit__(None, None, None)

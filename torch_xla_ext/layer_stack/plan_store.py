@@ -23,10 +23,9 @@ from torch.utils._pytree import tree_flatten
 
 from torch_xla_ext.layer_stack.planner import CallPlan, plan_calls
 from torch_xla_ext.layer_stack.dry_run import record_calls
-from torch_xla_ext.layer_stack.executor import Execution
-from torch_xla_ext.layer_stack.exporting import exporting
+from torch_xla_ext.layer_stack.execution import Execution
+from torch_xla_ext.layer_stack.executors import device_reason, executor_of_call
 from torch_xla_ext.layer_stack.fakes import apart_from_trace
-from torch_xla_ext.layer_stack.scan_runner import device_reason
 from torch_xla_ext.layer_stack.shared_mappings import is_shared_mapping
 from torch_xla_ext.layer_stack.dynamo import (
     TracedExecution, TracedLoop, traced_loops, traced_runs, warn_graph_break)
@@ -69,7 +68,7 @@ class OwnerPlans:
             plans = {name: (plan_calls(stack, record.calls[name], record), {})
                      for name, stack in stacks.items()}
             self.plans.put(key, plans)
-            if traced_loops() and not exporting():
+            if traced_loops() and executor_of_call().prepares_traced_loops:
                 self._add_traced(owner, args, kwargs, {name: plan for name, (plan, _) in
                                                        plans.items()}, stacks, record)
         return {name: Execution(stacks[name], plan, stand_ins)
@@ -131,9 +130,9 @@ def _setting_names(obj) -> tuple[str, ...]:
 
 def _kind_of_call(owner: nn.Module, args: tuple, kwargs: dict) -> tuple:
     leaves, spec = tree_flatten((args, kwargs))
-    # Under torch.export, the stand-ins are the trace's: its calls are a kind of their own.
+    # Each executor's calls are a kind of their own (an export's stand-ins are its trace's).
     return (spec, tuple(_leaf_kind(leaf) for leaf in leaves), owner.training,
-            torch.is_grad_enabled(), exporting(), _settings(owner),
+            torch.is_grad_enabled(), executor_of_call(), _settings(owner),
             _settings(getattr(owner, "config", None)))
 
 

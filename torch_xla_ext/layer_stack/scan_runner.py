@@ -4,12 +4,11 @@ scan without running it (`lower`), and the for loop itself
 (`run_layer_by_layer`) for a call that one trace cannot stand for. A stack
 whose `Layers.hooks_replayed` is set runs its layers' forward hooks after the
 loop, once per layer (see `hooks`). While `torch.export` traces, the scan
-is one call of torch's scan operator instead (`exporting`), on any device."""
+is one call of torch's scan operator instead, on any device (`executors`)."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import warnings
 import weakref
 from typing import Any, Callable, Hashable
@@ -19,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from torch_xla_ext.layer_stack.alike import LayerLayout
-from torch_xla_ext.layer_stack.exporting import exporting, scan_as_operator
+from torch_xla_ext.layer_stack.executors import device_reason, executor_of_call
 from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
 from torch_xla_ext.layer_stack.kinds import call_for_layer, hidden_of
 from torch_xla_ext.layer_stack.lifted_numbers import LiftedNumbers, substituting, unmatched
@@ -29,7 +28,7 @@ from torch_xla_ext.layer_stack.sharding import entering
 from torch_xla_ext.layer_stack.shared_mappings import holding
 from torch_xla_ext.layer_stack.per_layer import (
     INDEX_ARGUMENT, OpaqueValue, read_refusal, reads_recorded_in, reads_watched)
-from torch_xla_ext.scan import Lowered, lower as lower_scan, scan
+from torch_xla_ext.scan import Lowered, lower as lower_scan
 from torch_xla_ext.diagnostics import TorchXlaExtWarning
 
 
@@ -132,36 +131,15 @@ def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
         return str(unscannable)
 
 
-def device_reason(device: torch.device) -> str | None:
-    """Why layers on `device` run one by one, or None: on an XLA device the
-    scan is `scan`'s XLA loop (a model moved to the CPU to be saved still
-    runs), and under `torch.export` it is torch's scan operator on any device
-    (`exporting`)."""
-    if device.type != "xla" and not exporting():
-        return f"the layers run on {device.type}, and the scan is an XLA loop"
-    return None
-
-
 def _device_reason_of(hidden) -> str | None:
     return next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
                               if isinstance(leaf, torch.Tensor))), None)
 
 
 def _loop(layers: Layers) -> Callable:
-    """`scan(step, init, xs) -> (carry, ys)` as this call runs it: `scan`'s
-    loop with the stack's options, or under export one call of torch's scan
-    operator (`exporting`), raising Unscannable when the operator cannot take
-    the step (found before anything is traced)."""
-    if not exporting():
-        return functools.partial(scan, partition_fn=layers.partition_fn,
-                                 is_fn_pure=layers.is_layer_pure, unroll=layers.unroll)
-
-    def through_operator(step, init, xs):
-        outcome = scan_as_operator(step, init, xs, layers.partition_fn, layers.unroll)
-        if isinstance(outcome, str):
-            raise Unscannable(outcome)
-        return outcome
-    return through_operator
+    """`scan(step, init, xs) -> (carry, ys)` with the stack's options, as the
+    call's executor runs it."""
+    return executor_of_call().loop(layers.partition_fn, layers.is_layer_pure, layers.unroll)
 
 
 def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording,

@@ -31,7 +31,8 @@ from typing import Iterable, Sequence
 from torch import nn
 
 from torch_xla_ext.layer_stack import scan_runner, sharding, stacked_steps
-from torch_xla_ext.layer_stack.executor import scan_result
+from torch_xla_ext.layer_stack.execution import scan_result
+from torch_xla_ext.layer_stack.executors import executor_of_call
 from torch_xla_ext.layer_stack.addressed import (
     HookWatch, RefusedEdits, SettingsSnapshot, layouts_again, strip_hooks)
 from torch_xla_ext.layer_stack.alike import (
@@ -39,7 +40,7 @@ from torch_xla_ext.layer_stack.alike import (
     structure_difference, structure_key)
 from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.owner_loops import (
-    TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver, tracing)
+    TracedLayerCall, active_driver, at_graph_break, iterated, loop_item, traced_driver)
 from torch_xla_ext.layer_stack.per_layer import DEFAULT_PER_LAYER_ATTRIBUTES
 from torch_xla_ext.layer_stack.segments import Segment, plan_segments
 from torch_xla_ext.layer_stack.stack import LayerStack, checked_stack_options
@@ -251,7 +252,7 @@ class StackedList(RefusedEdits, nn.Module):
         return built.layers[position] if self.plan[number].period > 1 else built
 
     def __getitem__(self, index):
-        driver = traced_driver(self) if tracing() else None
+        driver = traced_driver(self) if executor_of_call().traces_loops else None
         if driver is None:
             return self.item_at_graph_break(index)
         if isinstance(index, slice):
@@ -259,7 +260,7 @@ class StackedList(RefusedEdits, nn.Module):
         return self.layer(index)
 
     def __iter__(self):
-        driver = traced_driver(self) if tracing() else None
+        driver = traced_driver(self) if executor_of_call().traces_loops else None
         if driver is None:
             return self.iterator_at_graph_break()
         return iter([TracedLayerCall(driver, index) for index in range(len(self))])

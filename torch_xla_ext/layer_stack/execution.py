@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torch_xla_ext.layer_stack.exporting import stand_in
+from torch_xla_ext.layer_stack.executors import executor_of_call
 from torch_xla_ext.layer_stack.planner import SCAN, CallPlan, Run
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, same_leaf
 from torch_xla_ext.layer_stack.operands import LAYER_INDEX, HandedOn
@@ -221,12 +221,12 @@ class Execution:
 
     def _stand_in(self, index: int, number: int, aval: tuple, hidden):
         """The stand-in for output leaf `number` of layer `index`, on the
-        device of its `hidden` state (see `exporting.stand_in`)."""
+        device of its `hidden` state (`Executor.stand_in`)."""
         if (index, number) in self.stand_ins:
             # Read no metadata of `hidden`: a placeholder's goes through
             # its __torch_function__, at each layer's call.
             return self.stand_ins[index, number]
-        made, kept = stand_in(*aval, hidden.device)
+        made, kept = executor_of_call().stand_in(*aval, hidden.device)
         if kept:
             self.stand_ins[index, number] = made
         return made

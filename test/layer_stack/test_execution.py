@@ -1,5 +1,5 @@
 """A forward's calls of its stacked layers run as their plan says
-(layer_stack.executor), through the hooks on the owner (owner_loops.drive_loops)
+(layer_stack.execution), through the hooks on the owner (owner_loops.drive_loops)
 and its plans (plans.OwnerPlans): the loop's results from one scan, the
 layers in between given stand-ins, and a call that is not what the plan of
 its kind of call says raises rather than compute something else."""
