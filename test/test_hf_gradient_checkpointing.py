@@ -22,7 +22,7 @@ from tolerances import LOGGED_LOSSES, TRAINING, close, close_by_name
 from torch_xla_ext import policies
 from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext.hf.checkpointing import CheckpointingWarning
-from torch_xla_ext.layer_stack import LayerByLayerWarning, scan_runner
+from torch_xla_ext.layer_stack import LayerByLayerWarning, executors
 
 
 @pytest.fixture
@@ -34,8 +34,8 @@ def policies_run(monkeypatch) -> list:
         seen.append(kwargs["partition_fn"])
         return scan(*args, **kwargs)
 
-    scan = scan_runner.scan
-    monkeypatch.setattr(scan_runner, "scan", recording_scan)
+    scan = executors.scan
+    monkeypatch.setattr(executors, "scan", recording_scan)
     return seen
 
 
@@ -214,7 +214,7 @@ def trainer_run_scenario():
     """transformers' Trainer with gradient_checkpointing=True trains the converted model
     (each scan recomputing) and the unconverted one to the same logged losses."""
     import transformers.modeling_utils
-    from torch_xla_ext.layer_stack import LayerByLayerWarning, scan_runner
+    from torch_xla_ext.layer_stack import LayerByLayerWarning, executors
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -225,8 +225,8 @@ def trainer_run_scenario():
     dataset = [{"input_ids": row, "labels": row} for row in ids]
 
     seen = []
-    scan = scan_runner.scan
-    scan_runner.scan = (lambda *args, **kwargs:
+    scan = executors.scan
+    executors.scan = (lambda *args, **kwargs:
                     seen.append(kwargs["partition_fn"]) or scan(*args, **kwargs))
 
     def logged_losses(model, **options):

@@ -23,7 +23,7 @@ from tolerances import TRAINING, close
 from torch_xla_ext.hf.cache_plan import CACHE_REASON
 from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers
 from torch_xla_ext import policies
-from torch_xla_ext.layer_stack import LayerByLayerWarning, scan_runner
+from torch_xla_ext.layer_stack import LayerByLayerWarning, executors
 from torch_xla_ext.layer_stack.segments import Segment
 
 VOCAB, SEQ, BATCH = 128, 6, 2
@@ -311,7 +311,7 @@ def test_t5_gradient_checkpointing_recomputes_block_0_and_the_scan(device, monke
     checkpointed, partition_fns = [], []
     monkeypatch.setattr(xla_checkpoint, "checkpoint", recording(xla_checkpoint.checkpoint,
                                                                 checkpointed))
-    monkeypatch.setattr(scan_runner, "scan", recording(scan_runner.scan, partition_fns))
+    monkeypatch.setattr(executors, "scan", recording(executors.scan, partition_fns))
     ids = tokens(device)
     expected, _, _ = run_training_step(reference, ids, use_cache=False)
     expected_grads = per_layer_grads(reference)
