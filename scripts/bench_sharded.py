@@ -22,6 +22,12 @@ pod's devices as on the virtual ones):
 * model:       a 1-D mesh 'model' of every device, the same tensor-parallel
                weights, the batch whole.
 
+--specs runs fsdp+model once per set of weight shardings a user may give it
+(`SPEC_SETS`, labelled fsdp+model:SET): megatron (above), tensor-only (the
+'model' half), fsdp-only (the 'fsdp' half), both-axes (one dimension over
+('fsdp', 'model')) and with-norms (megatron, the norms cut on 'model'). With
+--model-devices 3 no dimension of the default sizes divides evenly on 'model'.
+
 Policies: save_everything (the default), save_nothing (stack_layers'
 `partition_fn`) and checkpointing (`gradient_checkpointing_enable()` on the
 converted model, which recomputes as save_nothing does); the loop runs
@@ -50,6 +56,8 @@ rounds' medians (the bytes and counts of a compiled program do not vary).
 
   python scripts/bench_sharded.py --markdown           # every mesh and policy, L=3
   python scripts/bench_sharded.py --meshes fsdp --policies save_everything
+  python scripts/bench_sharded.py --devices 4 --meshes fsdp+model --policies save_everything \
+      --specs megatron,tensor-only,fsdp-only,both-axes,with-norms
 """
 from __future__ import annotations
 
@@ -73,10 +81,24 @@ WORKLOAD_OPTIONS = ("steps", "devices", "model_devices", "layers",
 # The issue's sizes (a Llama whose every weight is cut 8 ways).
 DEFAULT_SIZES = {"layers": 3, "hidden": 64, "heads": 4, "kv_heads": 1, "intermediate": 160,
                  "vocab": 128, "seq": 56, "batch": 8}
-# Tensor parallelism: which dimension of a [out, in] weight goes on 'model'.
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens",
-                   "lm_head")
-ROW_PARALLEL = ("o_proj", "down_proj")
+# The role of each weight of a layer (and the embedding's, the head's) in
+# tensor parallelism: which dimension of a [out, in] weight a spec cuts.
+ROLES = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "gate_proj": "column",
+         "up_proj": "column", "embed_tokens": "column", "lm_head": "column",
+         "o_proj": "row", "down_proj": "row", "input_layernorm": "norm",
+         "post_attention_layernorm": "norm", "norm": "norm"}
+# Weight shardings a user may give the fsdp+model mesh, by role (a role a set
+# leaves out stays replicated): Megatron's (tensor parallel on 'model', the
+# other dimension on 'fsdp'), either half of it alone, both axes
+# on one dimension, and Megatron's with the norms cut too. The 1-D 'model'
+# mesh takes tensor-only.
+SPEC_SETS = {
+    "megatron": {"column": ("model", "fsdp"), "row": ("fsdp", "model")},
+    "tensor-only": {"column": ("model", None), "row": (None, "model")},
+    "fsdp-only": {"column": (None, "fsdp"), "row": ("fsdp", None)},
+    "both-axes": {"column": (("fsdp", "model"), None), "row": (None, ("fsdp", "model"))},
+    "with-norms": {"column": ("model", "fsdp"), "row": ("fsdp", "model"), "norm": ("model",)},
+}
 
 
 def runs(meshes, policies) -> list[tuple[str, str, str]]:
@@ -95,26 +117,28 @@ def runs(meshes, policies) -> list[tuple[str, str, str]]:
 # ---------------------------------------------------------------- worker side
 
 
-def weight_spec(name: str, axes: tuple) -> tuple | None:
-    """The partition spec of one layer's weight `name` (or the embedding's, the
-    head's) under tensor parallelism over `axes` (('model', 'fsdp') or
-    ('model', None)); None for what stays replicated (norms)."""
+def weight_spec(name: str, spec_set: dict) -> tuple | None:
+    """The partition spec `spec_set` (one of `SPEC_SETS`) gives one layer's
+    weight `name` (or the embedding's, the head's), by its role; None for
+    what stays replicated."""
     module = name.removesuffix(".weight").rsplit(".", 1)[-1]
-    model, other = axes
-    if module in COLUMN_PARALLEL:
-        return (model, other)
-    if module in ROW_PARALLEL:
-        return (other, model)
-    return None
+    return spec_set.get(ROLES.get(module))
 
 
-def shard_by_hand(model, mesh, axes) -> None:
-    """Marks every weight of `model` with `weight_spec` (a stacked layer's
-    weight: its stacked tensor, with the layer dimension whole)."""
+def spec_set_of(mesh_label: str) -> tuple[str, str]:
+    """(mesh, spec set) of a run's mesh label: 'fsdp+model:tensor-only', or a
+    mesh alone (fsdp+model with Megatron's specs, model with tensor-only)."""
+    mesh, _, spec_set = mesh_label.partition(":")
+    return mesh, spec_set or ("tensor-only" if mesh == "model" else "megatron")
+
+
+def shard_by_hand(model, mesh, spec_set: dict) -> None:
+    """Marks every weight of `model` with `weight_spec` (a layer's weight: the
+    stacked tensor its Parameter is a view of, with the layer dimension whole)."""
     import torch_xla.distributed.spmd as xs
 
     for name, param in model.named_parameters():
-        spec = weight_spec(name, axes)
+        spec = weight_spec(name, spec_set)
         if spec is not None:
             xs.mark_sharding(param, mesh, spec)  # a stacked layer's: its stacked tensor
 
@@ -154,24 +178,25 @@ def sharded(model, args):
     import torch_xla.runtime as xr
 
     devices = xr.global_runtime_device_count()
-    if args.mesh in ("fsdp", "fsdp-units"):
+    mesh_name, spec_set = spec_set_of(args.mesh)
+    if mesh_name in ("fsdp", "fsdp-units"):
         mesh = xs.Mesh(np.arange(devices), (devices,), ("fsdp",))
         xs.set_global_mesh(mesh)  # as the Trainer does with xla_fsdp_v2
         model.to(torch_xla.device())
         return fsdp_wrapped(model, args), mesh, ("fsdp", None)
-    if args.mesh == "fsdp+model":
+    if mesh_name == "fsdp+model":
         if devices % args.model_devices:
             raise SystemExit(f"--model-devices {args.model_devices} does not divide the "
                              f"{devices} devices")
         mesh = xs.Mesh(np.arange(devices), (devices // args.model_devices, args.model_devices),
                        ("fsdp", "model"))
-        axes, ids_spec = ("model", "fsdp"), ("fsdp", None)
+        ids_spec = ("fsdp", None)
     else:
         mesh = xs.Mesh(np.arange(devices), (devices,), ("model",))
-        axes, ids_spec = ("model", None), (None, None)
+        ids_spec = (None, None)
     xs.set_global_mesh(mesh)  # where a stack finds the data axes of the hidden state
     model.to(torch_xla.device())
-    shard_by_hand(model, mesh, axes)
+    shard_by_hand(model, mesh, SPEC_SETS[spec_set])
     return model, mesh, ids_spec
 
 
@@ -181,7 +206,7 @@ def fsdp_wrapped(model, args):
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
         SpmdFullyShardedDataParallel)
 
-    if args.mesh == "fsdp":
+    if spec_set_of(args.mesh)[0] == "fsdp":
         return SpmdFullyShardedDataParallel(
             model, shard_output=lambda output, mesh: xs.mark_sharding(
                 output.logits, mesh, ("fsdp", None, None)))
@@ -266,6 +291,15 @@ def _array_dims(shape: str) -> tuple | None:
 # ---------------------------------------------------------------- parent side
 
 
+def mesh_labels(meshes: list[str], spec_sets: list[str]) -> list[str]:
+    """The meshes to run, fsdp+model once per spec set (labelled
+    'fsdp+model:SET' unless the set is only Megatron's)."""
+    if spec_sets == ["megatron"]:
+        return meshes
+    return [label for mesh in meshes for label in (
+        [f"{mesh}:{spec_set}" for spec_set in spec_sets] if mesh == "fsdp+model" else [mesh])]
+
+
 def print_runs(outcomes, markdown: bool) -> None:
     """A line per (mesh, policy, mode): its figures, or the status of a run that gave none."""
     from torch_xla_ext.metrics.hlo import COLLECTIVE_KINDS
@@ -314,6 +348,10 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"comma-separated meshes among {', '.join(MESHES)}")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help=f"comma-separated policies among {', '.join(POLICIES)}")
+    parser.add_argument("--specs", default="megatron",
+                        help=f"comma-separated weight shardings of the fsdp+model mesh, each "
+                             f"run as a mesh of its own, among {', '.join(SPEC_SETS)} "
+                             f"(default megatron)")
     parser.add_argument("--devices", type=harness.positive_int, default=8,
                         help="virtual CPU devices (CPU_NUM_DEVICES; default 8)")
     parser.add_argument("--model-devices", type=harness.positive_int, default=2,
@@ -324,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=harness.positive_int)
     parser.add_argument("--batch", type=harness.positive_int)
     parser.set_defaults(**DEFAULT_SIZES)
-    parser.add_argument("--mesh", choices=MESHES, help=argparse.SUPPRESS)
+    parser.add_argument("--mesh", help=argparse.SUPPRESS)
     parser.add_argument("--policy", choices=POLICIES, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     harness.add_rounds_option(parser)
@@ -336,10 +374,13 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     meshes, policies = args.meshes.split(","), args.policies.split(",")
-    for chosen, known, option in ((meshes, MESHES, "--meshes"), (policies, POLICIES, "--policies")):
+    spec_sets = args.specs.split(",")
+    for chosen, known, option in ((meshes, MESHES, "--meshes"), (policies, POLICIES, "--policies"),
+                                  (spec_sets, SPEC_SETS, "--specs")):
         unknown = sorted(set(chosen) - set(known))
         if unknown:
             parser.error(f"{option}: unknown {unknown}; choose from {', '.join(known)}")
+    meshes = mesh_labels(meshes, spec_sets)
     print(f"PJRT {harness.device_name()}, {args.devices} devices, {args.layers} layers, "
           f"{harness.llama_description(args)}, seq {args.seq}, batch {args.batch}, SGD, "
           f"{args.steps} steps", flush=True)

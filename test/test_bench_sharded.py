@@ -35,19 +35,31 @@ def test_the_loop_runs_each_program_once_for_the_policies_compared():
         ("model", "checkpointing", "stack_layers")]
 
 
-@pytest.mark.parametrize("name, axes, spec", [
-    ("model.layers.0.self_attn.q_proj.weight", ("model", "fsdp"), ("model", "fsdp")),
-    ("model.layers.stacked.mlp.down_proj.weight", ("model", None), (None, "model")),
-    ("model.embed_tokens.weight", ("model", "fsdp"), ("model", "fsdp")),
-    ("model.layers.stacked.input_layernorm.weight", ("model", "fsdp"), None),
+@pytest.mark.parametrize("name, spec_set, spec", [
+    ("model.layers.0.self_attn.q_proj.weight", "megatron", ("model", "fsdp")),
+    ("model.layers.0.mlp.down_proj.weight", "tensor-only", (None, "model")),
+    ("model.embed_tokens.weight", "megatron", ("model", "fsdp")),
+    ("model.layers.0.input_layernorm.weight", "megatron", None),
+    ("model.layers.2.post_attention_layernorm.weight", "with-norms", ("model",)),
+    ("model.layers.1.self_attn.o_proj.weight", "both-axes", (None, ("fsdp", "model"))),
 ])
-def test_tensor_parallel_weights_are_cut_by_their_role(name, axes, spec):
-    assert bench_sharded.weight_spec(name, axes) == spec
+def test_weights_are_cut_by_their_role_as_the_spec_set_says(name, spec_set, spec):
+    assert bench_sharded.weight_spec(name, bench_sharded.SPEC_SETS[spec_set]) == spec
+
+
+def test_the_2d_mesh_runs_once_per_spec_set():
+    assert bench_sharded.mesh_labels(["fsdp", "fsdp+model"], ["megatron"]) == ["fsdp",
+                                                                              "fsdp+model"]
+    labels = bench_sharded.mesh_labels(["fsdp+model", "model"], ["megatron", "fsdp-only"])
+    assert labels == ["fsdp+model:megatron", "fsdp+model:fsdp-only", "model"]
+    assert [bench_sharded.spec_set_of(label) for label in labels] == [
+        ("fsdp+model", "megatron"), ("fsdp+model", "fsdp-only"), ("model", "tensor-only")]
 
 
 @pytest.mark.parametrize("arguments, message", [
     (["--meshes", "fsdp,ring"], "--meshes: unknown ['ring']"),
     (["--policies", "save_dots"], "--policies: unknown ['save_dots']"),
+    (["--specs", "megatron,zero"], "--specs: unknown ['zero']"),
 ])
 def test_unknown_meshes_and_policies_are_refused(arguments, message, capsys):
     with pytest.raises(SystemExit) as exited:
