@@ -103,9 +103,9 @@ def message_nodes(tree: ast.Module):
                 yield node.lineno, node.exc.args[0]
         elif isinstance(node, ast.Call):
             name = ast.unparse(node.func).rpartition(".")[2]
-            if name in ("Unstackable", "Refusal") and len(node.args) > 1:
+            if name == "Unstackable" and len(node.args) > 1:
                 yield node.lineno, node.args[1]
-            elif name in ("Unscannable", "warn") and node.args:
+            elif name in ("Unscannable", "Refusal", "warn") and node.args:
                 yield node.lineno, node.args[0]
             for keyword in node.keywords:
                 if keyword.arg == "reason":

@@ -1,9 +1,29 @@
 """The package's warning classes share one base, `TorchXlaExtWarning`, so a
 user can act on all of them at once
 (`warnings.simplefilter("error", torch_xla_ext.TorchXlaExtWarning)` in a test
-suite that must see every fallback) or on one by its own class."""
+suite that must see every fallback) or on one by its own class. Why a call
+runs otherwise is a `Refusal` until the place that warns with it."""
+import dataclasses
 
-__all__ = ["ScanCacheWarning", "TorchXlaExtDeprecationWarning", "TorchXlaExtWarning"]
+__all__ = ["Refusal", "ScanCacheWarning", "TorchXlaExtDeprecationWarning", "TorchXlaExtWarning"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why something cannot run as asked (one scan stand for a run of layers,
+    torch's scan operator take a step, a cache plan hold a cache), returned
+    in place of the result: a value, told apart from a result by its type,
+    until the one place that warns with its `reason` or raises it (`error`,
+    for a refusal to build what was asked: a stack of layers not alike)."""
+    reason: str
+    error: type[Exception] = ValueError
+
+    def within(self, where: str) -> "Refusal":
+        """The refusal said of a part (`where`: a segment's name)."""
+        return dataclasses.replace(self, reason=f"{where}: {self.reason}")
+
+    def exception(self) -> Exception:
+        return self.error(self.reason)
 
 
 class TorchXlaExtWarning(UserWarning):

@@ -46,6 +46,6 @@ def test_the_rehearsal_says_why_the_operator_cannot_take_a_step():
     writes_its_slice = lambda c, x: (c + x["w"].add_(1).sum(), c)  # noqa: E731
     grows = lambda c, x: (torch.cat([c, c]), c)  # noqa: E731
     counts = lambda c, x: (c + 1, 3)  # noqa: E731
-    assert "slices of xs leaves [0] in place" in rehearse(writes_its_slice, init, xs)
-    assert "keeps a carry's shape and dtype" in rehearse(grows, init, xs)
-    assert "output leaf 0 is a int" in rehearse(counts, init, xs)
+    assert "slices of xs leaves [0] in place" in rehearse(writes_its_slice, init, xs).reason
+    assert "keeps a carry's shape and dtype" in rehearse(grows, init, xs).reason
+    assert "output leaf 0 is a int" in rehearse(counts, init, xs).reason

@@ -66,6 +66,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer)
 
 from torch_xla_ext.class_swaps import original_class
+from torch_xla_ext.diagnostics import Refusal
 from torch_xla_ext.hf.fresh_caches import (
     fill_fresh, fresh_layers, held_states, holds_alike_states, side_lists, starts_empty_from)
 from torch_xla_ext.hf.caches import (
@@ -183,23 +184,23 @@ class CachePlan:
 
 def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
                     device: torch.device, gradients: bool, first: int = 0,
-                    period: int | None = None) -> CachePlan | str:
+                    period: int | None = None) -> CachePlan | Refusal:
     """The plan of one scan over layers `first`, ..., `first + num_layers - 1`
     called with `cache` as `parameter` on `new_tokens` tokens on `device`
-    (`gradients`: whether what the layers compute carries gradients), or the
-    reason the layers run one by one instead (one of `REASONS`, or the
+    (`gradients`: whether what the layers compute carries gradients), or a
+    Refusal: why the layers run one by one instead (one of `REASONS`, or the
     device's). `period`: the layers of each scan step, called as a group (a
     segment of a repeating pattern), whose cache starts empty or holds
     states alike at each position (`fresh_caches`)."""
     on_another_device = device_reason(device)
     if on_another_device is not None:
-        return on_another_device
+        return Refusal(on_another_device)
     if cache is None:
-        return CACHE_REASON
+        return Refusal(CACHE_REASON)
     if isinstance(cache, EncoderDecoderCache):
         if period is None and holds_nothing(cache, first, num_layers):
             return CachePlan(cache, parameter, in_place=False, first=first, encoder_decoder=True)
-        return CACHE_REASON
+        return Refusal(CACHE_REASON)
     if side_lists(cache):  # per-layer state besides its layers, which only its methods know
         return _fresh_plan(cache, parameter, first, num_layers, period, gradients)
     layers = _layer_range(cache, first, num_layers)
@@ -216,14 +217,14 @@ def plan_cache_call(cache, parameter: str, num_layers: int, new_tokens: int,
                          and all(keeps_all(layer, new_tokens) for layer in layers))
     if layers is not None and _holds_tokens(layers, new_tokens):
         if gradients:
-            return DYNAMIC_GRADIENTS_REASON
+            return Refusal(DYNAMIC_GRADIENTS_REASON)
         return CachePlan(cache, parameter, in_place=False, held=stacked_buffers(layers),
                          stacked=True, first=first, count=num_layers)
     return _fresh_plan(cache, parameter, first, num_layers, period, gradients)
 
 
 def _fresh_plan(cache, parameter: str, first: int, num_layers: int, period: int | None,
-                gradients: bool) -> CachePlan | str:
+                gradients: bool) -> CachePlan | Refusal:
     """The plan for a cache of other kinds than the plans above know (its
     cache layers', or lists it keeps besides them), whose slots of the
     layers hold nothing yet, or state alike at each position (see
@@ -236,16 +237,16 @@ def _fresh_plan(cache, parameter: str, first: int, num_layers: int, period: int 
     layers = _layer_range(cache, first, num_layers) or []
     if all(original_class(layer) in _APPENDED_LAYERS + _WRITTEN_LAYERS for layer in layers) or (
             not holds_alike_states(cache, first, num_layers, period)):
-        return CACHE_REASON
+        return Refusal(CACHE_REASON)
     if gradients:
-        return DYNAMIC_GRADIENTS_REASON
+        return Refusal(DYNAMIC_GRADIENTS_REASON)
     return CachePlan(cache, parameter, in_place=False, first=first, period=period,
                      count=num_layers, held=held_states(cache, first, num_layers, period),
                      fresh=fresh_layers(cache, parameter, first, period, held=True))
 
 
 def _static_plan(cache, parameter: str, layers: list, first: int, new_tokens: int,
-                 gradients: bool) -> CachePlan | str:
+                 gradients: bool) -> CachePlan | Refusal:
     """The plan for a StaticCache whose layers all hold as many positions and
     none of which slides in the call: a sliding-window layer whose window is
     at least the cache's length holds what it holds and the new tokens, and
@@ -255,14 +256,14 @@ def _static_plan(cache, parameter: str, layers: list, first: int, new_tokens: in
     if (len({layer.max_cache_len for layer in layers}) != 1
             or any(layer.is_sliding and layer.cumulative_length_int + new_tokens
                    > layer.max_cache_len for layer in layers)):
-        return CACHE_REASON
+        return Refusal(CACHE_REASON)
     initialized = [layer.is_initialized for layer in layers]
     if not any(initialized):
         return CachePlan(cache, parameter, in_place=True, first=first, count=len(layers))
     if not all(initialized):
-        return CACHE_REASON
+        return Refusal(CACHE_REASON)
     if gradients:
-        return STATIC_GRADIENTS_REASON
+        return Refusal(STATIC_GRADIENTS_REASON)
     return CachePlan(cache, parameter, in_place=True, held=stacked_buffers(layers), first=first,
                      count=len(layers))
 

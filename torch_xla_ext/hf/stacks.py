@@ -35,7 +35,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from torch_xla_ext.hf import checkpointing
-from torch_xla_ext.hf.cache_plan import CachePlan, plan_cache_call, starts_empty
+from torch_xla_ext.diagnostics import Refusal
+from torch_xla_ext.hf.cache_plan import plan_cache_call, starts_empty
 from torch_xla_ext.hf.caches import is_cache, keeping_all
 from torch_xla_ext.hf.discovery import is_capture_hook
 from torch_xla_ext.hf.experts import experts_modules, experts_reason
@@ -156,22 +157,22 @@ class StackedLayers(StackedList):
         named = [_cache_by_name(layers.template, run.period, hidden, call_args, call_kwargs)
                  for call_args, call_kwargs in calls]
         if len(caches) > 1 or any(found is None for found in named):
-            return ("the layers get more than one key/value cache, or one passed by "
-                    "position past their named parameters, and a scan stands for one passed "
-                    "by name")
+            return Refusal("the layers get more than one key/value cache, or one passed by "
+                           "position past their named parameters, and a scan stands for one "
+                           "passed by name")
         parameter, cache = named[0][0], next(iter(caches.values()))
         gradients = torch.is_grad_enabled() and (hidden.requires_grad or any(
             tensor.requires_grad for tensor in self.parameters()))
         plan = plan_cache_call(cache, parameter, run.stop - run.start, hidden.shape[-2],
                                hidden.device, gradients, first=run.start,
                                period=None if run.period == 1 else run.period)
-        if not isinstance(plan, CachePlan):
+        if isinstance(plan, Refusal):
             return plan
         without_cache = tuple((found[1], {name: value for name, value in found[2].items()
                                           if name != parameter}) for found in named)
         outcome = attempt_recording(layers, hidden, *_call_of(without_cache, run.period),
                                     plan.recording, state=plan.state)
-        if isinstance(outcome, str):
+        if isinstance(outcome, Refusal):
             return outcome
         last_hidden, recorded, kept, handed, found = outcome
         plan.commit(recorded, found, hidden.shape[-2])

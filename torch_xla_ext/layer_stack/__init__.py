@@ -54,8 +54,9 @@ scans run by the call's executor (`executors`).
 
 The modules, one job each:
 
-* layers alike: `alike` (layouts, the check, its messages; `Refusal`, why
-  layers cannot be stacked, a value until a constructor raises it), `forms`
+* layers alike: `alike` (layouts, the check, its messages: a `Refusal`
+  says why layers cannot be stacked, a value until a constructor raises it,
+  as it says everywhere why a run cannot scan), `forms`
   (the comparable forms of settings), `per_layer` (per-layer attributes,
   watched while tracing), `kinds` (`PerLayerChoice`, what a layer computes);
 * storage: `stack` (`LayerStack`; `checked_stack_options`: a wrong option
@@ -85,7 +86,7 @@ The modules, one job each:
   the scan), `layer_list` (`scan_layers`), `sharding` (FSDPv2: stacked
   weights and the hidden state a scan carries).
 """
-from torch_xla_ext.layer_stack.alike import Refusal
+from torch_xla_ext.diagnostics import Refusal
 from torch_xla_ext.layer_stack.execution import ScanResult, scan_result
 from torch_xla_ext.layer_stack.executors import ExportWarning, device_reason
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice

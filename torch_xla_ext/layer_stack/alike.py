@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from torch_xla_ext.diagnostics import Refusal
 from torch_xla_ext.layer_stack.forms import (
     Composite, Constant, FormBuilder, by_identity, describe, differences)
 
@@ -22,21 +23,6 @@ _MODULE_BOOKKEEPING = frozenset(vars(nn.Module())) - {"training"}
 
 _SAME_CODE_NOTE = ("the stack runs layer 0's code and settings for every layer, "
                    "so all layers must be built the same way")
-
-
-@dataclasses.dataclass(frozen=True)
-class Refusal:
-    """Why layers cannot be stacked: the exception class a constructor raises
-    for it (ValueError, TypeError) and its message."""
-    error: type[Exception]
-    reason: str
-
-    def within(self, where: str) -> Refusal:
-        """The refusal said of a part of the layers (`where`: a segment's name)."""
-        return Refusal(self.error, f"{where}: {self.reason}")
-
-    def exception(self) -> Exception:
-        return self.error(self.reason)
 
 
 def join(path: str, name: str) -> str:
@@ -96,7 +82,7 @@ def layout_of(layer: nn.Module, index: int) -> LayerLayout:
             settings[name] = forms.form(value)
             if forms.own_references and refusal is None:  # found in this setting's form
                 place, holder = forms.own_references[0]
-                refusal = Refusal(ValueError, (
+                refusal = Refusal((
                     f"Layer {index} setting '{name}' refers to the layer's own {place} through "
                     f"{holder}, which the stack's copy of layer 0 shares rather than copies: "
                     f"every layer would use layer 0's {place}, not its own. Reach it through "
@@ -119,8 +105,8 @@ def layouts_of(layers: list) -> list[LayerLayout] | Refusal:
     are (it is not a module; a setting of it cannot be used), for the first."""
     for index, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
-            return Refusal(TypeError, f"Layer {index} is a {type(layer).__name__}, not an "
-                                      f"nn.Module; pass a list or nn.ModuleList of layers.")
+            return Refusal(f"Layer {index} is a {type(layer).__name__}, not an nn.Module; "
+                           f"pass a list or nn.ModuleList of layers.", TypeError)
     layouts = [layout_of(layer, index) for index, layer in enumerate(layers)]
     return next((layout.refusal for layout in layouts if layout.refusal is not None), layouts)
 
@@ -197,26 +183,26 @@ def structure_difference(index: int, reference: LayerLayout, other: LayerLayout
     the refusal of layers that must be alike."""
     message = _key_difference(index, "submodules", reference.modules, other.modules)
     if message:
-        return Refusal(ValueError, message)
+        return Refusal(message)
     for path, module_type in reference.modules.items():
         if other.modules[path] is not module_type:
             where = f"submodule '{path}'" if path else "itself"
-            return Refusal(TypeError, (
+            return Refusal((
                 f"Layer {index} {where} is a {other.modules[path].__name__} but layer 0's is "
-                f"a {module_type.__name__}; {_SAME_CODE_NOTE}."))
+                f"a {module_type.__name__}; {_SAME_CODE_NOTE}."), TypeError)
     message = _key_difference(index, "parameters/buffers", reference.tensors, other.tensors)
     if message:
-        return Refusal(ValueError, message)
+        return Refusal(message)
     for name, spec in reference.tensors.items():
         if other.tensors[name] != spec:
             kind = "parameter" if spec.is_parameter else "buffer"
-            return Refusal(ValueError, (
+            return Refusal((
                 f"Layer {index} {kind} '{name}' has {other.tensors[name].describe()} but "
                 f"layer 0's has {spec.describe()}; the stack keeps one [num_layers, ...] "
                 f"tensor per name, so every layer's '{name}' must match layer 0's."))
     message = _key_difference(index, "settings", reference.settings, other.settings)
     if message:
-        return Refusal(ValueError, message)
+        return Refusal(message)
     return None
 
 
@@ -243,7 +229,7 @@ def _layout_difference(index: int, reference: LayerLayout, other: LayerLayout,
     if structure is not None or any_setting:
         return structure
     setting = _setting_difference_of(index, reference, other, per_layer_attributes)
-    return None if setting is None else Refusal(ValueError, setting)
+    return None if setting is None else Refusal(setting)
 
 
 def _naming_settings(index: int, reference: LayerLayout, other: LayerLayout,
@@ -370,7 +356,7 @@ def _shared_parameter(layers: list, first: int, period: int, shared: frozenset[s
                 place = (first + index, name)
             first_index, first_place = owners.setdefault(id(param), (index, place))
             if first_index != index:  # within a group, shared as the group's own
-                return Refusal(ValueError, (
+                return Refusal((
                     f"Layer {place[0]} parameter '{place[1]}' is the same tensor as layer "
                     f"{first_place[0]}'s '{first_place[1]}'; a LayerStack stores one copy per "
                     f"layer and would untie them (a tensor every layer of the segment holds "

@@ -45,7 +45,7 @@ from torch_xla_ext.layer_stack.kinds import hidden_of
 from torch_xla_ext.layer_stack.per_layer import read_refusal, reads_recorded_in, reads_watched
 from torch_xla_ext.object_graph import VALUE_TYPES
 from torch_xla_ext.policies import save_everything
-from torch_xla_ext.diagnostics import TorchXlaExtWarning
+from torch_xla_ext.diagnostics import Refusal, TorchXlaExtWarning
 
 __all__ = ["GraphBreakWarning", "TracedExecution", "TracedLoop", "TracedRun",
            "trace_loops_in_dynamo", "traced_loops", "traced_runs", "warn_graph_break"]
@@ -111,66 +111,69 @@ class TracedLoop:
 
 
 def traced_runs(stack, plan: CallPlan, calls: list, attributes_read: dict
-                ) -> TracedLoop | str:
+                ) -> TracedLoop | Refusal:
     """The `TracedLoop` of `plan`, a plan of `stack`'s (a `StackedList`) from
     the dry run's `calls` (`dry_run.RecordedCall`s) and the attributes it
     read of the loop's items (`CallRecord.attributes_read`), or why Dynamo
-    cannot trace the loop as scans (a str); runs on the CPU's fakes, apart
+    cannot trace the loop as scans; runs on the CPU's fakes, apart
     from any trace."""
     if plan.reason is not None:
-        return plan.reason
+        return Refusal(plan.reason)
     for index, attributes in sorted(attributes_read.items()):
         for name, value in attributes.items():
             if not isinstance(value, VALUE_TYPES):
-                return (f"the forward reads layer {index}'s attribute {name!r}, a "
-                        f"{type(value).__name__}, which Dynamo's graph cannot hold as a "
-                        f"constant (plain values can be)")
+                return Refusal(f"the forward reads layer {index}'s attribute {name!r}, a "
+                               f"{type(value).__name__}, which Dynamo's graph cannot hold as a "
+                               f"constant (plain values can be)")
     by_index = {call.index: call for call in calls}
     made = []
     for run in plan.runs:
         traced = _traced_run(stack, run, by_index.get(run.start))
-        if isinstance(traced, str):
-            return f"layers {run.start}-{run.stop - 1}: {traced}"
+        if isinstance(traced, Refusal):
+            return Refusal(f"layers {run.start}-{run.stop - 1}: {traced.reason}")
         made.append(traced)
     return TracedLoop(tuple(made), {index: dict(attributes)
                                     for index, attributes in attributes_read.items()})
 
 
-def _traced_run(stack, run: Run, call) -> TracedRun | str:
+def _traced_run(stack, run: Run, call) -> TracedRun | Refusal:
     if run.how != SCAN:
-        return run.reason or f"the plan runs them {run.how}"
+        return Refusal(run.reason or f"the plan runs them {run.how}")
     if run.period != 1:
-        return "they run as groups of layers of several kinds"
+        return Refusal("they run as groups of layers of several kinds")
     settings = stack.differing_settings(run.start, run.stop)
     if settings:
-        return f"the layers differ in settings {settings}; one traced layer stands for all"
+        return Refusal(f"the layers differ in settings {settings}; one traced layer stands "
+                       f"for all")
     if run.numbers is not None:
-        return "the layers differ in numbers of their arithmetic; one traced layer stands for all"
+        return Refusal("the layers differ in numbers of their arithmetic; one traced layer "
+                       "stands for all")
     if any(run.kept):
-        return "the forward keeps each layer's output, which the scan's one result cannot give"
+        return Refusal("the forward keeps each layer's output, which the scan's one result "
+                       "cannot give")
     if call is None or any(leaf.kind != "shared" for leaf in run.leaves[0][1:]):
-        return "the layers are given arguments that differ between them"
+        return Refusal("the layers are given arguments that differ between them")
     layers = stack.runner(run)
     if layers.shared_tensors:
-        return "the layers share parameters, which the traced layer would capture"
+        return Refusal("the layers share parameters, which the traced layer would capture")
     if layers.partition_fn is not save_everything or layers.unroll != 1 or (
             layers.unit_output is not None or layers.hooks_replayed):
-        return (f"torch's scan operator has no place for the stack's partition_fn="
-                f"{layers.partition_fn!r}, unroll={layers.unroll!r}, FSDPv2 output sharding or "
-                f"replayed hooks")
+        return Refusal(f"torch's scan operator has no place for the stack's partition_fn="
+                       f"{layers.partition_fn!r}, unroll={layers.unroll!r}, FSDPv2 output "
+                       f"sharding or replayed hooks")
     leaves = call.leaves
     if not isinstance(leaves[0], torch.Tensor):
-        return "the hidden state is not one tensor"
+        return Refusal("the hidden state is not one tensor")
     tensor_leaves = []
     for number, leaf in enumerate(leaves[1:], start=1):
         if isinstance(leaf, torch.Tensor):
             if leaf.requires_grad:
-                return (f"argument leaf {number} requires grad, and torch 2.9's scan operator "
-                        f"differentiates the tensors its body captures wrongly")
+                return Refusal(f"argument leaf {number} requires grad, and torch 2.9's scan "
+                               f"operator differentiates the tensors its body captures wrongly")
             tensor_leaves.append(number)
         elif not isinstance(leaf, VALUE_TYPES):
-            return (f"argument leaf {number} is a {type(leaf).__name__}, and the operator's body "
-                    f"takes tensors and constants")
+            return Refusal(f"argument leaf {number} is a {type(leaf).__name__}, and the "
+                           f"operator's body takes tensors and constants")
     output_spec, sources = run.outputs[0]
     output_sources = []
     for number, source in enumerate(sources):
@@ -179,9 +182,10 @@ def _traced_run(stack, run: Run, call) -> TracedRun | str:
         elif source.kind in ("argument", "constant"):
             output_sources.append((source.kind, source.value))
         else:
-            return f"the layer's output leaf {number} is {source.kind}, not the hidden state"
+            return Refusal(f"the layer's output leaf {number} is {source.kind}, not the hidden "
+                           f"state")
     body = _layer_graph(layers, leaves, call.spec, tuple(tensor_leaves))
-    if isinstance(body, str):
+    if isinstance(body, Refusal):
         return body
     segment_start = stack.plan[run.segment].start
     return TracedRun(run.start, run.stop, run.segment, run.start - segment_start, body,
@@ -208,7 +212,8 @@ def _layer_graph(layers, leaves: list, spec: TreeSpec, tensor_leaves: tuple[int,
     with apart_from_trace(), torch.no_grad(), reads_watched(
             template, layers.per_layer_paths), reads_recorded_in(reads):
         graph = make_fx(one_layer, tracing_mode="fake")(weights, *examples)
-    return read_refusal(reads, layers.per_layer_paths) or graph
+    refusal = read_refusal(reads, layers.per_layer_paths)
+    return graph if refusal is None else Refusal(refusal)
 
 
 class TracedExecution:

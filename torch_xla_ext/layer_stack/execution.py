@@ -23,6 +23,7 @@ from typing import Any
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torch_xla_ext.diagnostics import Refusal
 from torch_xla_ext.layer_stack.executors import executor_of_call
 from torch_xla_ext.layer_stack.planner import SCAN, CallPlan, Run
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, same_leaf
@@ -43,9 +44,9 @@ class ScanResult:
     handed: dict = dataclasses.field(default_factory=dict)
 
 
-def scan_result(run, outcome) -> ScanResult | str:
+def scan_result(run, outcome) -> ScanResult | Refusal:
     """`scan_runner.attempt`'s outcome for `run` as its execution takes it."""
-    if isinstance(outcome, str):
+    if isinstance(outcome, Refusal):
         return outcome
     hidden, kept, handed = outcome
     return ScanResult(hidden, {(0, leaf): stacked for leaf, stacked in zip(run.kept[0], kept)}
@@ -90,8 +91,8 @@ class Execution:
         state.calls.append((leaves, spec))
         if index == run.trigger:
             outcome = self.stack.scan_run(run, *self._scan_call(run, state))
-            if isinstance(outcome, str):
-                warn_layer_by_layer(run.stop - run.start, outcome, stacklevel=6)
+            if isinstance(outcome, Refusal):
+                warn_layer_by_layer(run.stop - run.start, outcome.reason, stacklevel=6)
                 state.one_by_one = True
                 return self._finish(run, index, self._recorded_one_by_one(run, state))
             state.result = outcome

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from torch_xla_ext.diagnostics import TorchXlaExtWarning
+from torch_xla_ext.diagnostics import Refusal, TorchXlaExtWarning
 from torch_xla_ext.layer_stack.fakes import apart_from_trace
 from torch_xla_ext.layer_stack.operands import Unscannable
 from torch_xla_ext.placeholders import placeholder
@@ -100,8 +100,8 @@ class _ExportedOperator(Executor):
                     f"register_torch_scan where the exported program runs or lowers",
                     ExportWarning, stacklevel=5)
             rehearsed = rehearse(step, init, xs)
-            if isinstance(rehearsed, str):
-                raise Unscannable(rehearsed)
+            if isinstance(rehearsed, Refusal):
+                raise Unscannable(rehearsed.reason)
             return scan_through_operator(step, init, xs, rehearsed)
         return through_operator
 

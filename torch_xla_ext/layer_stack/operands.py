@@ -21,6 +21,7 @@ import threading
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
+from torch_xla_ext.diagnostics import Refusal
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice, argument_path
 from torch_xla_ext.layer_stack.shared_mappings import gathered, is_shared_mapping
 from torch_xla_ext.object_graph import VALUE_TYPES
@@ -30,7 +31,13 @@ __all__ = ["LAYER_INDEX", "HandedOn", "Unscannable", "choice_tensor", "leaves_in
 
 
 class Unscannable(Exception):
-    """Why a call cannot run as one scan; the message says it."""
+    """Why a call cannot run as one scan, found while its step is traced:
+    what takes the trace out of the scan, to the runner that returns its
+    `refusal`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.refusal = Refusal(reason)
 
 
 @dataclasses.dataclass(frozen=True)

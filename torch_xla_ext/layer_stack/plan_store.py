@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from torch_xla_ext.diagnostics import Refusal
 from torch_xla_ext.layer_stack.planner import CallPlan, plan_calls
 from torch_xla_ext.layer_stack.dry_run import record_calls
 from torch_xla_ext.layer_stack.execution import Execution
@@ -46,7 +47,7 @@ class OwnerPlans:
         # hashes none of a call's TreeSpec or dtypes): each stacked list's
         # runs as Dynamo traces them, or why its loop runs at a graph break
         # (`dynamo`).
-        self.traced_runs = BoundedStore()  # kind -> {name: TracedLoop | str}
+        self.traced_runs = BoundedStore()  # kind -> {name: TracedLoop | Refusal}
         # The names of the plain settings of the owner and of its config.
         self.setting_names: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
@@ -97,12 +98,12 @@ class OwnerPlans:
         kind = _traced_kind(owner, args, kwargs, self.setting_names)
         if kind in self.traced_runs:
             # Kinds of call that Dynamo's key does not tell apart: no traced runs for them.
-            runs = {name: "it is called in kinds that differ in what Dynamo's key of a call "
-                          "(plain values) leaves out" for name in plans}
+            runs = {name: Refusal("it is called in kinds that differ in what Dynamo's key of a "
+                                  "call (plain values) leaves out") for name in plans}
         self.traced_runs.put(kind, runs)
         for name, each in runs.items():
-            if isinstance(each, str):
-                warn_graph_break(owner, name, each)
+            if isinstance(each, Refusal):
+                warn_graph_break(owner, name, each.reason)
 
 
 def _traced_kind(owner: nn.Module, args: tuple, kwargs: dict,

@@ -29,7 +29,7 @@ from torch_xla_ext.layer_stack.shared_mappings import holding
 from torch_xla_ext.layer_stack.per_layer import (
     INDEX_ARGUMENT, OpaqueValue, read_refusal, reads_recorded_in, reads_watched)
 from torch_xla_ext.scan import Lowered, lower as lower_scan
-from torch_xla_ext.diagnostics import TorchXlaExtWarning
+from torch_xla_ext.diagnostics import Refusal, TorchXlaExtWarning
 
 
 class LayerByLayerWarning(TorchXlaExtWarning):
@@ -106,9 +106,9 @@ def run(layers: Layers, hidden, args: tuple, kwargs: dict):
     variants, tensors of one shape and dtype, ride along stacked, and each
     step picks its layer's."""
     outcome = attempt(layers, hidden, args, kwargs)
-    if isinstance(outcome, str):
+    if isinstance(outcome, Refusal):
         return run_layer_by_layer(layers.layer_at, layers.num_layers, hidden, args, kwargs,
-                                  layers.drop_in, outcome)
+                                  layers.drop_in, outcome.reason)
     return outcome[0]
 
 
@@ -116,24 +116,25 @@ def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
     """`run`'s scan: (the last hidden state, the kept output leaves stacked
     along the layers, the last layer's output leaves that HandedOn arguments
     take, by number), or
-    why one scan cannot stand for the loop (a str), before anything ran."""
+    why one scan cannot stand for the loop (a Refusal), before anything ran."""
     def scanned(step, init, xs):
         (last_hidden, _, handed), (_, calls, kept) = _loop(layers)(step, init, xs)
         _replay_hooks(layers, calls)
         return last_hidden, kept, handed
 
-    reason = _device_reason_of(hidden)
-    if reason is not None:
-        return reason
+    refusal = _device_refusal_of(hidden)
+    if refusal is not None:
+        return refusal
     try:
         return _through_scan(layers, hidden, args, kwargs, scanned)
     except Unscannable as unscannable:
-        return str(unscannable)
+        return unscannable.refusal
 
 
-def _device_reason_of(hidden) -> str | None:
-    return next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
-                              if isinstance(leaf, torch.Tensor))), None)
+def _device_refusal_of(hidden) -> Refusal | None:
+    reason = next(filter(None, (device_reason(leaf.device) for leaf in tree_flatten(hidden)[0]
+                                if isinstance(leaf, torch.Tensor))), None)
+    return None if reason is None else Refusal(reason)
 
 
 def _loop(layers: Layers) -> Callable:
@@ -168,15 +169,15 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
 
 def attempt_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording,
                       state: tuple[torch.Tensor, ...] = ()):
-    """`run_recording`, or why one scan cannot stand for the loop (a str),
-    before anything ran (the state unchanged)."""
-    reason = _device_reason_of(hidden)
-    if reason is not None:
-        return reason
+    """`run_recording`, or why one scan cannot stand for the loop (a
+    Refusal), before anything ran (the state unchanged)."""
+    refusal = _device_refusal_of(hidden)
+    if refusal is not None:
+        return refusal
     try:
         return run_recording(layers, hidden, args, kwargs, recording, state)
     except Unscannable as unscannable:
-        return str(unscannable)
+        return unscannable.refusal
 
 
 def lower(layers: Layers, hidden, args: tuple, kwargs: dict, device_kind: str) -> Lowered:

@@ -328,7 +328,7 @@ class StackedList(RefusedEdits, nn.Module):
         """Runs `run` (a `planner.Run` of its layers) as one scan on
         `hidden`, each layer called with `args`/`kwargs` (a PerLayerChoice
         giving each layer its own; for a segment of groups, `calls`, each
-        position's): an `executor.ScanResult`, or why it cannot (a str),
+        position's): an `execution.ScanResult`, or why it cannot (a Refusal),
         before anything ran. A subclass may run calls with arguments a scan
         cannot take as they are (a key/value cache) otherwise."""
         return scan_result(run, scan_runner.attempt(self.runner(run), hidden, args, kwargs))

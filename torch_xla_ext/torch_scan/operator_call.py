@@ -40,6 +40,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from torch_xla_ext.diagnostics import Refusal
+
 __all__ = ["Rehearsed", "rehearse", "scan_through_operator"]
 
 
@@ -55,10 +57,10 @@ class Rehearsed:
     nones: tuple[int, ...]  # the output leaves that are None (the operator returns none of them)
 
 
-def rehearse(fn: Callable, init, xs) -> Rehearsed | str:
+def rehearse(fn: Callable, init, xs) -> Rehearsed | Refusal:
     """Runs `fn` once on fakes of `init` and of `xs`'s first slices (see the
     module docstring): what the operator's call can be, or why torch's
-    operator cannot take `fn` (a str)."""
+    operator cannot take `fn`."""
     init_leaves, init_spec = tree_flatten(init)
     xs_leaves, xs_spec = tree_flatten(xs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -72,22 +74,23 @@ def rehearse(fn: Callable, init, xs) -> Rehearsed | str:
     scanned_written = [number - len(carry_fakes) for number in written
                        if number >= len(carry_fakes)]
     if scanned_written:
-        return (f"the step writes its slices of xs leaves {scanned_written} in place, and "
-                f"torch's scan operator takes a step that writes none of its inputs")
+        return Refusal(f"the step writes its slices of xs leaves {scanned_written} in place, "
+                       f"and torch's scan operator takes a step that writes none of its inputs")
     carry_leaves, carry_spec = tree_flatten(carry)
     if carry_spec != init_spec:
-        return (f"the step returns a carry of another form ({carry_spec}) than it gets "
-                f"({init_spec})")
+        return Refusal(f"the step returns a carry of another form ({carry_spec}) than it "
+                       f"gets ({init_spec})")
     for number, (given, returned) in enumerate(zip(carry_fakes, carry_leaves)):
         if not isinstance(returned, torch.Tensor) or (returned.shape, returned.dtype) != (
                 given.shape, given.dtype):
-            return (f"the step returns carry leaf {number} as {_aval(returned)}, and gets it "
-                    f"as {_aval(given)}: torch's scan operator keeps a carry's shape and dtype")
+            return Refusal(f"the step returns carry leaf {number} as {_aval(returned)}, and "
+                           f"gets it as {_aval(given)}: torch's scan operator keeps a carry's "
+                           f"shape and dtype")
     y_leaves, ys_spec = tree_flatten(y)
     for number, leaf in enumerate(y_leaves):
         if not isinstance(leaf, (torch.Tensor, type(None))):
-            return (f"the step's output leaf {number} is a {type(leaf).__name__}, and torch's "
-                    f"scan operator stacks tensors only")
+            return Refusal(f"the step's output leaf {number} is a {type(leaf).__name__}, and "
+                           f"torch's scan operator stacks tensors only")
     read_only = tuple(number for number, (given, returned) in enumerate(
         zip(carry_fakes, carry_leaves)) if returned is given and number not in written)
     return Rehearsed(read_only, tuple(written), carry_spec, ys_spec,
