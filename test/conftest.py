@@ -57,6 +57,13 @@ def run_isolated(scenario_server):
     return run
 
 
+@pytest.fixture(scope="session")
+def device():
+    """The XLA device the tests run on."""
+    import torch_xla
+    return torch_xla.device()
+
+
 @pytest.fixture(autouse=True)
 def device_random_state_reset():
     """Each test starts from the same random state of the XLA device, no draw

@@ -62,11 +62,6 @@ def converted_pair(family="llama", layers=4, **config):
     return model, stack_layers(copy.deepcopy(model))
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 def batch(device, seed=1):
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)

@@ -16,8 +16,7 @@ from torch.utils._pytree import tree_flatten_with_path
 
 from per_layer import per_layer_grads
 from reference import host_copies
-from test_hf import (batch, device, left_padded_prompts,  # noqa: F401 (a fixture)
-                     seeded_generate)
+from test_hf import batch, left_padded_prompts, seeded_generate
 from tolerances import TRAINING, close, close_by_name
 from torch_xla_ext.hf import stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning

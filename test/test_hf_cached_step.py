@@ -9,7 +9,7 @@ import torch
 import torch_xla
 
 import torch_xla_ext as tx
-from test_hf import batch, device, make_model  # noqa: F401 (a fixture)
+from test_hf import batch, make_model
 
 PACKAGE = os.path.dirname(tx.__file__) + os.sep
 

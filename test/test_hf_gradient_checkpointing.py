@@ -16,7 +16,7 @@ from torch import nn
 import torch_xla_ext as tx
 from support import supports
 from reference import host_copies
-from test_hf import batch, device, make_model, per_layer_grads  # noqa: F401 (fixture)
+from test_hf import batch, make_model, per_layer_grads
 from test_hf_layer_kinds import converted_pair as kinds_pair
 from tolerances import LOGGED_LOSSES, TRAINING, close, close_by_name
 from torch_xla_ext import policies

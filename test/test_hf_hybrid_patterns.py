@@ -15,7 +15,7 @@ import transformers
 from torch.utils._pytree import tree_flatten
 
 from support import greedy_tokens_of_both, supports
-from test_hf import VOCAB, device  # noqa: F401 (a fixture)
+from test_hf import VOCAB
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
 from tolerances import THROUGH_LAYERS, TRAINING, close, close_by_name
 from torch_xla_ext.hf import stack_layers

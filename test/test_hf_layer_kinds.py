@@ -19,8 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from per_layer import per_layer_grads
 from support import supports
-from test_hf import (batch, compilations, device,  # noqa: F401 (a fixture)
-                     left_padded_prompts, seeded_generate)
+from test_hf import batch, compilations, left_padded_prompts, seeded_generate
 from tolerances import TRAINING, close, close_by_name
 import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers

@@ -15,7 +15,7 @@ import transformers
 from torch import nn
 
 from support import supports
-from test_hf import device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
+from test_hf import per_layer_grads, seeded_generate
 from tolerances import TRAINING, close
 from torch_xla_ext.hf import (StackedLayers, UnstackedLayersWarning, stack_layers,
                               unstack_layers)

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from support import greedy_tokens_of_both, supports
-from test_hf import VOCAB, device  # noqa: F401 (a fixture)
+from test_hf import VOCAB
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
 import torch_xla_ext as tx
 from torch_xla_ext.hf import stack_layers

@@ -10,7 +10,7 @@ import warnings
 import torch
 import transformers
 
-from test_hf import VOCAB, device  # noqa: F401 (a fixture)
+from test_hf import VOCAB
 from test_hf_layer_kinds import assert_same_step, training_step_of_both
 from tolerances import THROUGH_LAYERS, close
 from torch_xla_ext.hf import stack_layers

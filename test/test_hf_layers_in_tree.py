@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import torch_xla_ext as tx
 from torch_xla_ext.layer_stack import alike
-from test_hf import batch, device, make_model  # noqa: F401 (a fixture)
+from test_hf import batch, make_model
 from tolerances import TRAINING, close
 
 

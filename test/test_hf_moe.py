@@ -12,8 +12,7 @@ import torch_xla
 import transformers
 
 from support import supports
-from test_hf import (  # noqa: F401 (device is a fixture)
-    VOCAB, assert_one_scan_with_the_unconverted_step, batch, device, per_layer_grads)
+from test_hf import VOCAB, assert_one_scan_with_the_unconverted_step, batch, per_layer_grads
 from tolerances import TRAINING, close
 from torch_xla_ext.hf import StackedLayers, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning

@@ -14,7 +14,7 @@ import torch_xla  # noqa: F401 (the XLA device)
 import transformers
 from torch.utils import _pytree as pytree
 
-from test_hf import batch, device, make_model  # noqa: F401 (a fixture)
+from test_hf import batch, make_model
 from test_hf_layer_kinds import converted_pair as kinds_pair
 from test_hf_peft import peft_pair
 from tolerances import LOGGED_LOSSES, TRAINING, close

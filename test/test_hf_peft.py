@@ -11,7 +11,7 @@ import per_layer
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-from test_hf import batch, device, make_model, per_layer_grads  # noqa: F401 (fixture)
+from test_hf import batch, make_model, per_layer_grads
 from tolerances import THROUGH_LAYERS, TRAINING, close, close_by_name
 from torch_xla_ext.hf import StackedLayers, stack_layers
 from torch_xla_ext.layer_stack import LayerByLayerWarning

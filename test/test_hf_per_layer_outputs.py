@@ -12,8 +12,7 @@ import torch_xla
 import transformers
 
 import test_hf_layer_kinds as layer_kinds
-from test_hf import (VOCAB, batch, device,  # noqa: F401 (a fixture)
-                     left_padded_prompts, per_layer_grads)
+from test_hf import VOCAB, batch, left_padded_prompts, per_layer_grads
 from tolerances import TRAINING, close, close_by_name
 import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayers, stack_layers

@@ -18,7 +18,7 @@ from torch import nn
 
 from layer_calls import forward_with_warnings
 from support import supports
-from test_hf import device, per_layer_grads, seeded_generate  # noqa: F401 (a fixture)
+from test_hf import per_layer_grads, seeded_generate
 from tolerances import TRAINING, close
 from torch_xla_ext.hf.cache_plan import CACHE_REASON
 from torch_xla_ext.hf import StackedLayers, stack_layers, unstack_layers

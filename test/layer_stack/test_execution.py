@@ -6,7 +6,6 @@ its kind of call says raises rather than compute something else."""
 
 import pytest
 import torch
-import torch_xla
 from torch import nn
 
 from layer_calls import HIDDEN, Block, converted, forward_with_warnings
@@ -36,12 +35,6 @@ class Loop(nn.Module):
             if self.doubles[0]:
                 x = x * 2
         return x
-
-
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
 
 
 def test_a_planned_scan_gives_the_loops_result_and_stand_ins_in_between(device):

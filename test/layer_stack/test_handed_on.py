@@ -6,7 +6,6 @@ results and gradients are the loop's."""
 
 import pytest
 import torch
-import torch_xla
 from torch import nn
 
 from layer_calls import HIDDEN, Block, converted, forward_with_warnings
@@ -45,12 +44,6 @@ class Loop(nn.Module):
         for index, block in enumerate(self.blocks):
             x, extra = block(x, extra, None if self.scales is None else self.scales[index])
         return x * extra  # the forward uses the last block's handed value
-
-
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
 
 
 def test_the_handed_value_is_carried_with_the_hidden_state(device):

@@ -6,7 +6,6 @@ each as itself without a word. Outside the forward, `blocks[i]` is layer
 i as a module."""
 import pytest
 import torch
-import torch_xla
 from torch import nn
 
 from layer_calls import HIDDEN, Block, converted, forward_with_warnings
@@ -32,11 +31,6 @@ class IndexedLoop(nn.Module):
             if self.norms:
                 x = self.norms[index](x)
         return x
-
-
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
 
 
 def test_an_indexed_loop_trains_as_one_scan(device):

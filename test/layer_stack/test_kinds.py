@@ -41,11 +41,6 @@ def _hand_on(output, **ignored):
     return output
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 def test_a_per_layer_choice_gives_each_layer_its_variant_inside_one_scan(device):
     torch.manual_seed(0)
     layers = [Scaled() for _ in range(3)]

@@ -7,7 +7,6 @@ values run one by one with a warning naming the argument, not silently each
 as itself."""
 import pytest
 import torch
-import torch_xla
 from torch import nn
 
 from layer_calls import HIDDEN, Block, converted, forward_with_warnings, planned
@@ -49,11 +48,6 @@ class Using(Handing):
 
     def forward(self, x, index):
         return self.block(x) * (index + 1)
-
-
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
 
 
 def test_layers_given_their_own_index_train_as_one_scan(device):

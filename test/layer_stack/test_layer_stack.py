@@ -33,11 +33,6 @@ def blocks(count=2, **kwargs):
     return [DecoderBlock(HIDDEN, HEADS, **kwargs) for _ in range(count)]
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 # ---------------------------------------------------------------------------
 # Training parity with the for loop
 

@@ -25,11 +25,6 @@ FAMILIES = {
 VOCAB, BATCH, SEQ = 64, 2, 5
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 def make_model(family: str, device) -> nn.Module:
     config_type, model_type, extra = FAMILIES[family]
     config = config_type(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,

@@ -36,11 +36,6 @@ def loop_of(*kinds):
     return Loop(nn.ModuleList([kind() for kind in kinds]))
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 def test_layers_that_set_attributes_run_one_by_one_and_keep_them_between_calls(device):
     reference, model = converted(loop_of(Block, Block, Remembering, Remembering, Block, Block),
                                  device)

@@ -60,11 +60,6 @@ def looped(kind):
     return Loop(nn.ModuleList(kind(index) for index in range(LAYERS)))
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 def test_layers_differing_in_numbers_of_their_arithmetic_train_as_one_scan(device):
     reference, model = converted(looped(Scaled), device)
     x = torch.randn(2, HIDDEN, device=device)

@@ -6,7 +6,6 @@ two structures are two runs, and per-layer outputs the forward keeps are
 the scan's."""
 import pytest
 import torch
-import torch_xla
 from torch import nn
 
 from layer_calls import HIDDEN, Block, Loop, planned
@@ -27,11 +26,6 @@ class Owner(Loop):
     def __init__(self, *kinds):
         torch.manual_seed(0)
         super().__init__(StackedList([kind() for kind in kinds or (Block, Block, Block)]))
-
-
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
 
 
 def test_a_plain_loop_is_one_scan(device):

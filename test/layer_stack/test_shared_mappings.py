@@ -56,12 +56,6 @@ class SharingLoop(nn.Module):
         return x
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
-
 def test_layers_around_the_one_that_writes_an_entry_scan_and_train_as_the_loop(device):
     # Layers 0-1 alike, layer 2 writes "kv", layers 3-4 read it.
     settings = [{}, {}, dict(stores="kv"), dict(reads="kv"), dict(reads="kv")]
