@@ -179,6 +179,44 @@ def test_sync_with_pending_placeholder_work_never_crashes(run_isolated, sync):
     assert "survived" in result.stdout
 
 
+def failed_op_scenario():
+    """An op that fails on placeholders midway (matmul's shapes disagree after
+    it expanded them), then what a traceback printer does: show every tensor
+    the traceback's frames hold; then a sync, and real work after it."""
+    import warnings
+    from torch.utils._pytree import tree_flatten
+    warnings.simplefilter("ignore")
+
+    p, q = tx.placeholder((2, 4, 16, 32)), tx.placeholder((2, 1, 8, 16))
+    try:
+        torch.matmul(p, q)
+    except RuntimeError as error:
+        failed = error
+    held, entry = [], failed.__traceback__
+    while entry is not None:
+        held += [leaf for value in entry.tb_frame.f_locals.values()
+                 for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+        entry = entry.tb_next
+    computed = [tensor for tensor in held if tensor is not p and tensor is not q]
+    assert computed, "the frames below the op hold none of its intermediates"
+    for tensor in held:
+        try:
+            repr(tensor)
+        except tx.PlaceholderError:
+            pass
+        else:
+            raise AssertionError(f"a {tensor.shape} tensor the traceback holds was readable")
+    torch_xla.sync()  # with the failed op's work pending, then real work
+    assert (torch.ones(3, device="xla") * 2).cpu().sum().item() == 6.0
+    print("survived", len(computed))
+
+
+def test_the_tensors_a_failed_op_leaves_in_its_traceback_are_guarded(run_isolated):
+    result = run_isolated(failed_op_scenario)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "survived" in result.stdout
+
+
 def test_sync_warns_about_discarded_work():
     leftover = tx.placeholder((1,)) + 1  # so that the flush below always warns
     with pytest.warns(RuntimeWarning):  # flushes what earlier tests' tracebacks keep alive

@@ -89,7 +89,11 @@ def _replace_with_placeholder(tensor: torch.Tensor) -> None:
         tensor.detach_()  # frees the autograd graph, whose saved tensors read placeholders too
     replacement = registered_placeholder(list(tensor.shape), tensor.dtype,
                                          tensor.device.index or 0)
+    # What an op computed below torch's functionalization (a composite op's
+    # intermediate that a traceback holds) takes the unwrapped placeholder.
+    data = (replacement if torch._is_functional_tensor(tensor)
+            else torch._from_functional_tensor(replacement))
     with torch._C.DisableTorchFunctionSubclass():
-        tensor.data = replacement
+        tensor.data = data
     tensor._placeholder_data = replacement._placeholder_data
     tensor._placeholder_discarded = True

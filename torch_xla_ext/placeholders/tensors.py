@@ -8,6 +8,7 @@ guards on reads run (`reads`).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Sequence
 
 import torch
@@ -15,7 +16,8 @@ from torch.utils._pytree import tree_flatten
 
 from torch_xla_ext.placeholders.reads import DataReadGuard, check_values, reads_value
 from torch_xla_ext.placeholders.registry import (
-    check_device, check_dtype, check_sizes, registered_placeholder, track_derived)
+    check_device, check_dtype, check_sizes, depends_on_placeholder, registered_placeholder,
+    track_derived)
 from torch_xla_ext.placeholders.syncs import guard_syncs
 
 _BACKWARD_FUNCTIONS = frozenset([torch.Tensor.backward, torch.autograd.backward])
@@ -37,13 +39,36 @@ class PlaceholderTensor(torch.Tensor):
         sources = placeholder_sources(args, kwargs)
         if func in _BACKWARD_FUNCTIONS:
             return _backward_marking_gradients(func, args, kwargs, sources)
-        with torch._C.DisableTorchFunctionSubclass(), DataReadGuard(sources, func):
+        with _guarded_call(sources, func):
             result = func(*args, **kwargs)
         mark_derived(result, sources)
         if mutates_arguments(func):
             mark_derived(args[0] if args else None, sources)
             mark_derived(kwargs.get("out"), sources)
         return result
+
+
+@contextlib.contextmanager
+def _guarded_call(sources: tuple, func):
+    """Where a function called on placeholders runs: its ops' reads guarded
+    (`DataReadGuard`), and if it raises, the tensors that the frames of the
+    traceback hold guarded too. Those below this one hold what the function
+    computed from placeholders before it failed (a composite op's
+    intermediates), unmarked: a traceback printer that shows them (pytest,
+    a debugger) would read them, and executing a graph that reads a
+    placeholder kills the process."""
+    try:
+        with torch._C.DisableTorchFunctionSubclass(), DataReadGuard(sources, func):
+            yield
+    except Exception as error:
+        entry = error.__traceback__
+        while entry is not None:
+            for value in list(entry.tb_frame.f_locals.values()):
+                for leaf in tree_flatten(value)[0]:
+                    if type(leaf) is torch.Tensor and depends_on_placeholder(leaf):
+                        mark_derived(leaf, sources)
+            entry = entry.tb_next
+        raise
 
 
 def placeholder(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, *,
@@ -121,7 +146,7 @@ def _backward_marking_gradients(func, args, kwargs, sources: tuple):
     depend on the placeholders the graph read."""
     roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     leaves = list(_accumulating_leaves(t.grad_fn for t in roots))
-    with torch._C.DisableTorchFunctionSubclass(), DataReadGuard(sources, func):
+    with _guarded_call(sources, func):
         result = func(*args, **kwargs)
     for leaf in leaves:
         mark_derived(leaf.grad, sources)
