@@ -103,3 +103,22 @@ def test_layers_reusing_stored_key_values_decode_the_unconverted_tokens(device):
     # differently and run one by one; the reusing layers 4-5 scan.
     one_by_one = set(one_by_one)
     assert len(one_by_one) == 1 and "layers 0-1 compute differently" in one_by_one.pop()
+
+
+def test_layers_that_index_the_cache_by_their_index_and_an_offset_run_one_by_one_saying_why(
+        device):
+    # HRM runs each of its two stacks several cycles, each layer updating the
+    # cache at `layer_idx + cycle_offset`: one trace cannot stand for every
+    # layer (the sum is the read index's), and the trace that went on with
+    # layer 0's index and failed is not the reason given: the read is.
+    config = transformers.HrmTextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=16,  # 2 x (2 x 3 + 2)
+        num_layers_per_stack=2, num_attention_heads=2, head_dim=16, H_cycles=2, L_cycles=3,
+        max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config)
+    model = stack_layers(copy.deepcopy(reference))
+    step = training_step_of_both(reference, model, device)
+    assert_same_step(step)
+    # (Later cycles find the cache holding the first's tokens: a reason of its own.)
+    assert "the layer reads ['self_attn.layer_idx']" in step["one_by_one"][0], step["one_by_one"]

@@ -209,9 +209,15 @@ def _layer_graph(layers, leaves: list, spec: TreeSpec, tensor_leaves: tuple[int,
     weights = {name: tensor[0].detach() for name, tensor in layers.stacked_tensors.items()}
     examples = [leaves[0].detach(), *(leaves[number].detach() for number in tensor_leaves)]
     reads = set()
-    with apart_from_trace(), torch.no_grad(), reads_watched(
-            template, layers.per_layer_paths), reads_recorded_in(reads):
-        graph = make_fx(one_layer, tracing_mode="fake")(weights, *examples)
+    try:
+        with apart_from_trace(), torch.no_grad(), reads_watched(
+                template, layers.per_layer_paths), reads_recorded_in(reads):
+            graph = make_fx(one_layer, tracing_mode="fake")(weights, *examples)
+    except Exception:
+        # After a per-layer read the trace went on with layer 0's value (as
+        # in scan_runner's step): the read is the reason.
+        if read_refusal(reads, layers.per_layer_paths) is None:
+            raise
     refusal = read_refusal(reads, layers.per_layer_paths)
     return graph if refusal is None else Refusal(refusal)
 

@@ -315,17 +315,27 @@ def _make_step(template_ref: weakref.ref, arguments: tuple, drop_in: bool, reads
         substitution = substituting(numbers, x.get("numbers", ()))
         # Watched only while the step runs: a call whose trace `scan` holds
         # runs no layer code, and swaps no class.
-        with reads_watched(template_ref(), per_layer_paths), \
-                substitution or contextlib.nullcontext(), reads_recorded_in(
-                reads, opaque=recording is not None), (
-                hooks_held(template_ref(), calls) if hooks_replayed else contextlib.nullcontext()
-        ), holding(filled) as written:
-            if drop_in:
-                hidden = _next_hidden(layer, hidden, args, kwargs, drop_in)
-                output = hidden
-            else:
-                output = layer(hidden, *args, **{**kwargs, **given})
-                hidden = hidden_of(output)
+        try:
+            with reads_watched(template_ref(), per_layer_paths), \
+                    substitution or contextlib.nullcontext(), reads_recorded_in(
+                    reads, opaque=recording is not None), (
+                    hooks_held(template_ref(), calls) if hooks_replayed
+                    else contextlib.nullcontext()), holding(filled) as written:
+                if drop_in:
+                    hidden = _next_hidden(layer, hidden, args, kwargs, drop_in)
+                    output = hidden
+                else:
+                    output = layer(hidden, *args, **{**kwargs, **given})
+                    hidden = hidden_of(output)
+        except Exception as error:
+            # After a per-layer read the trace went on with the template's
+            # value, which another layer's code need not accept: the read is
+            # why the trace failed, and the layers run one by one (where the
+            # error, if it is the layer's own, is raised as it is).
+            refusal = read_refusal(reads, per_layer_paths)
+            if refusal is None:
+                raise
+            raise Unscannable(refusal) from error
         refusal = read_refusal(reads, per_layer_paths) or unmatched(substitution)
         if refusal is not None:
             raise Unscannable(refusal)
