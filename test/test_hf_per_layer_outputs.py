@@ -16,7 +16,7 @@ from test_hf import VOCAB, batch, left_padded_prompts, per_layer_grads
 from tolerances import TRAINING, close, close_by_name
 import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayers, stack_layers
-from torch_xla_ext.layer_stack import LayerByLayerWarning
+from torch_xla_ext.layer_stack import LayerByLayerWarning, RetainedGradientWarning
 
 LAYERS = 3
 
@@ -128,6 +128,37 @@ def test_a_loss_on_a_middle_hidden_state_trains_as_one_scan_with_the_unconverted
     (expected_loss, expected_grads), (loss, grads) = results
     close(loss, expected_loss, TRAINING)
     close_by_name(grads, expected_grads, TRAINING)
+
+
+def test_retaining_the_gradient_of_a_layers_hidden_state_or_attention_warns_that_it_is_partial(
+        device):
+    # transformers' test_retain_grad_hidden_states_attentions: unconverted,
+    # the first logit's backward reaches them through the later layers.
+    _, model = converted_pair()
+    ids, mask = batch(device)
+    model.to(device)
+
+    def backward_of_first_logit(retained: dict) -> tuple[list, list]:
+        output = model(ids, attention_mask=mask, output_hidden_states=True,
+                       output_attentions=True)
+        tensors = [getattr(output, name)[index] for name, index in retained.items()]
+        for tensor in tensors:
+            tensor.retain_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            output.logits.flatten()[0].backward()
+        return [str(w.message) for w in caught if w.category is RetainedGradientWarning], tensors
+
+    # The last hidden state is the model's own (after the final norm): no slice.
+    warned, (last,) = backward_of_first_logit({"hidden_states": -1})
+    assert warned == [] and last.grad is not None
+    warned, _ = backward_of_first_logit({"hidden_states": 1, "attentions": 2})
+    assert warned == [
+        "retain_grad() on values the layers' hooks collected (layers [0, 2]: "
+        "output_hidden_states, output_attentions) gets only the gradient of their own uses: "
+        "they are slices of the scan's stacked outputs, and the gradient that reaches a layer "
+        "through the layers after it flows inside the backward loop. For these gradients, run "
+        "the model unstacked (unstack_layers)."]
 
 
 @pytest.mark.parametrize("options", [{}, {"cache_implementation": "static"}],

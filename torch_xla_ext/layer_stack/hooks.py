@@ -15,9 +15,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
+import weakref
 
+import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torch_xla_ext.diagnostics import TorchXlaExtWarning
+
+
+class RetainedGradientWarning(TorchXlaExtWarning):
+    """`retain_grad()` on what a replayed hook collected (a layer's hidden
+    state or attention weights): a slice of the scan's stacked outputs,
+    which no later layer reads, so its `.grad` holds only its own uses'
+    gradient (or stays None)."""
 
 
 def hooked_modules(template: nn.Module) -> dict[str, nn.Module]:
@@ -76,3 +88,32 @@ def replay(template: nn.Module, calls: list, num_layers: int) -> None:
                         f"output; a stack replays its layers' hooks after the scan, where "
                         f"they can observe each layer's output but not replace it. Remove "
                         f"the hook or run the layers unstacked.")
+    _watch_retained_gradients(leaves, per_layer)
+
+
+def _watch_retained_gradients(leaves: list, per_layer: list) -> None:
+    """Warns, when the scan's backward runs, of the slices the hooks got that
+    retain their gradient (`RetainedGradientWarning`): the gradient that
+    reaches a layer's values through the layers after it flows inside the
+    backward loop, not through the slices."""
+    slices = [(index, weakref.ref(piece)) for leaf, pieces in zip(leaves, per_layer)
+              if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+              for index, piece in enumerate(pieces)]
+    nodes = {leaf.grad_fn for leaf in leaves
+             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None}
+    if not slices:
+        return
+
+    def check(grad_outputs):
+        retained = sorted({index for index, piece in slices
+                           if piece() is not None and piece().retains_grad})
+        if retained:
+            warnings.warn(
+                f"retain_grad() on values the layers' hooks collected (layers {retained}: "
+                f"output_hidden_states, output_attentions) gets only the gradient of their own "
+                f"uses: they are slices of the scan's stacked outputs, and the gradient that "
+                f"reaches a layer through the layers after it flows inside the backward loop. "
+                f"For these gradients, run the model unstacked (unstack_layers).",
+                RetainedGradientWarning, stacklevel=2)
+    for node in nodes:  # the scan's, which runs when any of its outputs has a gradient
+        node.register_prehook(check)
