@@ -99,10 +99,10 @@ def _watch_retained_gradients(leaves: list, per_layer: list) -> None:
     slices = [(index, weakref.ref(piece)) for leaf, pieces in zip(leaves, per_layer)
               if isinstance(leaf, torch.Tensor) and leaf.requires_grad
               for index, piece in enumerate(pieces)]
-    nodes = {leaf.grad_fn for leaf in leaves
-             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None}
     if not slices:
         return
+    nodes = {leaf.grad_fn for leaf in leaves
+             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None}
 
     def check(grad_outputs):
         retained = sorted({index for index, piece in slices

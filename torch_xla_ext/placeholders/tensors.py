@@ -8,7 +8,6 @@ guards on reads run (`reads`).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Iterable, Sequence
 
 import torch
@@ -39,8 +38,12 @@ class PlaceholderTensor(torch.Tensor):
         sources = placeholder_sources(args, kwargs)
         if func in _BACKWARD_FUNCTIONS:
             return _backward_marking_gradients(func, args, kwargs, sources)
-        with _guarded_call(sources, func):
-            result = func(*args, **kwargs)
+        try:
+            with torch._C.DisableTorchFunctionSubclass(), DataReadGuard(sources, func):
+                result = func(*args, **kwargs)
+        except Exception as error:
+            _guard_what_the_traceback_holds(error, sources)
+            raise
         mark_derived(result, sources)
         if mutates_arguments(func):
             mark_derived(args[0] if args else None, sources)
@@ -48,27 +51,19 @@ class PlaceholderTensor(torch.Tensor):
         return result
 
 
-@contextlib.contextmanager
-def _guarded_call(sources: tuple, func):
-    """Where a function called on placeholders runs: its ops' reads guarded
-    (`DataReadGuard`), and if it raises, the tensors that the frames of the
-    traceback hold guarded too. Those below this one hold what the function
-    computed from placeholders before it failed (a composite op's
-    intermediates), unmarked: a traceback printer that shows them (pytest,
-    a debugger) would read them, and executing a graph that reads a
-    placeholder kills the process."""
-    try:
-        with torch._C.DisableTorchFunctionSubclass(), DataReadGuard(sources, func):
-            yield
-    except Exception as error:
-        entry = error.__traceback__
-        while entry is not None:
-            for value in list(entry.tb_frame.f_locals.values()):
-                for leaf in tree_flatten(value)[0]:
-                    if type(leaf) is torch.Tensor and depends_on_placeholder(leaf):
-                        mark_derived(leaf, sources)
-            entry = entry.tb_next
-        raise
+def _guard_what_the_traceback_holds(error: BaseException, sources: tuple) -> None:
+    """Marks the tensors the frames of `error`'s traceback hold that are
+    computed from placeholders but unmarked (a composite op's intermediates,
+    in the frames below a failed call): a traceback printer that shows them
+    (pytest, a debugger) would read them, and a sync execute them, and
+    executing a graph that reads a placeholder kills the process."""
+    entry = error.__traceback__
+    while entry is not None:
+        for value in list(entry.tb_frame.f_locals.values()):
+            for leaf in tree_flatten(value)[0]:
+                if type(leaf) is torch.Tensor and depends_on_placeholder(leaf):
+                    mark_derived(leaf, sources)
+        entry = entry.tb_next
 
 
 def placeholder(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, *,
@@ -146,8 +141,12 @@ def _backward_marking_gradients(func, args, kwargs, sources: tuple):
     depend on the placeholders the graph read."""
     roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     leaves = list(_accumulating_leaves(t.grad_fn for t in roots))
-    with _guarded_call(sources, func):
-        result = func(*args, **kwargs)
+    try:
+        with torch._C.DisableTorchFunctionSubclass(), DataReadGuard(sources, func):
+            result = func(*args, **kwargs)
+    except Exception as error:
+        _guard_what_the_traceback_holds(error, sources)
+        raise
     for leaf in leaves:
         mark_derived(leaf.grad, sources)
     return result
