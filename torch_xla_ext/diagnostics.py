@@ -5,7 +5,7 @@ suite that must see every fallback) or on one by its own class. Why a call
 runs otherwise is a `Refusal` until the place that warns with it."""
 import dataclasses
 
-__all__ = ["Refusal", "ScanCacheWarning", "TorchXlaExtDeprecationWarning", "TorchXlaExtWarning"]
+__all__ = ["NestedScanWarning", "Refusal", "ScanCacheWarning", "TorchXlaExtDeprecationWarning", "TorchXlaExtWarning"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,11 @@ class TorchXlaExtWarning(UserWarning):
 
 class ScanCacheWarning(TorchXlaExtWarning):
     """`scan` cannot key a function's trace, so it traces it at every call."""
+
+
+class NestedScanWarning(TorchXlaExtWarning):
+    """A scan inside another scan's fn runs unrolled into the outer step, so
+    the `partition_fn` or `unroll` it was given has no effect."""
 
 
 class TorchXlaExtDeprecationWarning(TorchXlaExtWarning, DeprecationWarning):

@@ -248,6 +248,7 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
         graph, primals, fwd_outputs, fwd_descs, "forward")
     forward_names = {n.name for n in forward_graph.nodes if n.op != "output"}
     forward = {n for n in graph.nodes if n.name in forward_names}
+    forward |= _loop_results(graph, forward)
     _read_names_in_backward(graph, forward)
 
     needed = _backward_needs(bwd_outputs, forward)
@@ -268,6 +269,16 @@ def _partition(joint_module: torch.fx.GraphModule, num_fwd_outputs: int, policy:
         saved = _without_cheaply_recomputed(saved)
     return partitioners._extract_fwd_bwd_modules(joint_module, saved, [],
                                                  num_fwd_outputs=num_fwd_outputs)
+
+
+def _loop_results(graph: torch.fx.Graph, forward: set) -> set:
+    """The results of a nested scan's forward loop (`torch_xla_ext::scan_loop`)
+    that only the backward reads (the activations its own backward loop
+    needs): forward values, which the policy keeps or not as any other; else
+    the backward step would run the inner forward loop again to get them."""
+    loop = torch.ops.torch_xla_ext.scan_loop.default
+    return {n for n in graph.nodes if n.target is operator.getitem
+            and n.args[0] in forward and n.args[0].target is loop}
 
 
 def _in_graph_order(nodes: list) -> list:

@@ -1,6 +1,7 @@
-"""Nested scans (scan/inline.py) against nested Python for loops."""
+"""Nested scans (scan/nested.py, scan/inline.py) against nested Python for loops."""
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import torch_xla_ext as tx
+from torch_xla_ext.diagnostics import NestedScanWarning
 from torch_xla_ext.layer_stack import LayerStack
 from reference import scan_loop
 from test_scan import DEV, randn
@@ -48,10 +50,10 @@ def test_scan_in_scan_matches_nested_loops(outer_reverse, inner_reverse):
     assert_close(grads(got, [init, xs, weight]), grads(expected, [init, xs, weight]))
 
 
-def test_outer_fn_is_traced_once_and_inner_fn_runs_only_in_that_trace():
+def test_outer_and_inner_fn_are_each_traced_once_and_cached():
     tx.cache_clear()
     runs = {"outer": 0, "inner": 0}
-    weight = randn(3)
+    weight = randn(3, grad=True)
 
     def inner_step(c, row):
         runs["inner"] += 1
@@ -61,15 +63,100 @@ def test_outer_fn_is_traced_once_and_inner_fn_runs_only_in_that_trace():
         runs["outer"] += 1
         return tx.scan(inner_step, c, x)
 
-    init, xs = randn(3), randn(2, 4, 3)
+    init, xs = randn(3, grad=True), randn(2, 4, 3, grad=True)
     first = tx.scan(outer, init, xs)
-    assert runs == {"outer": 1, "inner": 4}
+    first_grads = grads(first, [init, xs, weight])
+    # The outer fn runs on placeholders, then in AOTAutograd's passes; the
+    # inner fn as often, its trace and training plan made once: never per step.
+    assert runs["outer"] >= 2 and runs["inner"] == runs["outer"]
+    traced_runs = dict(runs)
     second = tx.scan(outer, init, xs)
-    assert runs == {"outer": 1, "inner": 4}
+    second_grads = grads(second, [init, xs, weight])
+    assert runs == traced_runs
     info = tx.cache_info()
-    assert (info.hits, info.misses, info.size) == (1, 1, 1)  # the inner scan has no entry
-    assert_close(second, first)
-    assert_close(first, scan_loop(lambda c, x: scan_loop(inner_step, c, x), init, xs))
+    assert (info.misses, info.size) == (2, 2)  # the inner scan has its own entry
+    assert_close((second, second_grads), (first, first_grads))
+    expected = scan_loop(lambda c, x: scan_loop(inner_step, c, x), init, xs)
+    assert_close((first, first_grads), (expected, grads(expected, [init, xs, weight])))
+
+
+def _inner_layers_step(inner_scan_kwargs, carry, weights):
+    """One outer step: an inner scan over `weights` ([inner length, 8, 8])."""
+    def layer(h, w):
+        return torch.tanh(h @ w) + h, h.sum()
+    return tx.scan(layer, carry, weights, **inner_scan_kwargs)
+
+
+def _instructions(hlo: str) -> list[str]:
+    """The opcodes of HLO text's instructions (their shapes hold the lengths)."""
+    return [re.search(r"\s([a-z][a-z0-9-]*)\(", line.split(" = ", 1)[1]).group(1)
+            for line in hlo.splitlines() if " = " in line and not line.startswith("HloModule")]
+
+
+def test_inner_scan_is_a_while_loop_of_its_own_whatever_its_length():
+    lowered = {}
+    for length in (2, 8):
+        fn = functools.partial(_inner_layers_step, {})
+        lowered[length] = tx.lower(fn, randn(4, 8, grad=True), randn(3, length, 8, 8, grad=True))
+    for hlo in (lowered[2].forward_hlo, lowered[2].backward_hlo):
+        assert _instructions(hlo).count("while") == 2  # the outer loop, and the inner in its step
+    # Unrolled, the outer step would hold every inner step: here it is the same program.
+    assert _instructions(lowered[2].forward_hlo) == _instructions(lowered[8].forward_hlo)
+    assert _instructions(lowered[2].backward_hlo) == _instructions(lowered[8].backward_hlo)
+
+
+def test_inner_scan_keeps_its_own_partition_fn_unroll_and_reverse():
+    torch.manual_seed(0)
+    init, xs = randn(4, 8, grad=True), randn(3, 4, 8, 8, grad=True) * 0.3
+    xs = xs.detach().requires_grad_()
+    expected = scan_loop(lambda c, w: scan_loop(
+        lambda h, wi: (torch.tanh(h @ wi) + h, h.sum()), c, w, reverse=True), init, xs)
+    expected_grads = grads(expected, [init, xs])
+    hlo = {}
+    for name, kwargs in {"default": {}, "save_nothing": {"partition_fn": "save_nothing"},
+                         "unroll": {"unroll": 2}}.items():
+        fn = functools.partial(_inner_layers_step, {"reverse": True, **kwargs})
+        got = tx.scan(fn, init, xs)
+        assert_close((got, grads(got, [init, xs])), (expected, expected_grads))
+        hlo[name] = tx.lower(fn, init, xs)
+    # What the inner forward loop keeps for its backward, and how many steps an
+    # iteration runs, are the inner call's to choose.
+    assert hlo["save_nothing"].forward_hlo != hlo["default"].forward_hlo
+    assert (_instructions(hlo["unroll"].forward_hlo).count("call")
+            > _instructions(hlo["default"].forward_hlo).count("call"))
+
+
+def test_inner_scan_that_draws_random_numbers_runs_unrolled_with_fresh_masks_per_step():
+    ones = torch.ones(2, 64, device=DEV)
+
+    def outer(c, x):
+        def inner(h, row):
+            return h, torch.nn.functional.dropout(row, 0.5)
+        return tx.scan(inner, c, x)
+
+    _, masks = tx.scan(outer, randn(3), ones.expand(2, 2, 64).contiguous())
+    torch_xla.sync()
+    masks = masks.cpu()
+    assert not torch.equal(masks[0], masks[1])  # a loop of its own would repeat its seeds
+    assert not torch.equal(masks[0, 0], masks[0, 1])
+    with pytest.warns(NestedScanWarning, match=r"runs unrolled into the outer step because "
+                                                  r"fn draws random numbers \(dropout\).*its "
+                                                  r"unroll has no effect"):
+        tx.scan(lambda c, x: tx.scan(lambda h, row: (h, torch.nn.functional.dropout(row, 0.5)),
+                                     c, x, unroll=2), randn(3), ones.expand(2, 2, 64))
+
+
+def test_inner_scan_traced_at_every_call_runs_unrolled_and_matches_the_loop():
+    weight = randn(3, grad=True)
+    init, xs = randn(3, grad=True), randn(2, 4, 3, grad=True)
+
+    def inner_step(c, row):
+        return torch.sin(c * weight + row), c
+
+    got = tx.scan(lambda c, x: tx.scan(inner_step, c, x, is_fn_pure=False), init, xs)
+    expected = scan_loop(lambda c, x: scan_loop(inner_step, c, x), init, xs)
+    assert_close((got, grads(got, [init, xs, weight])),
+                 (expected, grads(expected, [init, xs, weight])))
 
 
 def test_inner_scan_of_no_steps_returns_init_and_empty_ys():
@@ -90,7 +177,9 @@ def test_nested_errors_are_those_of_a_scan_or_say_not_supported():
         tx.scan(lambda c, x: tx.scan(lambda c, row: (c.double(), None), c, x), init, xs)
     with pytest.raises(TypeError, match=r"y leaves must be tensors or None"):
         tx.scan(lambda c, x: tx.scan(lambda c, row: (c, "y"), c, x), init, xs)
-    with pytest.raises(NotImplementedError, match=r"nested scans on their own is not supported"):
+    with pytest.raises(NotImplementedError, match=r"nested scans on their own is not supported, "
+                                                  r"since a nested scan's loop is part of the "
+                                                  r"outer step's HLO"):
         tx.scan(lambda c, x: (c, tx.lower(lambda c, row: (c, row), c, x).forward_hlo), init, xs)
     counter = torch.zeros((), device=DEV)
 

@@ -35,8 +35,10 @@ How one call runs, one module a stage:
    deciding what is saved), both run as While loops (the backward in reverse).
    `traced` holds a trace and its loops; `lower` returns their HLO unrun.
 
-`inline`: a scan called while another scan traces its fn skips all of this and
-runs as its for loop, unrolled into the outer step.
+`nested`: a scan called while another scan traces its fn is traced apart from
+it and runs as a loop of its own in the outer step (the loop is one op,
+`torch_xla_ext::scan_loop`); where it cannot, `inline` runs it as its for
+loop, unrolled into the outer step.
 """
 from __future__ import annotations
 
@@ -57,7 +59,9 @@ from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack,
 from torch_xla_ext.scan.loop import check_unroll, hlo_text, xla_rng_kept
 from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, autocast_state, fingerprint
 from torch_xla_ext.scan.inline import inline_scan
-from torch_xla_ext.scan.sharding import operand_specs
+from torch_xla_ext.scan.nested import (fake_tensors_active, outer_trace_set_aside,
+                                       unrolled_because, warn_unrolled)
+from torch_xla_ext.scan.sharding import operand_specs, unknown_specs
 from torch_xla_ext.scan.traced import Traced
 from torch_xla_ext.scan.tracing import trace
 
@@ -134,29 +138,42 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     TypeError: cast it back to the dtype of `init`.
 
     Nested scans (a scan called inside the `fn` of another, or in the forward
-    of a `LayerStack` layer) run as their for loop, inlined: each outer step
-    holds every inner step, unrolled, in the one outer trace, and the inner
-    `fn` runs its Python body only while the outer `fn` is traced. The inner
-    call's `partition_fn` and `is_fn_pure` have no effect (the outer call's
-    decide), nor has its `unroll`, its steps being all unrolled already;
-    `lower` of a nested scan raises.
+    of a `LayerStack` layer) run as loops of their own, a While loop in the
+    outer loop's body, as in `jax.lax.scan`: the inner `fn` is traced once and
+    cached, its step compiled once whatever its length, and its
+    `partition_fn` and `unroll` shape its own loops. An inner scan runs as
+    its for loop instead, unrolled into the outer step, where its `fn` draws
+    random numbers, writes in place to what it captures or to its xs slices,
+    is traced at every call (`is_fn_pure=False`), or has no steps; it then
+    warns (`NestedScanWarning`) if given a `partition_fn` or `unroll`, which
+    have no effect. `lower` of a nested scan raises: lower the outer one.
     """
     partition_fn = policies.resolve(partition_fn)
     _check_fn(fn, is_fn_pure)
     unroll = check_unroll(unroll, "scan")
     if is_tracing():
-        # Within the outer trace, which holds the RNG state and the cache entry.
-        return inline_scan(fn, init, xs, reverse)
+        return _nested_scan(fn, init, xs, partition_fn, is_fn_pure, reverse, unroll)
     call = _Call(fn, init, xs, partition_fn, is_fn_pure)
-    if call.length == 0:
-        return init, call.traced.y_tree.unflatten(
-            [empty_stack(a, call.carry_leaves + call.xs_leaves) for a in call.traced.y_avals])
-    carry_out, ys = call.traced.run(fn, partition_fn, call.carry_leaves, call.xs_leaves,
-                                    call.captures, reverse, unroll, call.needs_grad)
-    # Scanning placeholders stages out HLO; its results must then guard reads like them.
-    mark_derived((carry_out, ys),
-                 placeholder_sources((call.carry_leaves, call.xs_leaves, call.captures)))
-    return call.carry_tree.unflatten(carry_out), call.traced.y_tree.unflatten(ys)
+    return call.run(fn, partition_fn, reverse, unroll, nested=False)
+
+
+def _nested_scan(fn, init, xs, partition_fn, is_fn_pure, reverse, unroll):
+    """A scan inside another scan's fn (see `nested`): its trace is found or
+    made apart from the outer trace, but its loops run within it."""
+    with outer_trace_set_aside():
+        # AOTAutograd's differentiation of the outer step calls it on fake
+        # tensors, on which fn cannot be traced: only an earlier trace serves.
+        call = _Call(fn, init, xs, partition_fn, is_fn_pure,
+                     trace_on_miss=not fake_tensors_active())
+        unrolled = unrolled_because(call.length, call.traced, call.cacheable)
+        if unrolled is None and call.needs_grad:
+            call.traced.training_plan(fn, partition_fn, call.captures,
+                                      call.carry_leaves + call.xs_leaves)
+    if unrolled is not None:
+        warn_unrolled(unrolled, fn, partition_fn, unroll)
+        # Within the outer trace, which holds the RNG state.
+        return inline_scan(fn, init, xs, reverse)
+    return call.run(fn, partition_fn, reverse, unroll, nested=True)
 
 
 def _check_fn(fn, is_fn_pure) -> None:
@@ -167,9 +184,11 @@ def _check_fn(fn, is_fn_pure) -> None:
 
 
 class _Call:
-    """One call's inputs and its trace: from the cache, else traced now."""
+    """One call's inputs and its trace: from the cache, else traced now (or
+    None, when told not to trace)."""
 
-    def __init__(self, fn, init, xs, partition_fn, is_fn_pure):
+    def __init__(self, fn, init, xs, partition_fn, is_fn_pure, trace_on_miss: bool = True):
+        self.init = init
         self.carry_leaves, self.carry_tree = flatten_inputs(init, "init")
         self.xs_leaves, xs_tree = flatten_inputs(xs, "xs")
         self.length = scan_length(self.xs_leaves, xs_tree)
@@ -179,12 +198,17 @@ class _Call:
             fn_key = fingerprint(fn, "fn")
             partition_key = fingerprint(partition_fn, "partition_fn")
             cacheable = fn_key is not None and partition_key is not None
+        # Fake tensors have no sharding to read: under SPMD, no trace is theirs.
+        specs = operand_specs if trace_on_miss else unknown_specs
         key = CacheKey(
             fn_key, partition_key, self.carry_tree, xs_tree, avals(self.carry_leaves),
             tuple(Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in self.xs_leaves),
-            autocast_state(), operand_specs(self.carry_leaves), operand_specs(self.xs_leaves))
+            autocast_state(), specs(self.carry_leaves), specs(self.xs_leaves))
+        self.cacheable = cacheable
         found = CACHE.lookup(key, fn) if cacheable else None
-        if found is None:
+        if found is None and not trace_on_miss:
+            self.traced, self.captures = None, []
+        elif found is None:
             with xla_rng_kept(self.carry_leaves + self.xs_leaves):
                 new_trace = trace(key, fn)
                 self.traced = Traced(key, new_trace, fn)
@@ -195,6 +219,18 @@ class _Call:
             self.traced, self.captures = found
         self.needs_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in (*self.carry_leaves, *self.xs_leaves, *self.captures))
+
+    def run(self, fn, partition_fn, reverse: bool, unroll, nested: bool):
+        """`(carry, ys)` of this call, as the caller's structures."""
+        if self.length == 0:
+            return self.init, self.traced.y_tree.unflatten(
+                [empty_stack(a, self.carry_leaves + self.xs_leaves) for a in self.traced.y_avals])
+        carry_out, ys = self.traced.run(fn, partition_fn, self.carry_leaves, self.xs_leaves,
+                                        self.captures, reverse, unroll, self.needs_grad, nested)
+        # Scanning placeholders stages out HLO; its results must then guard reads like them.
+        mark_derived((carry_out, ys),
+                     placeholder_sources((self.carry_leaves, self.xs_leaves, self.captures)))
+        return self.carry_tree.unflatten(carry_out), self.traced.y_tree.unflatten(ys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +260,9 @@ def lower(fn: Callable, init, xs, partition_fn: Callable = policies.save_everyth
     if is_tracing():
         raise NotImplementedError(
             f"lower: called while another scan traces its fn ({tracing_what()}); lowering "
-            f"nested scans on their own is not supported, since a nested scan has no loop of "
-            f"its own: its steps are unrolled into the outer step. Lower the outer scan to "
-            f"see them, or call lower outside the outer fn")
+            f"nested scans on their own is not supported, since a nested scan's loop is part "
+            f"of the outer step's HLO. Lower the outer scan to see it, or call lower outside "
+            f"the outer fn")
     if device_kind is None:
         device_kind = torch_xla.runtime.device_type()
     if not isinstance(device_kind, str) or not device_kind:

@@ -258,9 +258,17 @@ class TrainingPlan:
             pick(x_avals, self.grad_x),
             invariant_avals + list(avals(backward_body.constants)))
 
-    def __call__(self, carry, xs, captures, reverse, unroll):
+    def __call__(self, carry, xs, captures, reverse, unroll, nested: bool):
         carries, sliced, invariants = self.traced.loop_inputs(carry, xs, captures)
-        results = _ScanFunction.apply(self, reverse, unroll, *carries, *sliced, *invariants)
+        constants = self.backward_constants
+        inputs = [*carries, *sliced, *invariants]
+        if nested:
+            # What the loops read goes through a torch op, which the outer
+            # trace sees, so that it lifts the tensors it did not make; an
+            # autograd.Function's inputs and saved tensors it does not see.
+            constants = [c.view_as(c) for c in constants]
+            inputs = [t.view_as(t) for t in inputs]
+        results = _ScanFunction.apply(self, reverse, unroll, constants, *inputs)
         return self.traced.assemble(carry, xs, captures, *self.signature.split_outputs(results))
 
     def forward(self, inputs, reverse, unroll):
@@ -270,7 +278,7 @@ class TrainingPlan:
         stacked_out, activations = split_list(stacked, [self.signature.stacked])
         return list(carry_out) + stacked_out, activations
 
-    def backward(self, inputs, activations, output_grads, reverse, unroll):
+    def backward(self, inputs, activations, constants, output_grads, reverse, unroll):
         """The backward loop, unrolled as the forward one."""
         _, xs, invariants = self.signature.split_inputs(inputs)
         carry_grads, y_grads = self.signature.split_outputs(output_grads)
@@ -279,7 +287,7 @@ class TrainingPlan:
         carries = pick(carry_grads, self.carry_tangents) + zeros
         sliced = list(activations) + pick(y_grads, self.y_tangents) + xs
         carry_out, stacked = self.backward_loop(
-            carries, sliced, invariants + self.backward_constants, not reverse, unroll)
+            carries, sliced, invariants + list(constants), not reverse, unroll)
         tangent_grads, invariant_grads = split_list(carry_out, [len(self.carry_tangents)])
         signature = self.signature
         return (place(signature.carries, (self.carry_tangents, tangent_grads))
@@ -298,8 +306,9 @@ def _sync_only(tensors: list) -> None:
 
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: TrainingPlan, reverse: bool, unroll, *inputs):
+    def forward(ctx, plan: TrainingPlan, reverse: bool, unroll, constants, *inputs):
         outputs, activations = plan.forward(inputs, reverse, unroll)
+        ctx.constants = constants
         ctx.plan, ctx.reverse, ctx.unroll = plan, reverse, unroll
         if (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
                 and not placeholder_sources(inputs)):
@@ -316,6 +325,6 @@ class _ScanFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *output_grads):
         saved = ctx.saved_tensors
-        grads = ctx.plan.backward(saved[:ctx.input_count], saved[ctx.input_count:], output_grads,
-                                  ctx.reverse, ctx.unroll)
-        return (None, None, None, *grads)
+        grads = ctx.plan.backward(saved[:ctx.input_count], saved[ctx.input_count:],
+                                  ctx.constants, output_grads, ctx.reverse, ctx.unroll)
+        return (None, None, None, None, *grads)

@@ -1,9 +1,11 @@
-"""A nested scan: one called while another scan traces its fn runs as its for
-loop, inlined into the outer trace, so each outer step holds every inner step.
+"""A nested scan that cannot run as a loop of its own (`nested` says when)
+runs as its for loop, inlined into the outer trace, so each outer step holds
+every inner step.
 
-The outer trace is what gets cached, lowered and differentiated; the inner call
-adds nothing of its own (no cache entry, no loop, no RNG bookkeeping), and the
-inner fn's Python body runs once per inner step while the outer fn is traced.
+The outer trace is what gets lowered and differentiated; the inner call adds
+no loop and no RNG bookkeeping of its own (its trace, which showed that it
+cannot be a loop, stays cached), and the inner fn's Python body runs once per
+inner step while the outer fn is traced.
 Writes are the for loop's too: what fn writes in place to its first carry is
 written to `init` (a top-level scan never writes `init`)."""
 from __future__ import annotations

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import numbers
 import threading
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -179,8 +181,8 @@ def steps_per_iteration(unroll, length: int) -> int:
 
 class Loop:
     """An XLA While loop over the steps of a `Body`, built once per scan length,
-    direction and unroll, and called through `_xla_user_computation` with the
-    current tensors.
+    direction and unroll, and called through the `torch_xla_ext::scan_loop`
+    op (`_xla_user_computation` of the current tensors).
 
     Loop state: (step, carries, sliced inputs, stacked outputs, invariants,
     seeds). Body outputs either replace a carry, are written into slice `i` of a
@@ -195,10 +197,11 @@ class Loop:
         self.uses_seed = any(slot.kind is SlotKind.SEED for slot in body.inputs)
         self._computations: dict = {}
         self._lock = threading.Lock()
+        self.number = next(_LOOP_NUMBERS)
+        _LOOPS[self.number] = self
 
     def __call__(self, carries, sliced, invariants, reverse: bool, unroll):
         length = sliced[0].shape[0]
-        computation = self.computation(length, reverse, unroll)
         # torch_xla can hold a bool tensor's value as s32 (the bitwise `and` of a
         # bool and an int tensor), which the loop's pred parameter refuses: a
         # round trip through uint8 makes it pred whatever it was.
@@ -208,9 +211,14 @@ class Loop:
             # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
             seeds = torch.randint(0, 2**62, (length,), dtype=torch.int64)
             operands.append(seeds.to(sliced[0].device))
-        # Reversed: see `_build`.
-        results = _XLAC._xla_user_computation(f"xla::{self.name}", operands[::-1], computation)
+        results = torch.ops.torch_xla_ext.scan_loop(
+            self.number, length, reverse, steps_per_iteration(unroll, length), operands)
         return results[:len(self.carry_avals)], results[len(self.carry_avals):]
+
+    def output_avals(self, length: int) -> list:
+        """(shape, dtype) of each result of a call over `length` steps."""
+        return ([(a.shape, a.dtype) for a in self.carry_avals]
+                + [((length, *a.shape), a.dtype) for a in self.stacked_avals])
 
     def computation(self, length: int, reverse: bool, unroll):
         """The loop's XLA computation for `length` steps (built once for each
@@ -297,6 +305,31 @@ class Loop:
             carries, stacked = run_step(xb.Op.scalar(builder, position, dtype=xb.Type.S64),
                                         carries, sliced, stacked, invariants)
         return xb.Op.tuple(list(carries) + list(stacked)).build(self.name)
+
+
+# The live loops by number (never reused), for the loop op, which an FX graph's
+# node calls with the number: the loop's owner (a trace in the cache) keeps it.
+_LOOP_NUMBERS = itertools.count()
+_LOOPS: "weakref.WeakValueDictionary[int, Loop]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("torch_xla_ext::scan_loop", mutates_args=())
+def _scan_loop(loop: int, length: int, reverse: bool, unroll: int,
+               operands: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One call of a `Loop` over `length` steps: an op of its own, which an
+    outer scan's trace records as one node, AOTAutograd traces by its fake,
+    and lowering makes a While loop in the outer loop's body."""
+    this = _LOOPS[loop]
+    # Reversed: see `Loop._build`.
+    return list(_XLAC._xla_user_computation(f"xla::{this.name}", operands[::-1],
+                                            this.computation(length, reverse, unroll)))
+
+
+@_scan_loop.register_fake
+def _(loop, length, reverse, unroll, operands):
+    device = operands[0].device
+    return [torch.empty(shape, dtype=dtype, device=device)
+            for shape, dtype in _LOOPS[loop].output_avals(length)]
 
 
 def _stacked_buffers(builder, length: int, stacked_avals) -> list:

@@ -90,20 +90,33 @@ class Traced:
         return carries + [None] * len(self.layout.stacked_y) + pick(sliced,
                                                                     self.layout.written_x)
 
-    def run(self, fn, partition_fn, carry, xs, captures, reverse, unroll, needs_grad):
+    def run(self, fn, partition_fn, carry, xs, captures, reverse, unroll, needs_grad,
+            nested: bool = False):
         """One call; `fn` and `partition_fn` are this call's, used (not kept) if
         the training plan is built now. `unroll` shapes the loops only: every
-        unroll shares this trace, each keeps its own loops' HLO."""
+        unroll shares this trace, each keeps its own loops' HLO. `nested`: the
+        call is in another scan's trace (see `nested`)."""
         if self.writes_back:
             self._check_written_unaliased(fn, carry, xs, captures)
         if not needs_grad:
             return self._inference(carry, xs, captures, reverse, unroll)
+        plan = self.training_plan(fn, partition_fn, captures, [*carry, *xs])
+        return plan(carry, xs, captures, reverse, unroll, nested)
+
+    @property
+    def uses_seed(self) -> bool:
+        """Whether the step draws random numbers (its loop takes a seed per step)."""
+        return self._inference.loop.uses_seed
+
+    def training_plan(self, fn, partition_fn, captures, inputs) -> TrainingPlan:
+        """The forward and backward loops, built on first need from this
+        call's `fn`, `partition_fn` and captures; `inputs`: its carry and xs."""
         with self._lock:
             if self._training is None:
-                with xla_rng_kept([*carry, *xs]):
+                with xla_rng_kept(inputs):
                     self._training = TrainingPlan(self, fn, partition_fn, captures,
                                                   torch_xla.runtime.device_type())
-        return self._training(carry, xs, captures, reverse, unroll)
+        return self._training
 
     def loops(self, fn, partition_fn, captures, needs_grad, device_kind) -> tuple:
         """The loops a call would run on `device_kind`: (forward, backward or
