@@ -164,7 +164,8 @@ def _nested_scan(fn, init, xs, partition_fn, is_fn_pure, reverse, unroll):
         # AOTAutograd's differentiation of the outer step calls it on fake
         # tensors, on which fn cannot be traced: only an earlier trace serves.
         call = _Call(fn, init, xs, partition_fn, is_fn_pure,
-                     trace_on_miss=not fake_tensors_active())
+                     trace_on_miss=not fake_tensors_active(),
+                     floating_grads=torch.is_grad_enabled())
         unrolled = unrolled_because(call.length, call.traced, call.cacheable)
         if unrolled is None and call.needs_grad:
             call.traced.training_plan(fn, partition_fn, call.captures,
@@ -187,7 +188,8 @@ class _Call:
     """One call's inputs and its trace: from the cache, else traced now (or
     None, when told not to trace)."""
 
-    def __init__(self, fn, init, xs, partition_fn, is_fn_pure, trace_on_miss: bool = True):
+    def __init__(self, fn, init, xs, partition_fn, is_fn_pure, trace_on_miss: bool = True,
+                 floating_grads: bool = False):
         self.init = init
         self.carry_leaves, self.carry_tree = flatten_inputs(init, "init")
         self.xs_leaves, xs_tree = flatten_inputs(xs, "xs")
@@ -201,9 +203,11 @@ class _Call:
         # Fake tensors have no sharding to read: under SPMD, no trace is theirs.
         specs = operand_specs if trace_on_miss else unknown_specs
         key = CacheKey(
-            fn_key, partition_key, self.carry_tree, xs_tree, avals(self.carry_leaves),
-            tuple(Aval(tuple(x.shape[1:]), x.dtype, x.requires_grad) for x in self.xs_leaves),
-            autocast_state(), specs(self.carry_leaves), specs(self.xs_leaves))
+            fn_key, partition_key, self.carry_tree, xs_tree,
+            avals(self.carry_leaves, floating_grads),
+            tuple(Aval(tuple(x.shape[1:]), x.dtype, rg)
+                  for x, (_, _, rg) in zip(self.xs_leaves, avals(self.xs_leaves, floating_grads))),
+            autocast_state(), specs(self.carry_leaves), specs(self.xs_leaves), floating_grads)
         self.cacheable = cacheable
         found = CACHE.lookup(key, fn) if cacheable else None
         if found is None and not trace_on_miss:
@@ -217,8 +221,8 @@ class _Call:
                 CACHE.store(key, self.traced, fn)
         else:
             self.traced, self.captures = found
-        self.needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (*self.carry_leaves, *self.xs_leaves, *self.captures))
+        self.needs_grad = torch.is_grad_enabled() and (floating_grads or any(
+            t.requires_grad for t in (*self.carry_leaves, *self.xs_leaves, *self.captures)))
 
     def run(self, fn, partition_fn, reverse: bool, unroll, nested: bool):
         """`(carry, ys)` of this call, as the caller's structures."""

@@ -23,7 +23,12 @@ class Aval(NamedTuple):
         return f"{str(self.dtype).removeprefix('torch.')}[{','.join(map(str, self.shape))}]"
 
 
-def avals(leaves) -> tuple:
+def avals(leaves, floating_grads: bool = False) -> tuple:
+    """The leaves' avals; with `floating_grads`, every floating one's as
+    requiring grad (a nested scan's, see `nested`)."""
+    if floating_grads:
+        return tuple(Aval(tuple(t.shape), t.dtype, t.requires_grad or t.dtype.is_floating_point)
+                     for t in leaves)
     return tuple(Aval.of(t) for t in leaves)
 
 

@@ -52,6 +52,10 @@ class CacheKey(NamedTuple):
     # which the loops keep.
     carry_specs: tuple
     x_specs: tuple
+    # A nested scan's: every floating input and capture counts as requiring
+    # grad, so that the outer trace and its differentiation, which give its
+    # inputs other requires_grad flags, share one trace (see `nested`).
+    floating_grads: bool = False
 
 
 def autocast_state() -> tuple:

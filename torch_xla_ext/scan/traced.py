@@ -33,7 +33,7 @@ class Traced:
         # current weight), else by a weak reference to the tensor itself.
         self._capture_bindings = [weakref.ref(t) if path is None else path
                                   for t, path in zip(captured, find_paths(fn, captured))]
-        self.capture_avals = avals(captured)
+        self.capture_avals = avals(captured, key.floating_grads)
         self.capture_specs = operand_specs(captured)
         self.y_tree = trace.y_tree
         self.y_avals = avals(trace.y_out)
@@ -75,7 +75,7 @@ class Traced:
         for binding, aval in zip(self._capture_bindings, self.capture_avals):
             tensor = binding() if isinstance(binding, weakref.ref) else resolve(fn, binding)
             if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "xla"
-                    or Aval.of(tensor) != aval):
+                    or avals([tensor], self.key.floating_grads)[0] != aval):
                 return None
             captures.append(tensor)
         if operand_specs(captures) != self.capture_specs:

@@ -155,9 +155,13 @@ def trace(key, fn) -> Trace:
     """Runs `fn` once on placeholders of `key`'s avals, under the autocast
     state of `key`."""
     regions.install()
+    # A nested scan's key counts every floating input as requiring grad, which
+    # only its differentiation needs: its one trace on placeholders, which
+    # finds what fn writes in place, gives them none.
+    requires_grad = False if key.floating_grads else None
     with internal(key.autocast):
-        carry_in = [stand_in(a) for a in key.carry_avals]
-        x_in = [stand_in(a) for a in key.x_avals]
+        carry_in = [stand_in(a, requires_grad) for a in key.carry_avals]
+        x_in = [stand_in(a, requires_grad) for a in key.x_avals]
         carry_arg, x_arg = as_fn_arguments(carry_in), as_fn_arguments(x_in)
         lifter = LiftCaptures(carry_in + x_in + carry_arg + x_arg,
                               writes=Writes(carry_in + x_in + carry_arg + x_arg))
