@@ -215,3 +215,35 @@ def test_shardings_are_read_back_from_their_specs(run_isolated):
     result = run_isolated(spec_shardings_scenario, env=SPMD_DEVICES)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "read back" in result.stdout
+
+
+def nested_scenario():
+    spmd = Spmd()
+    weights = (torch.randn(3, 2, 8, 8) * 0.3).to(spmd.dev).requires_grad_()
+    init = torch.randn(8, 8).to(spmd.dev)
+    xs.mark_sharding(init, spmd.mesh, ("data", None))
+
+    def layer(h, w):
+        return torch.tanh(h @ w) + h, h.sum()
+
+    def outer(scanner):
+        return lambda c, group: scanner(layer, c, group)
+
+    def step(scanner):
+        carry, ys = scanner(outer(scanner), init, weights)
+        (carry.sum() + ys.sum()).backward()
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([weights.grad])
+        grads, weights.grad = weights.grad.cpu(), None
+        return [carry.cpu(), ys.cpu(), grads], hlo
+
+    got, hlo = step(tx.scan)
+    # Forward and backward, outer and inner: the training loops nest too.
+    assert hlo.count(" while(") == 4, hlo.count(" while(")
+    close(got, step(scan_loop)[0], ACCUMULATED)
+    print("nested")
+
+
+def test_a_nested_scan_under_spmd_trains_as_loops_in_loops_with_the_loops_results(run_isolated):
+    result = run_isolated(nested_scenario, env=SPMD_DEVICES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "nested" in result.stdout

@@ -61,7 +61,7 @@ from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, autocast_state,
 from torch_xla_ext.scan.inline import inline_scan
 from torch_xla_ext.scan.nested import (fake_tensors_active, outer_trace_set_aside,
                                        unrolled_because, warn_unrolled)
-from torch_xla_ext.scan.sharding import operand_specs, unknown_specs
+from torch_xla_ext.scan.sharding import operand_specs, unsharded_specs
 from torch_xla_ext.scan.traced import Traced
 from torch_xla_ext.scan.tracing import trace
 
@@ -161,11 +161,7 @@ def _nested_scan(fn, init, xs, partition_fn, is_fn_pure, reverse, unroll):
     """A scan inside another scan's fn (see `nested`): its trace is found or
     made apart from the outer trace, but its loops run within it."""
     with outer_trace_set_aside():
-        # AOTAutograd's differentiation of the outer step calls it on fake
-        # tensors, on which fn cannot be traced: only an earlier trace serves.
-        call = _Call(fn, init, xs, partition_fn, is_fn_pure,
-                     trace_on_miss=not fake_tensors_active(),
-                     floating_grads=torch.is_grad_enabled())
+        call = _Call(fn, init, xs, partition_fn, is_fn_pure, nested=True)
         unrolled = unrolled_because(call.length, call.traced, call.cacheable)
         if unrolled is None and call.needs_grad:
             call.traced.training_plan(fn, partition_fn, call.captures,
@@ -186,10 +182,9 @@ def _check_fn(fn, is_fn_pure) -> None:
 
 class _Call:
     """One call's inputs and its trace: from the cache, else traced now (or
-    None, when told not to trace)."""
+    None: a nested call on fake tensors); `nested`, see `CacheKey.nested`."""
 
-    def __init__(self, fn, init, xs, partition_fn, is_fn_pure, trace_on_miss: bool = True,
-                 floating_grads: bool = False):
+    def __init__(self, fn, init, xs, partition_fn, is_fn_pure, nested: bool = False):
         self.init = init
         self.carry_leaves, self.carry_tree = flatten_inputs(init, "init")
         self.xs_leaves, xs_tree = flatten_inputs(xs, "xs")
@@ -200,17 +195,19 @@ class _Call:
             fn_key = fingerprint(fn, "fn")
             partition_key = fingerprint(partition_fn, "partition_fn")
             cacheable = fn_key is not None and partition_key is not None
-        # Fake tensors have no sharding to read: under SPMD, no trace is theirs.
-        specs = operand_specs if trace_on_miss else unknown_specs
+        # A nested scan's loops keep no shardings of their own: the outer step's
+        # propagate into them (AOTAutograd's fake tensors have none to read).
+        specs = unsharded_specs if nested else operand_specs
         key = CacheKey(
-            fn_key, partition_key, self.carry_tree, xs_tree,
-            avals(self.carry_leaves, floating_grads),
+            fn_key, partition_key, self.carry_tree, xs_tree, avals(self.carry_leaves, nested),
             tuple(Aval(tuple(x.shape[1:]), x.dtype, rg)
-                  for x, (_, _, rg) in zip(self.xs_leaves, avals(self.xs_leaves, floating_grads))),
-            autocast_state(), specs(self.carry_leaves), specs(self.xs_leaves), floating_grads)
+                  for x, (_, _, rg) in zip(self.xs_leaves, avals(self.xs_leaves, nested))),
+            autocast_state(), specs(self.carry_leaves), specs(self.xs_leaves), nested)
         self.cacheable = cacheable
         found = CACHE.lookup(key, fn) if cacheable else None
-        if found is None and not trace_on_miss:
+        # AOTAutograd's differentiation of an outer step calls a nested scan on
+        # fake tensors, on which fn cannot be traced: only an earlier trace serves.
+        if found is None and nested and fake_tensors_active():
             self.traced, self.captures = None, []
         elif found is None:
             with xla_rng_kept(self.carry_leaves + self.xs_leaves):
@@ -221,7 +218,7 @@ class _Call:
                 CACHE.store(key, self.traced, fn)
         else:
             self.traced, self.captures = found
-        self.needs_grad = torch.is_grad_enabled() and (floating_grads or any(
+        self.needs_grad = torch.is_grad_enabled() and (nested or any(
             t.requires_grad for t in (*self.carry_leaves, *self.xs_leaves, *self.captures)))
 
     def run(self, fn, partition_fn, reverse: bool, unroll, nested: bool):

@@ -52,10 +52,11 @@ class CacheKey(NamedTuple):
     # which the loops keep.
     carry_specs: tuple
     x_specs: tuple
-    # A nested scan's: every floating input and capture counts as requiring
-    # grad, so that the outer trace and its differentiation, which give its
-    # inputs other requires_grad flags, share one trace (see `nested`).
-    floating_grads: bool = False
+    # A nested scan's (see `nested`): every floating input and capture counts
+    # as requiring grad, so that the outer trace and its differentiation, which
+    # give them other requires_grad flags, share one trace; its loops keep no
+    # shardings of their own (their specs are all "").
+    nested: bool = False
 
 
 def autocast_state() -> tuple:

@@ -53,9 +53,8 @@ def unrolled_because(length: int, traced, cacheable: bool) -> Refusal | None:
         return Refusal("fn is traced at every call (is_fn_pure=False, or fn cannot be keyed), "
                        "and the outer step's differentiation calls it again on fake tensors")
     if traced is None:
-        return Refusal("the outer step's differentiation called it with inputs it cannot "
-                       "match to a trace (other avals than in the outer trace, or, under SPMD, "
-                       "fake tensors, whose sharding cannot be read)")
+        return Refusal("the outer step's differentiation called it with inputs of other "
+                       "shapes or dtypes than the outer trace did, for which fn has no trace")
     if traced.uses_seed:
         return Refusal("fn draws random numbers (dropout): its loop's seeds are drawn at each "
                        "call, which would be once for every outer step")

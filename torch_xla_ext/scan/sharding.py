@@ -67,12 +67,10 @@ def operand_specs(tensors: Sequence[torch.Tensor]) -> tuple[str, ...]:
     return tuple(_XLAC._get_xla_sharding_spec(t) for t in tensors)
 
 
-def unknown_specs(tensors: Sequence[torch.Tensor]) -> tuple[str, ...]:
-    """`operand_specs` of tensors whose sharding cannot be read (fake ones):
-    off SPMD all "", as for any tensor; under SPMD, specs no tensor has."""
-    if not torch_xla.runtime.is_spmd():
-        return ("",) * len(tensors)
-    return ("unknown",) * len(tensors)
+def unsharded_specs(tensors: Sequence[torch.Tensor]) -> tuple[str, ...]:
+    """`operand_specs` as for tensors of no sharding: a loop given them keeps
+    none, and XLA propagates its operands' shardings through it."""
+    return ("",) * len(tensors)
 
 
 # "{devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}", or the devices

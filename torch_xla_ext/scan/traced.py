@@ -15,7 +15,8 @@ from torch_xla_ext.scan.avals import Aval, avals
 from torch_xla_ext.scan.cache import CacheKey
 from torch_xla_ext.object_graph import find_paths, resolve
 from torch_xla_ext.scan.loop import Loop, lower_body, xla_rng_kept
-from torch_xla_ext.scan.sharding import constrained, operand_specs, spec_sharding
+from torch_xla_ext.scan.sharding import (constrained, operand_specs, spec_sharding,
+                                         unsharded_specs)
 from torch_xla_ext.scan.signature import CallLayout, pick, split_list
 from torch_xla_ext.scan.tracing import Trace
 
@@ -33,8 +34,8 @@ class Traced:
         # current weight), else by a weak reference to the tensor itself.
         self._capture_bindings = [weakref.ref(t) if path is None else path
                                   for t, path in zip(captured, find_paths(fn, captured))]
-        self.capture_avals = avals(captured, key.floating_grads)
-        self.capture_specs = operand_specs(captured)
+        self.capture_avals = avals(captured, key.nested)
+        self.capture_specs = self._specs(captured)
         self.y_tree = trace.y_tree
         self.y_avals = avals(trace.y_out)
         capture_in = [trace.lifter.stand_ins[id(t)] for t in captured]
@@ -75,12 +76,15 @@ class Traced:
         for binding, aval in zip(self._capture_bindings, self.capture_avals):
             tensor = binding() if isinstance(binding, weakref.ref) else resolve(fn, binding)
             if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "xla"
-                    or avals([tensor], self.key.floating_grads)[0] != aval):
+                    or avals([tensor], self.key.nested)[0] != aval):
                 return None
             captures.append(tensor)
-        if operand_specs(captures) != self.capture_specs:
+        if self._specs(captures) != self.capture_specs:
             return None
         return captures
+
+    def _specs(self, tensors) -> tuple[str, ...]:
+        return unsharded_specs(tensors) if self.key.nested else operand_specs(tensors)
 
     def output_shardings(self) -> list:
         """The sharding each output of a forward step keeps (None: as XLA

@@ -158,7 +158,7 @@ def trace(key, fn) -> Trace:
     # A nested scan's key counts every floating input as requiring grad, which
     # only its differentiation needs: its one trace on placeholders, which
     # finds what fn writes in place, gives them none.
-    requires_grad = False if key.floating_grads else None
+    requires_grad = False if key.nested else None
     with internal(key.autocast):
         carry_in = [stand_in(a, requires_grad) for a in key.carry_avals]
         x_in = [stand_in(a, requires_grad) for a in key.x_avals]
