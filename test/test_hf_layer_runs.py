@@ -3,7 +3,9 @@ layers, then its mixture-of-experts layers, as two scans, trained and
 decoded (generate() with a DynamicCache, tx.generate with a StaticCache)
 with the unconverted model's results and no layer run one by one; Gemma 4's
 layers that reuse the key/value states earlier layers store in a mapping
-every layer gets, scanned around the layers that store them."""
+every layer gets, scanned around the layers that store them, and its groups
+of sliding and full layers, each layer given its own per-layer input, as one
+scan."""
 import copy
 import warnings
 
@@ -103,6 +105,29 @@ def test_layers_reusing_stored_key_values_decode_the_unconverted_tokens(device):
     # differently and run one by one; the reusing layers 4-5 scan.
     one_by_one = set(one_by_one)
     assert len(one_by_one) == 1 and "layers 0-1 compute differently" in one_by_one.pop()
+
+
+def test_groups_whose_layers_each_get_their_own_input_train_as_one_scan(device):
+    # Without a cache, Gemma 4's full attention layers (wider heads than its
+    # sliding ones) run with its sliding ones as one scan over groups of the
+    # pattern, stored as groups, in which each
+    # position picks its group's slice of the per-layer inputs (each layer's
+    # own argument).
+    config = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, sliding_window=4,
+        use_cache=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    reference = transformers.Gemma4ForCausalLM(config)
+    model = stack_layers(copy.deepcopy(reference))
+    step = training_step_of_both(reference, model, device)
+    assert_same_step(step)
+    assert model.model.layers.plan == (Segment(0, 3, 2),)
+    assert step["one_by_one"] == []
+    assert step["while_loops"] == 2
 
 
 def test_layers_that_index_the_cache_by_their_index_and_an_offset_run_one_by_one_saying_why(

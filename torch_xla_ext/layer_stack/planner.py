@@ -358,9 +358,6 @@ def _run(calls: list[RecordedCall], number: int, period: int, record: CallRecord
         return Run(first, last, number, ONE_BY_ONE,
                    "the forward keeps each layer's output, and the layers' arguments are only "
                    "all known at a later layer's call")
-    if period > 1 and any(leaf.kind == "chosen" for each in leaves for leaf in each):
-        return Run(first, last, number, ONE_BY_ONE,
-                   "the groups of layers get arguments that differ from group to group")
     return Run(first, last, number, SCAN, None, period, trigger, leaves, kept, outputs)
 
 

@@ -14,6 +14,7 @@ import torch
 import torch_xla
 import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torch_xla_ext import _C
 from torch_xla_ext.scan.avals import Aval
@@ -211,7 +212,11 @@ class Loop:
             # Drawn from torch's generator, so torch.manual_seed makes runs repeatable.
             seeds = torch.randint(0, 2**62, (length,), dtype=torch.int64)
             operands.append(seeds.to(sliced[0].device))
-        results = torch.ops.torch_xla_ext.scan_loop(
+        # The op is for traces (an outer scan's, AOTAutograd's); eagerly the
+        # computation runs directly, which saves the dispatcher's 20 us a call.
+        traced = (torch._C._is_torch_function_mode_enabled()
+                  or _get_current_dispatch_mode() is not None)
+        results = (_scan_loop if traced else _run_loop)(
             self.number, length, reverse, steps_per_iteration(unroll, length), operands)
         return results[:len(self.carry_avals)], results[len(self.carry_avals):]
 
@@ -313,16 +318,19 @@ _LOOP_NUMBERS = itertools.count()
 _LOOPS: "weakref.WeakValueDictionary[int, Loop]" = weakref.WeakValueDictionary()
 
 
-@torch.library.custom_op("torch_xla_ext::scan_loop", mutates_args=())
-def _scan_loop(loop: int, length: int, reverse: bool, unroll: int,
-               operands: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One call of a `Loop` over `length` steps: an op of its own, which an
-    outer scan's trace records as one node, AOTAutograd traces by its fake,
-    and lowering makes a While loop in the outer loop's body."""
+def _run_loop(loop: int, length: int, reverse: bool, unroll: int,
+              operands: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One call of a `Loop` over `length` steps."""
     this = _LOOPS[loop]
     # Reversed: see `Loop._build`.
     return list(_XLAC._xla_user_computation(f"xla::{this.name}", operands[::-1],
                                             this.computation(length, reverse, unroll)))
+
+
+# The call as an op of its own, which an outer scan's trace records as one node,
+# AOTAutograd traces by its fake, and lowering makes a While loop in the outer
+# loop's body.
+_scan_loop = torch.library.custom_op("torch_xla_ext::scan_loop", _run_loop, mutates_args=())
 
 
 @_scan_loop.register_fake
