@@ -182,8 +182,8 @@ def steps_per_iteration(unroll, length: int) -> int:
 
 class Loop:
     """An XLA While loop over the steps of a `Body`, built once per scan length,
-    direction and unroll, and called through the `torch_xla_ext::scan_loop`
-    op (`_xla_user_computation` of the current tensors).
+    direction and unroll, and called with the current tensors (`_run_loop`;
+    inside a trace, the `torch_xla_ext::scan_loop` op).
 
     Loop state: (step, carries, sliced inputs, stacked outputs, invariants,
     seeds). Body outputs either replace a carry, are written into slice `i` of a
