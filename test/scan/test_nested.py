@@ -106,6 +106,22 @@ def test_inner_scan_is_a_while_loop_of_its_own_whatever_its_length():
     assert _instructions(lowered[2].backward_hlo) == _instructions(lowered[8].backward_hlo)
 
 
+def test_inner_fn_closing_over_what_the_outer_step_computes_is_a_loop_in_both_loops():
+    def outer(c, x):
+        scale = torch.sigmoid(x.sum())  # the outer step's own value, captured by the inner fn
+        return tx.scan(lambda h, w: (torch.tanh(h @ w) * scale + h, None), c, x)
+
+    init, xs = randn(4, 8, grad=True), randn(3, 2, 8, 8, grad=True)
+    lowered = tx.lower(outer, init, xs)
+    # AOTAutograd's differentiation calls the inner scan on fake tensors of
+    # other classes than the outer trace's: it finds the same inner trace.
+    assert _instructions(lowered.backward_hlo).count("while") == 2
+    got = tx.scan(outer, init, xs)
+    expected = scan_loop(lambda c, x: scan_loop(
+        lambda h, w: (torch.tanh(h @ w) * torch.sigmoid(x.sum()) + h, None), c, x), init, xs)
+    assert_close((got[0], grads(got, [init, xs])), (expected[0], grads(expected, [init, xs])))
+
+
 def test_inner_scan_keeps_its_own_partition_fn_unroll_and_reverse():
     torch.manual_seed(0)
     init, xs = randn(4, 8, grad=True), randn(3, 4, 8, 8, grad=True) * 0.3

@@ -192,7 +192,7 @@ class _Call:
         cacheable = is_fn_pure is not False
         fn_key = partition_key = None
         if cacheable:
-            fn_key = fingerprint(fn, "fn")
+            fn_key = fingerprint(fn, "fn", nested)
             partition_key = fingerprint(partition_fn, "partition_fn")
             cacheable = fn_key is not None and partition_key is not None
         # A nested scan's loops keep no shardings of their own: the outer step's

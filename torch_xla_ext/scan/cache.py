@@ -27,6 +27,7 @@ import torch
 from torch_xla_ext.diagnostics import ScanCacheWarning
 from torch_xla_ext.scan.avals import Aval, Structure
 from torch_xla_ext.object_graph import VALUE_TYPES, children, describe, find_paths
+from torch_xla_ext.scan.nested import fake_tensors_active
 from torch_xla_ext.scan.tracing import liftable
 
 
@@ -105,7 +106,7 @@ class _Unkeyable(Exception):
         self.obj = obj
 
 
-def fingerprint(fn, name: str = "fn"):
+def fingerprint(fn, name: str = "fn", nested: bool = False):
     """What about `fn` can change the program it traces, as a hashable key that
     holds every object weakly, or None (with a warning) when `fn` holds
     something that cannot be keyed soundly, so that `fn` is traced at every call.
@@ -129,10 +130,13 @@ def fingerprint(fn, name: str = "fn"):
     - any other object: by identity, held weakly; one that cannot be referenced
       weakly by its attributes if it is a SimpleNamespace or a dataclass, else
       it makes `fn` unkeyable.
-    Globals that `fn` reads are not part of the key.
+    Globals that `fn` reads are not part of the key. `nested` (a nested scan's
+    key, see `CacheKey.nested`): the XLA tensors a trace lifts by shape and dtype
+    alone, since the outer step's differentiation gives them other classes
+    (fake ones) and requires_grad flags than the outer trace.
     """
     try:
-        return _fingerprint(fn, set(), True)
+        return _fingerprint(fn, set(), True, nested)
     except _Unkeyable as error:
         path = find_paths(fn, [error.obj])[0]
         where = f"{name}{describe(fn, path)}" if path is not None else f"an object {name} holds"
@@ -154,7 +158,7 @@ def same_fn_key(key: CacheKey, fn) -> CacheKey | None:
         identity = WeakIdentity(fn)
     except TypeError:
         return None
-    return key._replace(fn=(identity, _fingerprint(fn, set(), False)))
+    return key._replace(fn=(identity, _fingerprint(fn, set(), False, key.nested)))
 
 
 _MUTABLE_CONTAINERS = (list, dict, set)
@@ -169,7 +173,7 @@ def _is_record(value) -> bool:
         or dataclasses.is_dataclass(value) and not isinstance(value, type))
 
 
-def _fingerprint(value, active: set, contents: bool):
+def _fingerprint(value, active: set, contents: bool, nested: bool):
     """`contents=False` leaves out what mutable containers and records hold."""
     if type(value) in _EXACT_VALUE_TYPES:
         return type(value), value
@@ -178,6 +182,8 @@ def _fingerprint(value, active: set, contents: bool):
     if isinstance(value, VALUE_TYPES):
         return type(value), value
     if isinstance(value, torch.Tensor):
+        if nested and (liftable(value) or fake_tensors_active() and value.device.type == "xla"):
+            return "xla tensor", tuple(value.shape), value.dtype
         if liftable(value):
             return type(value), Aval.of(value)
         return type(value), WeakIdentity(value)
@@ -194,7 +200,7 @@ def _fingerprint(value, active: set, contents: bool):
             return "recursion", type(value)
         active.add(id(value))
         try:
-            return _fingerprint_of_items(value, active, contents)
+            return _fingerprint_of_items(value, active, contents, nested)
         finally:
             active.discard(id(value))
     try:
@@ -203,9 +209,9 @@ def _fingerprint(value, active: set, contents: bool):
         raise _Unkeyable(value) from None
 
 
-def _fingerprint_of_items(value, active: set, contents: bool):
-    items = ((step.kind, _fingerprint(step.key, active, contents),
-              _fingerprint(child, active, contents)) for step, child in children(value))
+def _fingerprint_of_items(value, active: set, contents: bool, nested: bool):
+    items = ((step.kind, _fingerprint(step.key, active, contents, nested),
+              _fingerprint(child, active, contents, nested)) for step, child in children(value))
     if isinstance(value, (set, frozenset)):
         return type(value), frozenset(items)
     head = WeakIdentity(value.__code__) if isinstance(value, types.FunctionType) else None
