@@ -49,6 +49,7 @@ import tempfile
 import time
 
 import harness
+from harness import median_cell
 
 FLAGSHIPS = ("llama", "gemma3_text", "gemma4_text", "qwen3_next", "deepseek_v3", "gpt_oss",
              "smollm3", "jamba", "mixtral")
@@ -236,14 +237,6 @@ def ratio(a: dict, b: dict, key: str) -> float | None:
     if "failed" in a or "failed" in b or not b.get(key):
         return None
     return a[key] / b[key]
-
-
-def median_cell(values: list[float | None], digits: int = 2) -> str:
-    value, spread = harness.median_and_spread(values)
-    if value is None:
-        return "-"
-    text = f"{value:.{digits}f}"
-    return text + (f" ({spread[0]:.{digits}f}-{spread[1]:.{digits}f})" if spread else "")
 
 
 def summary(model_type: str, rounds: list[dict]) -> list[str]:

@@ -23,6 +23,7 @@ import sys
 import time
 
 import harness  # first: it sets the default device before torch_xla is imported
+from harness import median_cell
 from torch_xla_ext.metrics.table import render_rows
 
 MODES = ("nested", "unrolled")
@@ -110,7 +111,7 @@ def main(argv=None) -> None:
             for mode in MODES:
                 value, _ = harness.median_and_spread([f[mode, inner][figure] for f in rounds])
                 row.append(f"{value:.2f}")
-            row.append(_ratio_text([f["nested", inner][figure] / f["unrolled", inner][figure]
+            row.append(median_cell([f["nested", inner][figure] / f["unrolled", inner][figure]
                                     for f in rounds]))
         rows.append(row)
     header = ["inner", "first step nested s", "unrolled s", "x", "compile nested s",
@@ -119,16 +120,11 @@ def main(argv=None) -> None:
     shortest, longest = min(args.inner), max(args.inner)
     if longest > shortest:
         for mode in MODES:
-            growth = _ratio_text([f[mode, longest]["compile_s"] / f[mode, shortest]["compile_s"]
+            growth = median_cell([f[mode, longest]["compile_s"] / f[mode, shortest]["compile_s"]
                                   for f in rounds])
             print(f"\n{mode}: compile at inner {longest} / at inner {shortest}: {growth}")
     if unequal:
         sys.exit(f"{parser.prog}: the modes' losses differ at inner {unequal}")
-
-
-def _ratio_text(values) -> str:
-    value, spread = harness.median_and_spread(values)
-    return f"{value:.2f}" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 
 
 if __name__ == "__main__":

@@ -464,6 +464,16 @@ def median_and_spread(values: Sequence[float | None]
     return statistics.median(values), spread
 
 
+def median_cell(values: Sequence[float | None], digits: int = 2) -> str:
+    """The rounds' median of `values` as a table cell, with their spread
+    (min-max) in brackets when there are several; "-" if a round lacks one."""
+    value, spread = median_and_spread(values)
+    if value is None:
+        return "-"
+    text = f"{value:.{digits}f}"
+    return text + (f" ({spread[0]:.{digits}f}-{spread[1]:.{digits}f})" if spread else "")
+
+
 @dataclass(frozen=True)
 class Goal:
     """A ratio (or a count) and the most it should be (the least, with

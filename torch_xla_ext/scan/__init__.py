@@ -55,7 +55,7 @@ from torch_xla_ext import policies
 from torch_xla_ext.placeholders import (
     is_tracing, mark_derived, placeholder_sources, tracing_what)
 from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack, flatten_inputs,
-                                      scan_length)
+                                      keyed_grad, scan_length)
 from torch_xla_ext.scan.loop import check_unroll, hlo_text, xla_rng_kept
 from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, autocast_state, fingerprint
 from torch_xla_ext.scan.inline import inline_scan
@@ -200,8 +200,8 @@ class _Call:
         specs = unsharded_specs if nested else operand_specs
         key = CacheKey(
             fn_key, partition_key, self.carry_tree, xs_tree, avals(self.carry_leaves, nested),
-            tuple(Aval(tuple(x.shape[1:]), x.dtype, rg)
-                  for x, (_, _, rg) in zip(self.xs_leaves, avals(self.xs_leaves, nested))),
+            tuple(Aval(tuple(x.shape[1:]), x.dtype, keyed_grad(x, nested))
+                  for x in self.xs_leaves),
             autocast_state(), specs(self.carry_leaves), specs(self.xs_leaves), nested)
         self.cacheable = cacheable
         found = CACHE.lookup(key, fn) if cacheable else None

@@ -23,13 +23,15 @@ class Aval(NamedTuple):
         return f"{str(self.dtype).removeprefix('torch.')}[{','.join(map(str, self.shape))}]"
 
 
-def avals(leaves, floating_grads: bool = False) -> tuple:
-    """The leaves' avals; with `floating_grads`, every floating one's as
-    requiring grad (a nested scan's, see `nested`)."""
-    if floating_grads:
-        return tuple(Aval(tuple(t.shape), t.dtype, t.requires_grad or t.dtype.is_floating_point)
-                     for t in leaves)
-    return tuple(Aval.of(t) for t in leaves)
+def avals(leaves, nested: bool = False) -> tuple:
+    """The leaves' avals; `nested` (a nested scan's, see `CacheKey.nested`):
+    every floating one's as requiring grad."""
+    return tuple(Aval(tuple(t.shape), t.dtype, keyed_grad(t, nested)) for t in leaves)
+
+
+def keyed_grad(t: torch.Tensor, nested: bool = False) -> bool:
+    """The requires_grad of `t` in a trace's key (see `avals`)."""
+    return t.requires_grad or nested and t.dtype.is_floating_point
 
 
 class Structure(NamedTuple):
