@@ -16,21 +16,21 @@ class Aval(NamedTuple):
     requires_grad: bool
 
     @staticmethod
-    def of(t: torch.Tensor) -> "Aval":
-        return Aval(tuple(t.shape), t.dtype, t.requires_grad)
+    def of(t: torch.Tensor, nested: bool = False) -> "Aval":
+        """`t`'s aval; `nested` (a nested scan's key, see `CacheKey.nested`):
+        as requiring grad if floating."""
+        return Aval(tuple(t.shape), t.dtype, keyed_grad(t, nested))
 
     def __str__(self):
         return f"{str(self.dtype).removeprefix('torch.')}[{','.join(map(str, self.shape))}]"
 
 
 def avals(leaves, nested: bool = False) -> tuple:
-    """The leaves' avals; `nested` (a nested scan's, see `CacheKey.nested`):
-    every floating one's as requiring grad."""
-    return tuple(Aval(tuple(t.shape), t.dtype, keyed_grad(t, nested)) for t in leaves)
+    return tuple(Aval.of(t, nested) for t in leaves)
 
 
 def keyed_grad(t: torch.Tensor, nested: bool = False) -> bool:
-    """The requires_grad of `t` in a trace's key (see `avals`)."""
+    """The requires_grad of `t` in a trace's key (see `Aval.of`)."""
     return t.requires_grad or nested and t.dtype.is_floating_point
 
 

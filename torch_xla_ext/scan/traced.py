@@ -76,7 +76,7 @@ class Traced:
         for binding, aval in zip(self._capture_bindings, self.capture_avals):
             tensor = binding() if isinstance(binding, weakref.ref) else resolve(fn, binding)
             if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "xla"
-                    or avals([tensor], self.key.nested)[0] != aval):
+                    or Aval.of(tensor, self.key.nested) != aval):
                 return None
             captures.append(tensor)
         if self._specs(captures) != self.capture_specs:
