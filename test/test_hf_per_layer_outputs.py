@@ -16,7 +16,7 @@ from test_hf import VOCAB, batch, left_padded_prompts, per_layer_grads
 from tolerances import TRAINING, close, close_by_name
 import torch_xla_ext as tx
 from torch_xla_ext.hf import StackedLayers, stack_layers
-from torch_xla_ext.layer_stack import LayerByLayerWarning, RetainedGradientWarning
+from torch_xla_ext.layer_stack import LayerByLayerWarning
 
 LAYERS = 3
 
@@ -130,35 +130,46 @@ def test_a_loss_on_a_middle_hidden_state_trains_as_one_scan_with_the_unconverted
     close_by_name(grads, expected_grads, TRAINING)
 
 
-def test_retaining_the_gradient_of_a_layers_hidden_state_or_attention_warns_that_it_is_partial(
-        device):
-    # transformers' test_retain_grad_hidden_states_attentions: unconverted,
-    # the first logit's backward reaches them through the later layers.
-    _, model = converted_pair()
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_retained_gradients_of_layers_hidden_states_and_attentions_are_the_unconverted(
+        device, family):
+    # transformers' test_retain_grad_hidden_states_attentions: the first
+    # logit's backward reaches them through the layer's later ops and the
+    # later layers, which in the scan is inside its backward loop.
+    reference, model = converted_pair(family)
     ids, mask = batch(device)
-    model.to(device)
-
-    def backward_of_first_logit(retained: dict) -> tuple[list, list]:
-        output = model(ids, attention_mask=mask, output_hidden_states=True,
+    retained = {"hidden_states": [0, 1, 2, -1], "attentions": [0, 2]}
+    gradients = []
+    for which in (reference, model):
+        which.to(device)
+        output = which(ids, attention_mask=mask, output_hidden_states=True,
                        output_attentions=True)
-        tensors = [getattr(output, name)[index] for name, index in retained.items()]
-        for tensor in tensors:
+        tensors = {(name, index): getattr(output, name)[index]
+                   for name, indices in retained.items() for index in indices}
+        for tensor in tensors.values():
             tensor.retain_grad()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            output.logits.flatten()[0].backward()
-        return [str(w.message) for w in caught if w.category is RetainedGradientWarning], tensors
-
-    # The last hidden state is the model's own (after the final norm): no slice.
-    warned, (last,) = backward_of_first_logit({"hidden_states": -1})
-    assert warned == [] and last.grad is not None
-    warned, _ = backward_of_first_logit({"hidden_states": 1, "attentions": 2})
-    assert warned == [
-        "retain_grad() on values the layers' hooks collected (layers [0, 2]: "
-        "output_hidden_states, output_attentions) gets only the gradient of their own uses: "
-        "they are slices of the scan's stacked outputs, and the gradient that reaches a layer "
-        "through the layers after it flows inside the backward loop. For these gradients, run "
-        "the model unstacked (unstack_layers)."]
+        # A use of its own as well: its gradient adds to what the layers give.
+        loss = output.logits.flatten()[0] + output.attentions[2].sum()
+        if which is model:
+            hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
+            assert len(re.findall(r"\bwhile\(", hlo)) == 1
+        loss.backward()
+        gradients.append({key: tensor.grad for key, tensor in tensors.items()})
+    expected, actual = gradients
+    for key, want in expected.items():
+        assert actual[key] is not None, key
+        close(actual[key], want, TRAINING)
+    # A second backward adds to them, as unconverted.
+    output = model(ids, attention_mask=mask, output_attentions=True)
+    output.attentions[1].retain_grad()
+    output.logits.flatten()[0].backward()
+    first = output.attentions[1].grad.clone()
+    output = model(ids, attention_mask=mask, output_attentions=True)
+    attention = output.attentions[1]
+    attention.retain_grad()
+    output.logits.flatten()[0].backward(retain_graph=True)
+    output.logits.flatten()[0].backward()
+    close(attention.grad, 2 * first, TRAINING)
 
 
 @pytest.mark.parametrize("options", [{}, {"cache_implementation": "static"}],

@@ -82,14 +82,13 @@ The modules, one job each:
   scan's operands), `dynamo` (under
   Dynamo, with `trace_loops_in_dynamo`: the loop as torch's scan operator,
   what the forward reads of its items, `GraphBreakWarning`), `hooks` (the
-  layers' forward hooks, replayed after the scan, and `RetainedGradientWarning`
-  for what they got), `layer_list` (`scan_layers`), `sharding` (FSDPv2: stacked
+  layers' forward hooks, replayed after the scan, with the for loop's
+  gradients for what they got), `layer_list` (`scan_layers`), `sharding` (FSDPv2: stacked
   weights and the hidden state a scan carries).
 """
 from torch_xla_ext.diagnostics import Refusal
 from torch_xla_ext.layer_stack.execution import ScanResult, scan_result
 from torch_xla_ext.layer_stack.executors import ExportWarning, device_reason
-from torch_xla_ext.layer_stack.hooks import RetainedGradientWarning
 from torch_xla_ext.layer_stack.kinds import PerLayerChoice
 from torch_xla_ext.layer_stack.layer_list import scan_layers
 from torch_xla_ext.layer_stack.owner_loops import drive_loops, loop_names, undrive_loops
@@ -105,7 +104,7 @@ from torch_xla_ext.layer_stack.dynamo import GraphBreakWarning, trace_loops_in_d
 
 __all__ = ["DEFAULT_PER_LAYER_ATTRIBUTES", "ExportWarning", "GraphBreakWarning",
            "LayerByLayerWarning", "LayerGroup", "LayerStack", "Layers", "OpaqueValue", "OwnerPlans",
-           "PerLayerChoice", "Recording", "Refusal", "RetainedGradientWarning", "ScanResult",
+           "PerLayerChoice", "Recording", "Refusal", "ScanResult",
            "SegmentStack",
            "ShardingWarning", "StackedList", "attempt", "attempt_recording",
            "checked_stack_options", "device_reason", "drive_loops", "loop_names",

@@ -66,12 +66,12 @@ class Executor:
             return f"the layers run on {device.type}, and the scan is an XLA loop"
         return None
 
-    def loop(self, partition_fn, is_fn_pure, unroll) -> Callable:
+    def loop(self, partition_fn, is_fn_pure, unroll, step_cotangents=None) -> Callable:
         """`scan(step, init, xs) -> (carry, ys)` with a stack's options,
         raising Unscannable when the loop cannot take the step (found before
-        anything is traced)."""
+        anything is traced); `step_cotangents` as `scan`'s, for a backward."""
         return functools.partial(scan, partition_fn=partition_fn, is_fn_pure=is_fn_pure,
-                                 unroll=unroll)
+                                 unroll=unroll, step_cotangents=step_cotangents)
 
     def stand_in(self, shape: tuple, dtype: torch.dtype, device: torch.device,
                  requires_grad: bool = False) -> tuple[torch.Tensor, bool]:
@@ -90,7 +90,8 @@ class _ExportedOperator(Executor):
     def device_refusal(self, device: torch.device) -> str | None:
         return None  # the exported program runs where it is lowered
 
-    def loop(self, partition_fn, is_fn_pure, unroll) -> Callable:
+    def loop(self, partition_fn, is_fn_pure, unroll, step_cotangents=None) -> Callable:
+        # An export has no backward, so no step cotangents to give.
         def through_operator(step, init, xs):
             if partition_fn is not save_everything or unroll != 1:
                 warnings.warn(

@@ -9,27 +9,18 @@ step returns among its `ys`, so that the scan stacks them along the layers.
 After the loop, `replay` runs each hook once per layer on that layer's slice
 of them: layer after layer and, within a layer, in the order the calls ended,
 which is the order the hooks run in the for loop. (transformers collects
-`output_hidden_states` and `output_attentions` with such hooks.)
+`output_hidden_states` and `output_attentions` with such hooks.) Their
+gradients are the for loop's too: `RetainedGradients`.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import warnings
 import weakref
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-
-from torch_xla_ext.diagnostics import TorchXlaExtWarning
-
-
-class RetainedGradientWarning(TorchXlaExtWarning):
-    """`retain_grad()` on what a replayed hook collected (a layer's hidden
-    state or attention weights): a slice of the scan's stacked outputs,
-    which no later layer reads, so its `.grad` holds only its own uses'
-    gradient (or stays None)."""
 
 
 def hooked_modules(template: nn.Module) -> dict[str, nn.Module]:
@@ -71,10 +62,12 @@ def hooks_held(template: nn.Module, calls: list | None = None):
             module._forward_hooks = saved[path]
 
 
-def replay(template: nn.Module, calls: list, num_layers: int) -> None:
+def replay(template: nn.Module, calls: list, num_layers: int,
+           retained: RetainedGradients | None = None) -> None:
     """Runs the forward hooks of the template's modules once per layer, on
     that layer's slice of `calls` (what `hooks_held` recorded in the step,
-    each tensor stacked along the layers by the scan)."""
+    each tensor stacked along the layers by the scan); `retained` watches the
+    slices for `retain_grad()`."""
     leaves, spec = tree_flatten(calls)
     per_layer = [[None] * num_layers if leaf is None else leaf.unbind(0) for leaf in leaves]
     for index in range(num_layers):
@@ -88,32 +81,42 @@ def replay(template: nn.Module, calls: list, num_layers: int) -> None:
                         f"output; a stack replays its layers' hooks after the scan, where "
                         f"they can observe each layer's output but not replace it. Remove "
                         f"the hook or run the layers unstacked.")
-    _watch_retained_gradients(leaves, per_layer)
+    if retained is not None:
+        retained.watch(leaves, per_layer)
 
 
-def _watch_retained_gradients(leaves: list, per_layer: list) -> None:
-    """Warns, when the scan's backward runs, of the slices the hooks got that
-    retain their gradient (`RetainedGradientWarning`): the gradient that
-    reaches a layer's values through the layers after it flows inside the
-    backward loop, not through the slices."""
-    slices = [(index, weakref.ref(piece)) for leaf, pieces in zip(leaves, per_layer)
-              if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-              for index, piece in enumerate(pieces)]
-    if not slices:
-        return
-    nodes = {leaf.grad_fn for leaf in leaves
-             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None}
+class RetainedGradients:
+    """The slices of the recorded calls that the hooks got, whose gradient a
+    caller may retain (`retain_grad()` on a hidden state or attention weights
+    that transformers collected). A slice is a view of the scan's stacked
+    outputs, which no later layer reads: what reaches it is only its own uses'
+    gradient. The rest, what its layer and the layers after it gave the value
+    in the for loop, the scan's backward gives for the steps' recorded values
+    when `wanted` (`scan.StepCotangents`), and `receive` adds it to the
+    retained gradients, as the for loop's would be."""
 
-    def check(grad_outputs):
-        retained = sorted({index for index, piece in slices
-                           if piece() is not None and piece().retains_grad})
-        if retained:
-            warnings.warn(
-                f"retain_grad() on values the layers' hooks collected (layers {retained}: "
-                f"output_hidden_states, output_attentions) gets only the gradient of their own "
-                f"uses: they are slices of the scan's stacked outputs, and the gradient that "
-                f"reaches a layer through the layers after it flows inside the backward loop. "
-                f"For these gradients, run the model unstacked (unstack_layers).",
-                RetainedGradientWarning, stacklevel=2)
-    for node in nodes:  # the scan's, which runs when any of its outputs has a gradient
-        node.register_prehook(check)
+    def __init__(self):
+        self._slices: list = []  # (leaf number, layer, weak reference to the slice)
+
+    def watch(self, leaves: list, per_layer: list) -> None:
+        self._slices = [(number, index, weakref.ref(piece))
+                        for number, (leaf, pieces) in enumerate(zip(leaves, per_layer))
+                        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+                        for index, piece in enumerate(pieces)]
+
+    def _retained(self) -> list:
+        return [(number, index, piece) for number, index, ref in self._slices
+                if (piece := ref()) is not None and piece.retains_grad]
+
+    def wanted(self) -> bool:
+        return bool(self._retained())
+
+    def receive(self, calls_cotangents) -> None:
+        """Adds to each retained slice its layer's cotangent of it from the
+        step (`calls_cotangents`: the recorded calls' structure, each leaf
+        stacked along the layers, or None)."""
+        stacked = tree_flatten(calls_cotangents)[0]
+        for number, index, piece in self._retained():
+            if stacked[number] is not None:
+                from_step = stacked[number][index]
+                piece.grad = from_step if piece.grad is None else piece.grad + from_step

@@ -19,7 +19,8 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from torch_xla_ext.layer_stack.alike import LayerLayout
 from torch_xla_ext.layer_stack.executors import device_reason, executor_of_call
-from torch_xla_ext.layer_stack.hooks import hooks_held, replay, unreplayable
+from torch_xla_ext.layer_stack.hooks import (
+    RetainedGradients, hooks_held, replay, unreplayable)
 from torch_xla_ext.layer_stack.kinds import call_for_layer, hidden_of
 from torch_xla_ext.layer_stack.lifted_numbers import LiftedNumbers, substituting, unmatched
 from torch_xla_ext.layer_stack.operands import (
@@ -28,7 +29,7 @@ from torch_xla_ext.layer_stack.sharding import entering
 from torch_xla_ext.layer_stack.shared_mappings import holding
 from torch_xla_ext.layer_stack.per_layer import (
     INDEX_ARGUMENT, OpaqueValue, read_refusal, reads_recorded_in, reads_watched)
-from torch_xla_ext.scan import Lowered, lower as lower_scan
+from torch_xla_ext.scan import Lowered, StepCotangents, lower as lower_scan
 from torch_xla_ext.diagnostics import Refusal, TorchXlaExtWarning
 
 
@@ -118,8 +119,9 @@ def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
     take, by number), or
     why one scan cannot stand for the loop (a Refusal), before anything ran."""
     def scanned(step, init, xs):
-        (last_hidden, _, handed), (_, calls, kept) = _loop(layers)(step, init, xs)
-        _replay_hooks(layers, calls)
+        retained = RetainedGradients()
+        (last_hidden, _, handed), (_, calls, kept) = _loop(layers, retained)(step, init, xs)
+        _replay_hooks(layers, calls, retained)
         return last_hidden, kept, handed
 
     refusal = _device_refusal_of(hidden)
@@ -137,10 +139,15 @@ def _device_refusal_of(hidden) -> Refusal | None:
     return None if reason is None else Refusal(reason)
 
 
-def _loop(layers: Layers) -> Callable:
+def _loop(layers: Layers, retained: RetainedGradients) -> Callable:
     """`scan(step, init, xs) -> (carry, ys)` with the stack's options, as the
-    call's executor runs it."""
-    return executor_of_call().loop(layers.partition_fn, layers.is_layer_pure, layers.unroll)
+    call's executor runs it; with replayed hooks, its backward gives
+    `retained` the steps' cotangents of the calls they recorded (the second
+    of the step's ys)."""
+    step_cotangents = (StepCotangents(retained.wanted, lambda ys: retained.receive(ys[1]))
+                       if layers.hooks_replayed else None)
+    return executor_of_call().loop(layers.partition_fn, layers.is_layer_pure, layers.unroll,
+                                   step_cotangents)
 
 
 def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: Recording,
@@ -156,12 +163,13 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
     Unscannable for a call that one trace cannot stand for; the caller then
     runs the layers one by one with what they record into."""
     def scanned(step, init, xs):
-        (last_hidden, _, handed, final_state), (recorded, calls, kept) = _loop(layers)(
-            step, (*init, state), xs)
+        retained = RetainedGradients()
+        (last_hidden, _, handed, final_state), (recorded, calls, kept) = _loop(
+            layers, retained)(step, (*init, state), xs)
         for tensor, final in zip(state, final_state):
             if final is not tensor:  # a read-only state leaves the loop as itself
                 tensor.copy_(final)
-        _replay_hooks(layers, calls)
+        _replay_hooks(layers, calls, retained)
         return last_hidden, recorded, kept, handed, step.found_when_traced.get("found")
 
     return _through_scan(layers, hidden, args, kwargs, scanned, recording, state)
@@ -212,11 +220,11 @@ def warn_layer_by_layer(num_layers: int, reason: str, stacklevel: int) -> None:
                   f"of as one scan: {reason}.", LayerByLayerWarning, stacklevel=stacklevel)
 
 
-def _replay_hooks(layers: Layers, calls: list | None) -> None:
+def _replay_hooks(layers: Layers, calls: list | None, retained: RetainedGradients) -> None:
     """The template's forward hooks, once per layer, on what the scan's
     steps recorded (`calls`: None unless `layers.hooks_replayed`)."""
     if calls is not None:
-        replay(layers.template, calls, layers.num_layers)
+        replay(layers.template, calls, layers.num_layers, retained)
 
 
 # Per template layer, the scan steps made for it, one per trace key, each with

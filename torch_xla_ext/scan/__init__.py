@@ -32,7 +32,9 @@ How one call runs, one module a stage:
    (`unroll` steps an iteration, the loop's HLO built per unroll);
    `autograd`: with gradients, AOTAutograd splits `fn` into forward and
    backward graphs (`partition_fn`, a policy of `torch_xla_ext.policies`,
-   deciding what is saved), both run as While loops (the backward in reverse).
+   deciding what is saved), both run as While loops (the backward in reverse);
+   `cotangents`: the backward that also gives the steps' cotangents of their
+   ys, for a caller whose ys are values its steps use (`StepCotangents`).
    `traced` holds a trace and its loops; `lower` returns their HLO unrun.
 
 `nested`: a scan called while another scan traces its fn is traced apart from
@@ -58,6 +60,7 @@ from torch_xla_ext.scan.avals import (Aval, as_placeholders, avals, empty_stack,
                                       keyed_grad, scan_length)
 from torch_xla_ext.scan.loop import check_unroll, hlo_text, xla_rng_kept
 from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, autocast_state, fingerprint
+from torch_xla_ext.scan.cotangents import StepCotangents
 from torch_xla_ext.scan.inline import inline_scan
 from torch_xla_ext.scan.nested import (fake_tensors_active, outer_trace_set_aside,
                                        unrolled_because, warn_unrolled)
@@ -66,11 +69,12 @@ from torch_xla_ext.scan.traced import Traced
 from torch_xla_ext.scan.tracing import trace
 
 __all__ = ["scan", "lower", "Lowered", "cache_info", "cache_clear", "CacheInfo",
-           "default_partition"]
+           "StepCotangents", "default_partition"]
 
 
 def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everything,
-         is_fn_pure: bool | None = None, *, reverse: bool = False, unroll: int | bool = 1):
+         is_fn_pure: bool | None = None, *, reverse: bool = False, unroll: int | bool = 1,
+         step_cotangents: StepCotangents | None = None):
     """Loops `fn(carry, x) -> (carry, y)` over the leading dim of `xs`.
 
     Returns `(carry, ys)` where each `ys` leaf stacks the per-step `y` leaves on a
@@ -147,6 +151,11 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     is traced at every call (`is_fn_pure=False`), or has no steps; it then
     warns (`NestedScanWarning`) if given a `partition_fn` or `unroll`, which
     have no effect. `lower` of a nested scan raises: lower the outer one.
+
+    `step_cotangents` (a `StepCotangents`) is for callers whose ys are values
+    the steps also use, as a for loop's per-step values are: the backward
+    then gives it, when it asks, the cotangent each step gave each stacked
+    y, which no slice of `ys` gets (see `cotangents`).
     """
     partition_fn = policies.resolve(partition_fn)
     _check_fn(fn, is_fn_pure)
@@ -154,7 +163,8 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     if is_tracing():
         return _nested_scan(fn, init, xs, partition_fn, is_fn_pure, reverse, unroll)
     call = _Call(fn, init, xs, partition_fn, is_fn_pure)
-    return call.run(fn, partition_fn, reverse, unroll, nested=False)
+    return call.run(fn, partition_fn, reverse, unroll, nested=False,
+                    cotangents=step_cotangents)
 
 
 def _nested_scan(fn, init, xs, partition_fn, is_fn_pure, reverse, unroll):
@@ -221,13 +231,15 @@ class _Call:
         self.needs_grad = torch.is_grad_enabled() and (nested or any(
             t.requires_grad for t in (*self.carry_leaves, *self.xs_leaves, *self.captures)))
 
-    def run(self, fn, partition_fn, reverse: bool, unroll, nested: bool):
+    def run(self, fn, partition_fn, reverse: bool, unroll, nested: bool,
+            cotangents: StepCotangents | None = None):
         """`(carry, ys)` of this call, as the caller's structures."""
         if self.length == 0:
             return self.init, self.traced.y_tree.unflatten(
                 [empty_stack(a, self.carry_leaves + self.xs_leaves) for a in self.traced.y_avals])
         carry_out, ys = self.traced.run(fn, partition_fn, self.carry_leaves, self.xs_leaves,
-                                        self.captures, reverse, unroll, self.needs_grad, nested)
+                                        self.captures, reverse, unroll, self.needs_grad, nested,
+                                        cotangents)
         # Scanning placeholders stages out HLO; its results must then guard reads like them.
         mark_derived((carry_out, ys),
                      placeholder_sources((self.carry_leaves, self.xs_leaves, self.captures)))

@@ -18,6 +18,7 @@ from torch_xla_ext.scan.avals import avals, flatten
 from torch_xla_ext.scan.loop import Loop, lower_body
 from torch_xla_ext.scan.signature import Signature, pick, place, split_list
 from torch_xla_ext.scan.batch_dims import batch_dims
+from torch_xla_ext.scan.cotangents import StepCotangents, Taps
 from torch_xla_ext.scan.sharding import (
     as_fn_arguments, constrained, data_parallel_devices, functional_mark_sharding, split_along)
 from torch_xla_ext.scan.tracing import LiftCaptures, call_body, internal, new_stand_in, stand_in
@@ -47,13 +48,17 @@ class TrainingPlan:
     read from `xs` itself, and values computed from invariants alone or from an
     x slice by layout ops alone (a weight's transpose) are recomputed in the
     backward step instead of stacked. Activations an `offload` policy names
-    go to host memory on `device_kind`s that have one.
+    go to host memory on `device_kind`s that have one. With `tapped`, the
+    backward can also stack the cotangents the steps give their ys
+    (`cotangents`), in a loop of its own.
     """
 
-    def __init__(self, traced, fn, partition_fn, captured, device_kind: str):
+    def __init__(self, traced, fn, partition_fn, captured, device_kind: str,
+                 tapped: bool = False):
         """`fn`, `partition_fn` and the tensors `fn` captures are the building
         call's; the plan does not keep them."""
         self.traced = traced
+        self.taps = Taps(traced.y_avals, traced.layout.stacked_y) if tapped else None
         offloaded = getattr(partition_fn, "offloaded", ())
         if offloaded and device_kind not in HOST_MEMORY_KINDS:
             policies.warn_no_host_memory(partition_fn, device_kind)
@@ -72,12 +77,16 @@ class TrainingPlan:
         self._build_loops(fw_graph, bw_graph, differentiable, offloaded)
 
     def _step(self, fn, captured, *primals):
-        """One step as a flat function of (loop carries, x, invariants) for
-        AOTAutograd, returning (loop carry outs, stacked outputs)."""
+        """One step as a flat function of (loop carries, x, invariants, and
+        with taps their sinks) for AOTAutograd, returning (loop carry outs,
+        stacked outputs)."""
         traced, key = self.traced, self.traced.key
         written = traced.written
+        inputs = primals[:len(self.input_avals)]
+        if self.taps is not None:
+            inputs = self.taps.enter(inputs, primals[len(self.input_avals):])
         full_carry, x, captures = traced.layout.call_inputs(
-            *self.signature.split_inputs(primals))
+            *self.signature.split_inputs(inputs))
         full_carry, x = as_fn_arguments(full_carry), as_fn_arguments(x)
         # fn writes to copies of its inputs: AOTAutograd would make writes to
         # its own inputs outputs of its graphs.
@@ -85,11 +94,13 @@ class TrainingPlan:
         x = [t.clone() if i in written.x else t for i, t in enumerate(x)]
         captures = [t.clone() if i in written.captures else t for i, t in enumerate(captures)]
         stand_ins = {id(c): v for c, v in zip(captured, captures)}
-        with LiftCaptures(list(primals) + full_carry + x, stand_ins):
+        with LiftCaptures(list(primals) + list(inputs) + full_carry + x, stand_ins):
             carry_out, y_out = call_body(fn, key.carry_tree.unflatten(full_carry),
                                           key.xs_tree.unflatten(x))
         carry_out = flatten(carry_out)[0]
         y_out = flatten(y_out)[0]
+        if self.taps is not None:
+            self.taps.watch(y_out)
         for i in written.captures:
             mutation.check_written(captures[i], traced.capture_avals[i], False,
                                    mutation.describe_capture(fn, captured, i))
@@ -115,8 +126,9 @@ class TrainingPlan:
         compiled = aot_function(functools.partial(self._step, fn, captured),
                                 fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                                 partition_fn=partition_fn, decompositions=_DECOMPOSITIONS)
+        sink_avals = [] if self.taps is None else self.taps.sink_avals
         primals = [new_stand_in(a.shape, a.dtype, a.requires_grad, guarded=False)
-                   for a in self.input_avals]
+                   for a in self.input_avals + sink_avals]
         # AOTAutograd traces fn again: under the autocast state of the first trace.
         with (torch.enable_grad(), internal(self.traced.key.autocast),
               tracing("scan's fn (differentiated)"), functional_mark_sharding()):
@@ -132,6 +144,9 @@ class TrainingPlan:
 
     def _build_loops(self, fw_graph, bw_graph, differentiable, offloaded):
         stand_ins = [stand_in(a, requires_grad=False) for a in self.input_avals]
+        # The sinks, which no step reads, only fill the graphs' places for them.
+        self.sink_stand_ins = [] if self.taps is None else [
+            stand_in(a, requires_grad=False) for a in self.taps.sink_avals]
         outputs, activations, saved_sources = self._build_forward_loop(fw_graph, stand_ins,
                                                                        offloaded)
         self._build_backward_loop(bw_graph, differentiable, stand_ins, outputs, activations,
@@ -147,7 +162,7 @@ class TrainingPlan:
         slots = signature.input_slots(carry_in, x_in, invariants_in)
         # The graph's ops already carry autocast's casts: replayed without autocast.
         with torch.no_grad(), internal(), tracing("scan's forward step"):
-            fw_outputs = fw_graph(*stand_ins)
+            fw_outputs = fw_graph(*stand_ins, *self.sink_stand_ins)
         n_out = signature.carries + signature.stacked
         outputs, saved = split_list(fw_outputs, [n_out])
 
@@ -185,7 +200,8 @@ class TrainingPlan:
         and the backward loop reads; None for one without it, or otherwise."""
         carry_specs, _, invariant_specs = self.traced.input_specs
         placeholders = [node for node in fw_graph.graph.nodes if node.op == "placeholder"]
-        carry_nodes, _, invariant_nodes = self.signature.split_inputs(placeholders)
+        carry_nodes, _, invariant_nodes = self.signature.split_inputs(
+            placeholders[:len(self.input_avals)])
         inputs = list(zip(carry_nodes + invariant_nodes, carry_specs + invariant_specs))
         devices = {data_parallel_devices(spec) for _, spec in inputs} - {None}
         if len(devices) != 1:
@@ -236,8 +252,10 @@ class TrainingPlan:
         saved_in = [source.read(x_in, activation_in) for source in saved_sources]
         with torch.no_grad(), internal(), tracing("scan's backward step"):
             grads = list(bw_graph(*saved_in, *carry_tangent_in, *y_tangent_in))
+        sink_avals = [] if self.taps is None else self.taps.sink_avals
         grads = [g if g is not None else torch.zeros(a.shape, dtype=a.dtype, device=x_in[0].device)
-                 for g, a in zip(grads, self.input_avals)]
+                 for g, a in zip(grads, self.input_avals + sink_avals)]
+        grads, sink_grads = split_list(grads, [len(self.input_avals)])
         carry_grads, x_grads, invariant_grads = signature.split_inputs(grads)
         grad_outputs = (pick(carry_grads, self.carry_tangents)
                         + pick(invariant_grads, self.grad_invariants)
@@ -247,20 +265,38 @@ class TrainingPlan:
         grad_outputs = constrained(grad_outputs, pick(carry_shardings, self.carry_tangents)
                                    + pick(invariant_shardings, self.grad_invariants)
                                    + pick(slice_shardings, self.grad_x))
-        backward_body = lower_body("scan_backward_step", grad_outputs, bw_slots,
-                                   signature.invariants)
-        self.backward_constants = backward_body.constants
-        self.backward_loop = Loop(
-            "scan_backward", backward_body,
-            self.backward_signature.output_slots(accumulated=len(self.grad_invariants)),
-            pick(carry_avals, self.carry_tangents) + pick(invariant_avals, self.grad_invariants),
-            list(avals(activations)) + pick(stacked_avals, self.y_tangents) + x_avals,
-            pick(x_avals, self.grad_x),
-            invariant_avals + list(avals(backward_body.constants)))
+        sliced_avals = list(avals(activations)) + pick(stacked_avals, self.y_tangents) + x_avals
+        self.backward_loop = self._backward_loop("scan_backward", grad_outputs, bw_slots,
+                                                 sliced_avals, pick(x_avals, self.grad_x))
+        if self.taps is not None:
+            # What reaches a y through its ys slice is its tangent; the rest
+            # of its cotangent came from its step.
+            tangents = dict(zip(self.y_tangents, y_tangent_in))
+            from_step = [grad - tangents[position] if position in tangents else grad
+                         for grad, position in zip(sink_grads, self.taps.positions)]
+            self.tapped_backward_loop = self._backward_loop(
+                "scan_backward_tapped", grad_outputs + from_step, bw_slots, sliced_avals,
+                pick(x_avals, self.grad_x) + pick(stacked_avals, self.taps.positions))
 
-    def __call__(self, carry, xs, captures, reverse, unroll, nested: bool):
+    def _backward_loop(self, name: str, grad_outputs: list, slots: dict, sliced_avals: list,
+                       stacked_avals: list) -> Loop:
+        """A backward loop giving `grad_outputs` (the carry and invariant
+        gradients, then what it stacks) from the backward step's inputs."""
+        signature = self.signature
+        carry_avals, _, invariant_avals = signature.split_inputs(self.input_avals)
+        body = lower_body(f"{name}_step", grad_outputs, slots, signature.invariants)
+        loop_signature = dataclasses.replace(self.backward_signature, stacked=len(stacked_avals))
+        return Loop(
+            name, body, loop_signature.output_slots(accumulated=len(self.grad_invariants)),
+            pick(carry_avals, self.carry_tangents) + pick(invariant_avals, self.grad_invariants),
+            sliced_avals, stacked_avals, invariant_avals + list(avals(body.constants)))
+
+    def __call__(self, carry, xs, captures, reverse, unroll, nested: bool,
+                 cotangents: StepCotangents | None = None):
+        """`cotangents`: honoured by a plan built `tapped`, in a call not
+        nested (see `StepCotangents`)."""
         carries, sliced, invariants = self.traced.loop_inputs(carry, xs, captures)
-        constants = self.backward_constants
+        constants = self.backward_loop.body.constants
         inputs = [*carries, *sliced, *invariants]
         if nested:
             # What the loops read goes through a torch op, which the outer
@@ -268,7 +304,9 @@ class TrainingPlan:
             # autograd.Function's inputs and saved tensors it does not see.
             constants = [c.view_as(c) for c in constants]
             inputs = [t.view_as(t) for t in inputs]
-        results = _ScanFunction.apply(self, reverse, unroll, constants, *inputs)
+        if nested or self.taps is None:
+            cotangents = None
+        results = _ScanFunction.apply(self, (reverse, unroll, cotangents), constants, *inputs)
         return self.traced.assemble(carry, xs, captures, *self.signature.split_outputs(results))
 
     def forward(self, inputs, reverse, unroll):
@@ -278,17 +316,27 @@ class TrainingPlan:
         stacked_out, activations = split_list(stacked, [self.signature.stacked])
         return list(carry_out) + stacked_out, activations
 
-    def backward(self, inputs, activations, constants, output_grads, reverse, unroll):
-        """The backward loop, unrolled as the forward one."""
+    def backward(self, inputs, activations, constants, output_grads, reverse, unroll,
+                 cotangents: StepCotangents | None):
+        """The backward loop, unrolled as the forward one; the tapped one if
+        `cotangents` are wanted, which then receive what it stacks."""
+        loop = self.backward_loop
+        if cotangents is not None and cotangents.wanted():
+            loop = self.tapped_backward_loop
+            constants = loop.body.constants
         _, xs, invariants = self.signature.split_inputs(inputs)
         carry_grads, y_grads = self.signature.split_outputs(output_grads)
         zeros = [torch.zeros(invariants[i].shape, dtype=invariants[i].dtype,
                              device=invariants[i].device) for i in self.grad_invariants]
         carries = pick(carry_grads, self.carry_tangents) + zeros
         sliced = list(activations) + pick(y_grads, self.y_tangents) + xs
-        carry_out, stacked = self.backward_loop(
-            carries, sliced, invariants + list(constants), not reverse, unroll)
+        carry_out, stacked = loop(carries, sliced, invariants + list(constants), not reverse,
+                                  unroll)
         tangent_grads, invariant_grads = split_list(carry_out, [len(self.carry_tangents)])
+        stacked, from_step = split_list(stacked, [len(self.grad_x)])
+        if loop is not self.backward_loop:
+            y_leaves = place(len(self.traced.y_avals), (self.taps.y_indices, from_step))
+            cotangents.receive(self.traced.y_tree.unflatten(y_leaves))
         signature = self.signature
         return (place(signature.carries, (self.carry_tangents, tangent_grads))
                 + place(signature.sliced, (self.grad_x, stacked))
@@ -306,10 +354,11 @@ def _sync_only(tensors: list) -> None:
 
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: TrainingPlan, reverse: bool, unroll, constants, *inputs):
+    def forward(ctx, plan: TrainingPlan, options: tuple, constants, *inputs):
+        reverse, unroll, cotangents = options
         outputs, activations = plan.forward(inputs, reverse, unroll)
         ctx.constants = constants
-        ctx.plan, ctx.reverse, ctx.unroll = plan, reverse, unroll
+        ctx.plan, ctx.options = plan, options
         if (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
                 and not placeholder_sources(inputs)):
             # The caller's saved-tensor hooks may read what is saved (save_on_cpu
@@ -326,5 +375,5 @@ class _ScanFunction(torch.autograd.Function):
     def backward(ctx, *output_grads):
         saved = ctx.saved_tensors
         grads = ctx.plan.backward(saved[:ctx.input_count], saved[ctx.input_count:],
-                                  ctx.constants, output_grads, ctx.reverse, ctx.unroll)
-        return (None, None, None, None, *grads)
+                                  ctx.constants, output_grads, *ctx.options)
+        return (None, None, None, *grads)

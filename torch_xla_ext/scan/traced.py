@@ -65,7 +65,7 @@ class Traced:
         # Lowered now, so that the cache keeps no lazy tensors (pending work
         # that reads placeholders) once tracing is over.
         self._inference = InferencePlan(self, trace, capture_in)
-        self._training = None
+        self._training: dict[bool, TrainingPlan] = {}
         self._lock = threading.Lock()
 
     def bind_captures(self, fn) -> list[torch.Tensor] | None:
@@ -95,32 +95,38 @@ class Traced:
                                                                     self.layout.written_x)
 
     def run(self, fn, partition_fn, carry, xs, captures, reverse, unroll, needs_grad,
-            nested: bool = False):
+            nested: bool = False, cotangents=None):
         """One call; `fn` and `partition_fn` are this call's, used (not kept) if
         the training plan is built now. `unroll` shapes the loops only: every
         unroll shares this trace, each keeps its own loops' HLO. `nested`: the
-        call is in another scan's trace (see `nested`)."""
+        call is in another scan's trace (see `nested`). With `cotangents` (a
+        `StepCotangents`), a call not nested runs the tapped training plan."""
         if self.writes_back:
             self._check_written_unaliased(fn, carry, xs, captures)
         if not needs_grad:
             return self._inference(carry, xs, captures, reverse, unroll)
-        plan = self.training_plan(fn, partition_fn, captures, [*carry, *xs])
-        return plan(carry, xs, captures, reverse, unroll, nested)
+        plan = self.training_plan(fn, partition_fn, captures, [*carry, *xs],
+                                  tapped=cotangents is not None and not nested)
+        return plan(carry, xs, captures, reverse, unroll, nested, cotangents)
 
     @property
     def uses_seed(self) -> bool:
         """Whether the step draws random numbers (its loop takes a seed per step)."""
         return self._inference.loop.uses_seed
 
-    def training_plan(self, fn, partition_fn, captures, inputs) -> TrainingPlan:
+    def training_plan(self, fn, partition_fn, captures, inputs,
+                      tapped: bool = False) -> TrainingPlan:
         """The forward and backward loops, built on first need from this
-        call's `fn`, `partition_fn` and captures; `inputs`: its carry and xs."""
+        call's `fn`, `partition_fn` and captures; `inputs`: its carry and xs.
+        `tapped`: the plan whose backward can also give the steps' cotangents
+        of their ys (`StepCotangents`), built apart."""
         with self._lock:
-            if self._training is None:
+            if tapped not in self._training:
                 with xla_rng_kept(inputs):
-                    self._training = TrainingPlan(self, fn, partition_fn, captures,
-                                                  torch_xla.runtime.device_type())
-        return self._training
+                    self._training[tapped] = TrainingPlan(
+                        self, fn, partition_fn, captures, torch_xla.runtime.device_type(),
+                        tapped)
+        return self._training[tapped]
 
     def loops(self, fn, partition_fn, captures, needs_grad, device_kind) -> tuple:
         """The loops a call would run on `device_kind`: (forward, backward or
