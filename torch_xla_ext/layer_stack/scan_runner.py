@@ -119,7 +119,7 @@ def attempt(layers: Layers, hidden, args: tuple, kwargs: dict):
     take, by number), or
     why one scan cannot stand for the loop (a Refusal), before anything ran."""
     def scanned(step, init, xs):
-        retained = RetainedGradients()
+        retained = RetainedGradients() if layers.hooks_replayed else None
         (last_hidden, _, handed), (_, calls, kept) = _loop(layers, retained)(step, init, xs)
         _replay_hooks(layers, calls, retained)
         return last_hidden, kept, handed
@@ -139,13 +139,13 @@ def _device_refusal_of(hidden) -> Refusal | None:
     return None if reason is None else Refusal(reason)
 
 
-def _loop(layers: Layers, retained: RetainedGradients) -> Callable:
+def _loop(layers: Layers, retained: RetainedGradients | None) -> Callable:
     """`scan(step, init, xs) -> (carry, ys)` with the stack's options, as the
-    call's executor runs it; with replayed hooks, its backward gives
-    `retained` the steps' cotangents of the calls they recorded (the second
-    of the step's ys)."""
-    step_cotangents = (StepCotangents(retained.wanted, lambda ys: retained.receive(ys[1]))
-                       if layers.hooks_replayed else None)
+    call's executor runs it; its backward gives `retained` (there with
+    replayed hooks) the steps' cotangents of the calls they recorded (the
+    second of the step's ys)."""
+    step_cotangents = (None if retained is None else
+                       StepCotangents(retained.wanted, lambda ys: retained.receive(ys[1])))
     return executor_of_call().loop(layers.partition_fn, layers.is_layer_pure, layers.unroll,
                                    step_cotangents)
 
@@ -163,7 +163,7 @@ def run_recording(layers: Layers, hidden, args: tuple, kwargs: dict, recording: 
     Unscannable for a call that one trace cannot stand for; the caller then
     runs the layers one by one with what they record into."""
     def scanned(step, init, xs):
-        retained = RetainedGradients()
+        retained = RetainedGradients() if layers.hooks_replayed else None
         (last_hidden, _, handed, final_state), (recorded, calls, kept) = _loop(
             layers, retained)(step, (*init, state), xs)
         for tensor, final in zip(state, final_state):
@@ -220,7 +220,8 @@ def warn_layer_by_layer(num_layers: int, reason: str, stacklevel: int) -> None:
                   f"of as one scan: {reason}.", LayerByLayerWarning, stacklevel=stacklevel)
 
 
-def _replay_hooks(layers: Layers, calls: list | None, retained: RetainedGradients) -> None:
+def _replay_hooks(layers: Layers, calls: list | None,
+                  retained: RetainedGradients | None) -> None:
     """The template's forward hooks, once per layer, on what the scan's
     steps recorded (`calls`: None unless `layers.hooks_replayed`)."""
     if calls is not None:
