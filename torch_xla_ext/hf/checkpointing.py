@@ -90,8 +90,8 @@ def given_to(layers: list[nn.Module], stack: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def runnable_on(layer: nn.Module, device: torch.device):
-    """While `layer` runs by itself on `device`, outside any scan (a
-    `StackedAfterFirst`'s layer 0): on XLA, transformers' checkpoint function
+    """While `layer` runs by itself on `device`, outside any scan (the plan
+    runs it as a single layer, or one by one): on XLA, transformers' checkpoint function
     (torch's, which fails on XLA tensors) is torch_xla's, with the same
     keywords, so that the layer recomputes in the backward as the scan after
     it does; elsewhere, and for any other function, as it is. torch_xla's
