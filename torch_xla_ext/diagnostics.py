@@ -5,7 +5,8 @@ suite that must see every fallback) or on one by its own class. Why a call
 runs otherwise is a `Refusal` until the place that warns with it."""
 import dataclasses
 
-__all__ = ["NestedScanWarning", "Refusal", "ScanCacheWarning", "TorchXlaExtDeprecationWarning", "TorchXlaExtWarning"]
+__all__ = ["NestedScanWarning", "Refusal", "ScanCacheWarning", "TorchXlaExtDeprecationWarning",
+           "TorchXlaExtWarning"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +38,9 @@ class ScanCacheWarning(TorchXlaExtWarning):
 
 
 class NestedScanWarning(TorchXlaExtWarning):
-    """A scan inside another scan's fn runs unrolled into the outer step, so
-    the `partition_fn` or `unroll` it was given has no effect."""
+    """A switch given to a scan inside another scan's fn has no effect: its
+    `partition_fn` or `unroll` where it runs unrolled into the outer step, its
+    `step_cotangents` always."""
 
 
 class TorchXlaExtDeprecationWarning(TorchXlaExtWarning, DeprecationWarning):

@@ -7,6 +7,7 @@ import torch
 import torch_xla
 
 import torch_xla_ext as tx
+from torch_xla_ext.diagnostics import NestedScanWarning
 from torch_xla_ext.scan import StepCotangents
 from test_scan import DEV, randn
 from tolerances import THROUGH_LAYERS, close
@@ -83,7 +84,7 @@ def test_unwanted_the_backward_is_the_one_without_them():
     close(weight.grad, expected, THROUGH_LAYERS)
 
 
-def test_a_nested_scan_takes_none():
+def test_a_nested_scan_takes_none_and_says_so():
     torch.manual_seed(0)
     weight = randn(4, 4, grad=True)
     init, xs = randn(2, 4), randn(2, 3, 2, 4)
@@ -94,7 +95,9 @@ def test_a_nested_scan_takes_none():
         return tx.scan(lambda c, row: step(weight, c, row), carry, x,
                        step_cotangents=asked)[0], None
 
-    carry, _ = tx.scan(outer, init, xs)
+    with pytest.warns(NestedScanWarning, match="was given step_cotangents, which has no "
+                                               "effect in a nested scan"):
+        carry, _ = tx.scan(outer, init, xs)
     carry.sum().backward()
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([weight.grad])
     assert received == [] and len(re.findall(r"\bwhile\(", hlo)) == 4

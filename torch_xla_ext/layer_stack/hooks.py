@@ -63,7 +63,7 @@ def hooks_held(template: nn.Module, calls: list | None = None):
 
 
 def replay(template: nn.Module, calls: list, num_layers: int,
-           retained: RetainedGradients | None = None) -> None:
+           retained: RetainedGradients) -> None:
     """Runs the forward hooks of the template's modules once per layer, on
     that layer's slice of `calls` (what `hooks_held` recorded in the step,
     each tensor stacked along the layers by the scan); `retained` watches the
@@ -81,8 +81,7 @@ def replay(template: nn.Module, calls: list, num_layers: int,
                         f"output; a stack replays its layers' hooks after the scan, where "
                         f"they can observe each layer's output but not replace it. Remove "
                         f"the hook or run the layers unstacked.")
-    if retained is not None:
-        retained.watch(leaves, per_layer)
+    retained.watch(leaves, per_layer)
 
 
 class RetainedGradients:

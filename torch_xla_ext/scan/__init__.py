@@ -63,7 +63,7 @@ from torch_xla_ext.scan.cache import CACHE, CacheInfo, CacheKey, autocast_state,
 from torch_xla_ext.scan.cotangents import StepCotangents
 from torch_xla_ext.scan.inline import inline_scan
 from torch_xla_ext.scan.nested import (fake_tensors_active, outer_trace_set_aside,
-                                       unrolled_because, warn_unrolled)
+                                       unrolled_because, warn_no_step_cotangents, warn_unrolled)
 from torch_xla_ext.scan.sharding import operand_specs, unsharded_specs
 from torch_xla_ext.scan.traced import Traced
 from torch_xla_ext.scan.tracing import trace
@@ -155,12 +155,15 @@ def scan(fn: Callable, init, xs, partition_fn: Callable = policies.save_everythi
     `step_cotangents` (a `StepCotangents`) is for callers whose ys are values
     the steps also use, as a for loop's per-step values are: the backward
     then gives it, when it asks, the cotangent each step gave each stacked
-    y, which no slice of `ys` gets (see `cotangents`).
+    y, which no slice of `ys` gets (see `cotangents`). A nested scan warns
+    (`NestedScanWarning`) that it has no effect there.
     """
     partition_fn = policies.resolve(partition_fn)
     _check_fn(fn, is_fn_pure)
     unroll = check_unroll(unroll, "scan")
     if is_tracing():
+        if step_cotangents is not None:
+            warn_no_step_cotangents(fn)
         return _nested_scan(fn, init, xs, partition_fn, is_fn_pure, reverse, unroll)
     call = _Call(fn, init, xs, partition_fn, is_fn_pure)
     return call.run(fn, partition_fn, reverse, unroll, nested=False,

@@ -293,8 +293,7 @@ class TrainingPlan:
 
     def __call__(self, carry, xs, captures, reverse, unroll, nested: bool,
                  cotangents: StepCotangents | None = None):
-        """`cotangents`: honoured by a plan built `tapped`, in a call not
-        nested (see `StepCotangents`)."""
+        """`cotangents`: only for a plan built `tapped` (see `StepCotangents`)."""
         carries, sliced, invariants = self.traced.loop_inputs(carry, xs, captures)
         constants = self.backward_loop.body.constants
         inputs = [*carries, *sliced, *invariants]
@@ -304,8 +303,6 @@ class TrainingPlan:
             # autograd.Function's inputs and saved tensors it does not see.
             constants = [c.view_as(c) for c in constants]
             inputs = [t.view_as(t) for t in inputs]
-        if nested or self.taps is None:
-            cotangents = None
         results = _ScanFunction.apply(self, (reverse, unroll, cotangents), constants, *inputs)
         return self.traced.assemble(carry, xs, captures, *self.signature.split_outputs(results))
 

@@ -35,8 +35,8 @@ class StepCotangents:
     also stacks those cotangents, and `receive` gets them as a tree of the
     `ys`' structure: per y leaf a tensor `[length, ...]`, or None for a y that
     is not floating, does not require grad in the step, or is an `xs` slice
-    returned unchanged. Not honoured by a nested scan, whose backward is part
-    of the outer step's."""
+    returned unchanged. A nested scan warns that it has no effect (its
+    backward is part of the outer step's)."""
     wanted: Callable[[], bool]
     receive: Callable[[Any], None]
 

@@ -10,7 +10,8 @@ trace, which lifts the tensors they read and differentiates them as any op.
 Where a loop of its own cannot be what the for loop would do, the nested
 scan runs as its for loop, unrolled into the outer step (`inline`):
 `unrolled_because` says when, as a `Refusal`, and `warn_unrolled` tells the
-caller which of its switches that leaves without effect.
+caller which of its switches that leaves without effect, as
+`warn_no_step_cotangents` does for one that a nested scan never takes.
 """
 from __future__ import annotations
 
@@ -62,6 +63,15 @@ def unrolled_because(length: int, traced, cacheable: bool) -> Refusal | None:
         return Refusal("fn writes in place to tensors it captures or to its xs slices, which "
                        "the outer trace carries only when it sees each write")
     return None
+
+
+def warn_no_step_cotangents(fn) -> None:
+    """Warns that a nested scan's `step_cotangents` has no effect."""
+    warnings.warn(
+        f"scan: the nested scan of {getattr(fn, '__qualname__', fn)!r} was given "
+        f"step_cotangents, which has no effect in a nested scan: its backward is part of the "
+        f"outer step's, which gives no cotangents of the inner steps' ys (retain_grad() on "
+        f"what it returns gets only their own uses' gradient)", NestedScanWarning, stacklevel=3)
 
 
 def warn_unrolled(refusal: Refusal, fn, partition_fn, unroll) -> None:

@@ -100,13 +100,14 @@ class Traced:
         the training plan is built now. `unroll` shapes the loops only: every
         unroll shares this trace, each keeps its own loops' HLO. `nested`: the
         call is in another scan's trace (see `nested`). With `cotangents` (a
-        `StepCotangents`), a call not nested runs the tapped training plan."""
+        `StepCotangents`, which a nested call never has), the call runs the
+        tapped training plan."""
         if self.writes_back:
             self._check_written_unaliased(fn, carry, xs, captures)
         if not needs_grad:
             return self._inference(carry, xs, captures, reverse, unroll)
         plan = self.training_plan(fn, partition_fn, captures, [*carry, *xs],
-                                  tapped=cotangents is not None and not nested)
+                                  tapped=cotangents is not None)
         return plan(carry, xs, captures, reverse, unroll, nested, cotangents)
 
     @property
